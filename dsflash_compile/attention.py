@@ -1,0 +1,190 @@
+"""Attention of every layer (MODEL.md section 4): window ring + top-k compressed rows, sinks, grouped output.
+
+A layer's role (config.layer_roles) decides what it owns: KV sources run a `Compressor` and write
+compressed KV and index keys; index sources run an `Indexer` and publish a top-k; consumers read both
+from the latest source of their ratio. Attention, cache writes, scoring and top-k are `dsflash` ops.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import custom_ops  # noqa: F401  (registers torch.ops.dsflash)
+from .configuration_deepseek_v41 import DeepseekV41TextConfig, LayerRole
+from .context import ForwardContext
+from .layers import Linear, QuantLinear, RMSNorm
+from .quant import fp4_qdq_e4m3, fp4_qdq_ue8m0, fp8_qdq
+from .rope import apply_rope, rotation
+
+ops = torch.ops.dsflash
+
+
+class Compressor(nn.Module):
+    """Pools `ratio` consecutive tokens into one compressed row (KV sources only).
+
+    Ratio 1: c_t = rms(wkv(u_t)). Ratio r > 1: per channel, a softmax over the group's r tokens of
+    wgate(u) weights wkv(u) (both fp32); a group still filling waits in the cache's pending state.
+    Returns the new rows (bf16, normalised, before RoPE) and their row ids (-1 = no row)."""
+
+    def __init__(self, config: DeepseekV41TextConfig, ratio: int):
+        super().__init__()
+        self.ratio = ratio
+        dtype = torch.float32 if ratio > 1 else torch.bfloat16  # the reference pools in fp32
+        self.wkv = Linear(config.hidden_size, config.head_dim, dtype=dtype)
+        if ratio > 1:
+            self.wgate = Linear(config.hidden_size, config.head_dim, dtype=torch.float32)
+        self.norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ratio == 1:
+            return self.norm(self.wkv(x)), ctx.positions
+        return self._pool(x, ctx, layer)
+
+    def _pool(self, x, ctx, layer):
+        r, (batch, seq) = self.ratio, ctx.positions.shape
+        pending_kv, pending_score = ctx.cache.pending_kv[layer], ctx.cache.pending_score[layer]
+        kv, score = self.wkv(x.float()), self.wgate(x.float())
+        # Lay the row out from its first open group: slots [0, r) hold the pending group as cached, the
+        # chunk's token at position p goes to slot p - first_group * r.
+        first_group = ctx.lengths_before // r
+        width = r + seq + (-seq % r)
+        slot = torch.where(ctx.positions >= 0, ctx.positions - (first_group * r).unsqueeze(1), width)
+        buf_kv = torch.zeros(batch, width + 1, kv.shape[-1], device=x.device)
+        buf_score = torch.full_like(buf_kv, -torch.inf)
+        buf_kv[:, :r], buf_score[:, :r] = pending_kv[:batch], pending_score[:batch]
+        rows = torch.arange(batch, device=x.device).unsqueeze(1)
+        buf_kv[rows, slot], buf_score[rows, slot] = kv, score  # padding lands in the spare slot `width`
+        buf_kv, buf_score = buf_kv[:, :width].unflatten(1, (-1, r)), buf_score[:, :width].unflatten(1, (-1, r))
+
+        pooled = (buf_kv * buf_score.softmax(dim=2)).sum(dim=2)  # [B, groups, d]
+        complete = (ctx.lengths_before + (ctx.positions >= 0).sum(1)) // r - first_group  # groups closed
+        group_ids = torch.arange(pooled.shape[1], device=x.device)
+        done = group_ids < complete.unsqueeze(1)
+        pooled = torch.where(done.unsqueeze(-1), pooled, 0.0)
+        row_ids = torch.where(done, first_group.unsqueeze(1) + group_ids, -1)
+
+        # The group left open becomes the new pending state (its empty slots 0 / -inf).
+        open_group = complete.view(batch, 1, 1, 1).expand(-1, 1, r, kv.shape[-1])
+        pending_kv[:batch] = buf_kv.gather(1, open_group).squeeze(1)
+        pending_score[:batch] = buf_score.gather(1, open_group).squeeze(1)
+        return self.norm(pooled.to(x.dtype)), row_ids
+
+
+class Indexer(nn.Module):
+    """Lightning indexer (MODEL.md 4.2): scores visible compressed rows, publishes a top-k."""
+
+    def __init__(self, config: DeepseekV41TextConfig, role: LayerRole):
+        super().__init__()
+        self.role = role
+        self.heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.topk = config.index_topk
+        self.candidate_blocks, self.candidate_block_size = config.candidate_topk_blocks, config.candidate_block_size
+        self.quantize = config.quantize_dequantize
+        self.wq_b = QuantLinear(config.q_lora_rank, self.heads * self.head_dim, self.quantize)
+        self.weights_proj = Linear(config.hidden_size, self.heads)
+        if role.is_kv_source:
+            self.wk = Linear(config.head_dim, self.head_dim)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def keys(self, latent: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """Index keys of new compressed rows (from the unrotated latent)."""
+        k = apply_rope(self.k_norm(self.wk(latent)), rot)
+        return fp4_qdq_ue8m0(k) if self.quantize else k
+
+    def forward(self, x, qr, ctx: ForwardContext, keys: torch.Tensor) -> torch.Tensor:
+        batch, seq = ctx.positions.shape
+        ratio, num_rows = self.role.ratio, ctx.num_rows(self.role.ratio)
+        if num_rows == 0:
+            return torch.full((batch, seq, 0), -1, dtype=torch.int32, device=x.device)
+        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), ctx.rotations["compressed"])
+        if self.quantize:
+            q = fp4_qdq_ue8m0(q)
+        weights = self.weights_proj(x) * (self.head_dim ** -0.5 * self.heads ** -0.5)
+        visible = ctx.visible(ratio)
+        scores = ops.indexer_scores(q, weights, keys[:batch], visible, num_rows)
+        if self.role.is_candidate_source:
+            ctx.candidates = ops.candidate_mask(scores, visible, self.candidate_blocks, self.candidate_block_size)
+        elif self.role.uses_candidates:
+            scores = scores.masked_fill(~ctx.candidates, -torch.inf)
+        return ops.topk_indices(scores, min(self.topk, num_rows), visible)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DeepseekV41TextConfig, role: LayerRole):
+        super().__init__()
+        self.role = role
+        self.heads, self.head_dim, self.rope_dim = config.num_attention_heads, config.head_dim, config.qk_rope_head_dim
+        self.groups, self.o_rank = config.o_groups, config.o_lora_rank
+        self.quantize = config.quantize_dequantize
+        self.emulate_stale_keys = config.emulate_reference_index_key_pointer
+        eps = config.rms_norm_eps
+        self.wq_a = QuantLinear(config.hidden_size, config.q_lora_rank, self.quantize)
+        self.q_norm = RMSNorm(config.q_lora_rank, eps)
+        self.wq_b = QuantLinear(config.q_lora_rank, self.heads * self.head_dim, self.quantize)
+        self.wkv = QuantLinear(config.hidden_size, self.head_dim, self.quantize)
+        self.kv_norm = RMSNorm(self.head_dim, eps)
+        # Block-diagonal over groups (each group projects only its own heads), hence an einsum.
+        self.wo_a = QuantLinear(self.heads * self.head_dim // self.groups, self.groups * self.o_rank, False)
+        self.wo_b = QuantLinear(self.groups * self.o_rank, config.hidden_size, self.quantize)
+        self.attn_sink = nn.Parameter(torch.zeros(self.heads, dtype=torch.float32))
+        self.compressor = Compressor(config, role.ratio) if role.is_kv_source else None
+        self.indexer = Indexer(config, role) if role.is_index_source else None
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        role, cache = self.role, ctx.cache
+        rot = ctx.rotations[role.rope_kind]
+
+        qr = self.q_norm(self.wq_a(x))
+        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), rot)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), rot)
+        if self.quantize:
+            kv = fp8_qdq(kv)  # the window K=V is FP8 over all dims, RoPE tail included
+        ring = cache.window[role.layer]
+        window_kv = torch.cat([ring[:batch].to(kv.dtype), kv], dim=1)
+
+        if role.ratio:
+            key_layer = role.kv_layer
+            if self.compressor is not None:
+                wrote = self._compress(x, ctx)
+                key_layer = self._reference_key_layer(cache, wrote)
+            if self.indexer is not None:
+                ctx.topk[role.layer] = self.indexer(x, qr, ctx, cache.index_keys[key_layer])
+            compressed, cidx = cache.compressed[role.kv_layer][:batch], ctx.topk[role.topk_layer]
+        else:
+            compressed = kv.new_zeros(batch, 0, self.head_dim)
+            cidx = ctx.window_idx.new_zeros(batch, seq, 0)
+        o = ops.sparse_attention(q, window_kv, ctx.window_idx, compressed.to(q.dtype), cidx, self.attn_sink,
+                                 self.head_dim ** -0.5)
+        ops.cache_write_(ring, kv, ctx.window_slots)
+        o = apply_rope(o, rot, inverse=True)
+
+        wo_a = self.wo_a.weight.view(self.groups, self.o_rank, -1)
+        z = torch.einsum("bsgd,grd->bsgr", o.view(batch, seq, self.groups, -1), wo_a)
+        return self.wo_b(z.flatten(2))
+
+    def _reference_key_layer(self, cache, wrote: torch.Tensor) -> int:
+        """Which layer's index keys this KV source scores. Its own, unless the config emulates the
+        reference's stale pointer: there a source whose group is still filling (no new row in this
+        forward) scores the keys of the last source that did write rows (see the config field)."""
+        if not self.emulate_stale_keys:
+            return self.role.layer
+        if bool(wrote.any()):
+            cache.last_index_key_writer = self.role.layer
+            return self.role.layer
+        return cache.last_index_key_writer if cache.last_index_key_writer is not None else self.role.layer
+
+    def _compress(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """New compressed rows: index keys from the unrotated latent, then RoPE at the group's first
+        position, FP4 quantize-dequantize, and both written to the cache."""
+        layer, ratio, cache = self.role.layer, self.role.ratio, ctx.cache
+        latent, row_ids = self.compressor(x, ctx, layer)
+        rot = rotation(row_ids.clamp_min(0) * ratio, ctx.inv_freq["compressed"])
+        if self.indexer is not None:
+            ops.cache_write_(cache.index_keys[layer], self.indexer.keys(latent, rot), row_ids)
+        latent = apply_rope(latent, rot)
+        if self.quantize:
+            latent = fp4_qdq_e4m3(latent)
+        ops.cache_write_(cache.compressed[layer], latent, row_ids)
+        return row_ids >= 0

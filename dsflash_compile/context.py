@@ -1,0 +1,69 @@
+"""Per-forward bookkeeping shared by every layer: positions, window key lists, visibility, published top-k.
+
+A forward processes a chunk [B, S] of new columns. Left padding (attention_mask 0) gives position -1:
+a padded column writes nothing, is no key for anyone and its outputs are discarded. Real tokens of a row
+continue from `cache.lengths[b]`. Everything here is computed once per forward, not per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import DeepseekV41Cache
+
+
+@dataclass
+class ForwardContext:
+    cache: DeepseekV41Cache
+    positions: torch.Tensor  # [B, S] int64, -1 for padding
+    lengths_before: torch.Tensor  # [B] real tokens cached before this chunk
+    window_idx: torch.Tensor  # [B, S, W] index into cat(ring, chunk kv); -1 = none
+    window_slots: torch.Tensor  # [B, S] ring slot each new kv goes to; -1 = not written
+    columns_after: int  # host-side bound on any row's length after this chunk
+    inv_freq: dict = field(default_factory=dict)  # rope kind ('window' / 'compressed') -> fp32 [r/2]
+    rotations: dict = field(default_factory=dict)  # rope kind -> complex [B, S, r/2] at `positions`
+    topk: dict = field(default_factory=dict)  # index-source layer -> int32 [B, S, k]
+    candidates: torch.Tensor | None = None  # bool [B, S, rows] from the candidate source
+
+    @property
+    def batch(self) -> int:
+        return self.positions.shape[0]
+
+    def visible(self, ratio: int) -> torch.Tensor:
+        """[B, S] compressed rows visible to each query: row j iff j < (p + 1) // ratio (0 for padding)."""
+        return torch.where(self.positions >= 0, (self.positions + 1) // ratio, 0)
+
+    def num_rows(self, ratio: int) -> int:
+        """Host-side width of the score rows for this ratio (>= every query's visible count)."""
+        return self.columns_after // ratio
+
+
+def build_context(cache: DeepseekV41Cache, attention_mask: torch.Tensor) -> ForwardContext:
+    """attention_mask [B, S] (1 = real token) for the new columns only; padding must be on the left."""
+    mask = attention_mask.to(torch.long)
+    batch, seq = mask.shape
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise ValueError("attention_mask: padding must be on the left (a 0 follows a 1 in some row); "
+                         "pad prompts on the left (tokenizer padding_side='left')")
+    lengths = cache.lengths[:batch]
+    positions = torch.where(mask.bool(), lengths.unsqueeze(1) + mask.cumsum(1) - 1, -1)
+    count = mask.sum(1)
+    pad = seq - count  # left padding inside this chunk
+    window = cache.window_size
+
+    # Window keys of the query at position p: positions max(0, p-W+1) + k, k < W (oldest first), those
+    # <= p valid. A key before this chunk lives in ring slot pos % W, a key of this chunk after the ring.
+    start = (positions - window + 1).clamp_min(0).unsqueeze(-1)
+    key_pos = start + torch.arange(window, device=mask.device)
+    in_ring = key_pos < lengths.view(batch, 1, 1)
+    idx = torch.where(in_ring, key_pos % window, window + key_pos - lengths.view(batch, 1, 1) + pad.view(batch, 1, 1))
+    valid = (key_pos <= positions.unsqueeze(-1)) & (positions.unsqueeze(-1) >= 0)
+    window_idx = torch.where(valid, idx, -1)
+
+    # Only the last W tokens of a row reach the ring; earlier ones would be overwritten in this chunk.
+    last = (lengths + count - 1).unsqueeze(1)
+    window_slots = torch.where((positions >= 0) & (positions > last - window), positions % window, -1)
+    return ForwardContext(cache=cache, positions=positions, lengths_before=lengths.clone(), window_idx=window_idx,
+                          window_slots=window_slots, columns_after=cache.seen_columns + seq)

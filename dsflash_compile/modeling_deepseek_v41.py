@@ -1,0 +1,242 @@
+"""DeepSeek-V4.1-Flash as a Hugging Face causal LM (MODEL.md: the contract).
+
+    streams = embed(ids) repeated hc times, pre-mix one-hot on stream 0
+    for each layer: [Engram] -> block (lagged mHC around attention and MoE)
+    logits = head(norm(pre(streams, last pre-mix)))   (fp32)
+
+Module and parameter names follow the release checkpoint under `model.` (the head sits at the top, as
+`head`), so loading is a prefix strip (checkpoint.py does the formats).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.utils import ModelOutput
+
+from . import engram_hash
+from .attention import Attention
+from .cache import DeepseekV41Cache
+from .configuration_deepseek_v41 import DeepseekV41Config, DeepseekV41TextConfig, LayerRole
+from .context import ForwardContext, build_context
+from .engram import Engram
+from .layers import RMSNorm
+from .mhc import hc_mixes, hc_post, hc_pre
+from .moe import MoE
+from .rope import inverse_frequencies, rotation
+
+# transformers renamed generate()'s cache keyword from `past_key_values` to `cache` (5.24); accept both.
+CACHE_KWARG = "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters \
+    else "past_key_values"
+
+
+@dataclass
+class DeepseekV41CausalLMOutput(ModelOutput):
+    logits: torch.Tensor | None = None
+    cache: DeepseekV41Cache | None = None  # transformers >= 5.24 reads this field ...
+    past_key_values: DeepseekV41Cache | None = None  # ... older ones this (only one is set, CACHE_KWARG)
+    hidden_states: torch.Tensor | None = None
+
+
+class DeepseekV41Block(nn.Module):
+    def __init__(self, config: DeepseekV41TextConfig, role: LayerRole, engram_rows: int | None):
+        super().__init__()
+        self.role = role
+        self.norm_eps, self.hc_eps, self.iters = config.rms_norm_eps, config.hc_eps, config.hc_sinkhorn_iters
+        hc, dim = config.hc_mult, config.hidden_size
+        mix = (2 + hc) * hc
+        self.attn_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.attn = Attention(config, role)
+        self.ffn_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.ffn = MoE(config)
+        self.engram = Engram(config, engram_rows) if engram_rows is not None else None
+        for seam in ("attn", "ffn"):
+            self.register_parameter(f"hc_{seam}_fn", nn.Parameter(torch.zeros(mix, hc * dim)))
+            self.register_parameter(f"hc_{seam}_base", nn.Parameter(torch.zeros(mix)))
+            self.register_parameter(f"hc_{seam}_scale", nn.Parameter(torch.ones(3)))
+
+    def mixes(self, streams: torch.Tensor, seam: str):
+        return hc_mixes(streams, getattr(self, f"hc_{seam}_fn"), getattr(self, f"hc_{seam}_scale"),
+                        getattr(self, f"hc_{seam}_base"), self.norm_eps, self.hc_eps, self.iters)
+
+    def forward(self, streams: torch.Tensor, pre_mix: torch.Tensor, ctx: ForwardContext):
+        """streams [B, S, hc, D]; pre_mix [B, S, hc] from the previous block. Returns the new streams and
+        the pre-mix for the next block (lagged: each sublayer uses the pre computed one seam earlier)."""
+        attn_pre, attn_post, attn_comb = self.mixes(streams, "attn")
+        out = self.attn(self.attn_norm(hc_pre(streams, pre_mix)), ctx)
+        streams = hc_post(out, streams, attn_post, attn_comb)
+        ffn_pre, ffn_post, ffn_comb = self.mixes(streams, "ffn")
+        out = self.ffn(self.ffn_norm(hc_pre(streams, attn_pre)))
+        return hc_post(out, streams, ffn_post, ffn_comb), ffn_pre
+
+
+class DeepseekV41PreTrainedModel(PreTrainedModel):
+    config_class = DeepseekV41Config
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["DeepseekV41Block"]
+    _is_stateful = True  # a static per-row cache: no beam search / cache reordering
+    _supports_cache_class = True
+
+    def _init_weights(self, module: nn.Module) -> None:
+        from .init import init_module  # random presets only; kept apart from the math
+
+        init_module(module, self.config.get_text_config())
+
+
+class DeepseekV41Model(DeepseekV41PreTrainedModel):
+    def __init__(self, config: DeepseekV41Config):
+        super().__init__(config)
+        text = config.get_text_config()
+        self.text_config = text
+        self.hc = text.hc_mult
+        self.embed = nn.Embedding(text.vocab_size, text.hidden_size, dtype=torch.bfloat16)
+        self.engram_params = None
+        rows = {}
+        if text.engram_layer_ids:
+            self.engram_params = engram_hash.derive_hash_params(
+                text.engram_layer_ids, text.engram_max_ngram_size, text.engram_n_heads, text.engram_vocab_size,
+                text.engram_compressed_vocab_size, pad_compressed_id=0)
+            derived = list(self.engram_params.table_rows)
+            if derived != list(text.engram_num_embeddings):
+                raise ValueError(f"DeepseekV41TextConfig.engram_num_embeddings is {text.engram_num_embeddings} but "
+                                 f"the primes of engram_vocab_size={text.engram_vocab_size} give {derived} rows")
+            rows = dict(zip(text.engram_layer_ids, derived))
+        self.layers = nn.ModuleList(DeepseekV41Block(text, role, rows.get(role.layer)) for role in text.layer_roles)
+        self.norm = RMSNorm(text.hidden_size, text.rms_norm_eps)
+        self.register_buffer("engram_token_map", torch.arange(text.vocab_size), persistent=False)
+        self.engram_token_map_is_identity = True
+        self.register_buffer("window_inv_freq", inverse_frequencies(text.qk_rope_head_dim, text.rope_theta),
+                             persistent=False)
+        self.register_buffer("compressed_inv_freq", inverse_frequencies(
+            text.qk_rope_head_dim, text.compress_rope_theta, text.rope_scaling), persistent=False)
+        self.post_init()
+
+    # -- Engram token map --------------------------------------------------------------------------
+    def set_engram_token_map(self, token_map: torch.Tensor) -> None:
+        """Token id -> compressed id (MODEL.md 3.1), e.g. engram_hash.load_token_map(folder)."""
+        text = self.text_config
+        token_map = torch.as_tensor(token_map, dtype=torch.long)
+        if token_map.shape != (text.vocab_size,):
+            raise ValueError(f"engram token map has shape {tuple(token_map.shape)}; expected ({text.vocab_size},)")
+        distinct = int(token_map.max()) + 1
+        if distinct != text.engram_compressed_vocab_size:
+            raise ValueError(f"engram token map has {distinct} compressed ids but "
+                             f"DeepseekV41TextConfig.engram_compressed_vocab_size is {text.engram_compressed_vocab_size}")
+        self.engram_token_map.copy_(token_map)
+        self.engram_token_map_is_identity = False
+
+    def engram_pad_id(self) -> int:
+        return int(self.engram_token_map[self.text_config.engram_pad_token_id])
+
+    def _check_token_map(self) -> None:
+        text = self.text_config
+        if self.engram_params and self.engram_token_map_is_identity and \
+                text.engram_compressed_vocab_size != text.vocab_size:
+            raise ValueError("Engram needs a token map (engram_compressed_vocab_size "
+                             f"{text.engram_compressed_vocab_size} != vocab_size {text.vocab_size}): load from a "
+                             "folder with engram_token_map.safetensors or tokenizer.json, or call "
+                             "set_engram_token_map()")
+
+    # -- forward -----------------------------------------------------------------------------------
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DeepseekV41Cache) -> torch.Tensor:
+        """input_ids, attention_mask [B, S] (new columns). Returns the final-norm hidden [B, S, D] and
+        advances the cache."""
+        batch, seq = input_ids.shape
+        cache.check_fits(batch, seq)
+        ctx = build_context(cache, attention_mask)
+        ctx.inv_freq = {"window": self.window_inv_freq, "compressed": self.compressed_inv_freq}
+        safe_pos = ctx.positions.clamp_min(0)
+        ctx.rotations = {kind: rotation(safe_pos, f) for kind, f in ctx.inv_freq.items()}
+
+        hash_ids = None
+        if self.engram_params is not None:
+            self._check_token_map()
+            compressed = torch.where(ctx.positions >= 0, self.engram_token_map[input_ids], cache.engram_pad_id)
+            history = cache.engram_history[:batch]
+            hash_ids = [engram_hash.engram_hash_ids(compressed, history, self.engram_params, i)
+                        for i in range(len(self.engram_params.layer_ids))]
+            cache.engram_history[:batch] = engram_hash.update_history(history, compressed)
+
+        streams = self.embed(input_ids).unsqueeze(2).repeat(1, 1, self.hc, 1)
+        pre_mix = streams.new_zeros(batch, seq, self.hc, dtype=torch.float32)
+        pre_mix[..., 0] = 1.0
+        for block in self.layers:
+            if block.engram is not None:
+                streams = block.engram(streams, hash_ids[self.engram_params.layer_ids.index(block.role.layer)])
+            streams, pre_mix = block(streams, pre_mix, ctx)
+
+        cache.lengths[:batch] += (ctx.positions >= 0).sum(1)
+        cache.seen_columns += seq
+        return self.norm(hc_pre(streams, pre_mix))
+
+
+class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
+    def __init__(self, config: DeepseekV41Config):
+        super().__init__(config)
+        text = config.get_text_config()
+        self.model = DeepseekV41Model(config)
+        self.head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=torch.bfloat16)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.head
+
+    def new_cache(self, max_batch: int, max_length: int) -> DeepseekV41Cache:
+        """A static cache for this model (rows reused across calls after `cache.reset()`)."""
+        cache = DeepseekV41Cache(self.model.text_config, max_batch, max_length, device=self.device)
+        cache.set_engram_pad_id(self.model.engram_pad_id())
+        return cache
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cache: DeepseekV41Cache | None = None, past_key_values: DeepseekV41Cache | None = None,
+                use_cache: bool | None = None, logits_to_keep: int = 0, output_hidden_states: bool | None = None,
+                return_dict: bool | None = None, **kwargs) -> DeepseekV41CausalLMOutput:
+        """input_ids [B, S]: the columns not yet in `cache`. attention_mask [B, >= S] (1 = real token,
+        padding on the left); its last S columns describe the new ones. Without a cache, a temporary one
+        sized to this input is used. logits_to_keep=k > 0 computes logits for the last k columns only."""
+        if kwargs.get("inputs_embeds") is not None:
+            raise ValueError("inputs_embeds is not supported: Engram hashes the token ids, so pass input_ids")
+        cache = cache if cache is not None else past_key_values
+        if cache is None:
+            cache = self.new_cache(input_ids.shape[0], input_ids.shape[1])
+        seq = input_ids.shape[1]
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        elif attention_mask.shape[1] < seq:
+            raise ValueError(f"attention_mask has {attention_mask.shape[1]} columns for {seq} new input ids")
+        hidden = self.model(input_ids, attention_mask[:, -seq:], cache)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = F.linear(hidden.float(), self.head.weight.float())
+        keep = use_cache is not False
+        return DeepseekV41CausalLMOutput(logits=logits, hidden_states=hidden if output_hidden_states else None,
+                                         **{CACHE_KWARG: cache if keep else None})
+
+    # -- generate() glue ---------------------------------------------------------------------------
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length, *args, **kwargs):
+        if model_kwargs.get(CACHE_KWARG) is not None or generation_config.use_cache is False:
+            return
+        model_kwargs[CACHE_KWARG] = self.new_cache(batch_size, max_cache_length)
+
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, **kwargs) -> dict:
+        cache = kwargs.get(CACHE_KWARG)
+        seen = cache.get_seq_length() if cache is not None else 0
+        inputs = {"input_ids": input_ids[:, seen:], CACHE_KWARG: cache, "attention_mask": kwargs.get("attention_mask"),
+                  "use_cache": kwargs.get("use_cache")}
+        if kwargs.get("logits_to_keep") is not None:
+            inputs["logits_to_keep"] = kwargs["logits_to_keep"]
+        return inputs

@@ -1,0 +1,48 @@
+"""Rotary embeddings: interleaved pairs (2i, 2i+1) on the trailing `r` dims, with YaRN for compressed layers.
+
+Angles are computed from positions on the fly (positions * inverse frequency, fp32, then `torch.polar`),
+so there is no table sized by the 1M-token context and any per-row position works.
+"""
+
+import math
+
+import torch
+
+
+def inverse_frequencies(rope_dim: int, theta: float, yarn: dict | None = None) -> torch.Tensor:
+    """fp32 [rope_dim / 2]. With `yarn`, the band between beta_fast and beta_slow rotations over the
+    original context is faded linearly from f to f / factor (MODEL.md section 4, no temperature)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    if yarn:
+        original = yarn["original_max_position_embeddings"]
+
+        def correction_dim(rotations: float) -> float:
+            return rope_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low = max(math.floor(correction_dim(yarn["beta_fast"])), 0)
+        high = min(math.ceil(correction_dim(yarn["beta_slow"])), rope_dim - 1)
+        ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        freqs = freqs / yarn["factor"] * ramp + freqs * (1 - ramp)
+    return freqs
+
+
+def rotation(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """complex64 [..., rope_dim / 2]: e^(i * position * f). Negative positions (padding) give any value."""
+    angles = positions.float().unsqueeze(-1) * inv_freq
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rope(x: torch.Tensor, rot: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing 2 * rot.shape[-1] dims of x ([..., T, d] or [..., T, heads, d]) in fp32.
+
+    `rot` is [..., T, r/2]; `inverse` applies the conjugate rotation (how the attention output drops the
+    query's rotation, since V = K carries it). Returns x's dtype; the leading dims are untouched.
+    """
+    r = 2 * rot.shape[-1]
+    if x.dim() == rot.dim() + 1:  # a heads dim sits between T and d
+        rot = rot.unsqueeze(-2)
+    if inverse:
+        rot = rot.conj()
+    tail = torch.view_as_complex(x[..., -r:].float().unflatten(-1, (-1, 2)).contiguous())
+    tail = torch.view_as_real(tail * rot).flatten(-2).to(x.dtype)
+    return torch.cat([x[..., :-r], tail], dim=-1)
