@@ -132,7 +132,9 @@ class CheckpointReader:
     dequantized in chunks of rows. Tensors under SKIP_PREFIXES are skipped (one log line counts them).
     """
 
-    def __init__(self, folder):
+    def __init__(self, folder, raw_formats: tuple = ()):
+        """raw_formats: quantized formats kept as stored (X.weight and X.scale as two plain entries), for
+        models that hold those weights in their release format (the Engram table: FP8_ROWS)."""
         self.folder = Path(folder)
         self.files, stored = self._read_headers()  # stored: key -> (file, safetensors dtype, shape)
         self.skipped = Counter(p for k in stored for p in SKIP_PREFIXES if k.startswith(p))
@@ -143,6 +145,9 @@ class CheckpointReader:
             base, _, leaf = key.rpartition(".")
             scale = stored.get(base + ".scale") if leaf == "weight" else None
             fmt = weight_format(key)
+            if fmt in raw_formats:
+                self.entries[key] = TensorInfo(key, shape, _ST_DTYPES.get(dt), dt, None, file)
+                continue
             if leaf == "scale" and fmt is not None and base + ".weight" in stored:
                 continue  # read together with its weight
             if leaf == "scale" and (fmt is not None or dt == "F8_E8M0"):
@@ -265,7 +270,10 @@ def load_into(module_state: dict, folder, *, device, dtype_overrides: dict | Non
     problems are reported together before anything is read: missing and unexpected tensors (all listed),
     wrong shapes (expected vs found) and dtypes that cannot be converted exactly (see module docstring).
     """
-    reader = CheckpointReader(folder)
+    # a target that holds a quantized weight in its stored dtype (float8, not bf16) is read raw
+    raw = tuple({weight_format(n) for n, t in module_state.items()
+                 if weight_format(n) and t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu)})
+    reader = CheckpointReader(folder, raw_formats=raw)
     overrides = dict(dtype_overrides or {})
     target = {n: (tuple(t.shape), overrides.pop(n, t.dtype)) for n, t in module_state.items()}
     problems = []
@@ -302,6 +310,8 @@ def _encoded_nbytes(name: str, t: torch.Tensor) -> int:
     fmt = weight_format(name)
     if fmt is None:
         return t.numel() * official_dtype(name).itemsize
+    if t.dtype == _STORAGE[fmt]:  # already encoded (kept in its release format): written as is
+        return t.numel() * t.element_size() + math.prod(_scale_shape(fmt, t.shape))
     if not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu) or t.dim() != 2:
         raise CheckpointError(f"{name}: expected a 2-D dequantized float weight to quantize as {fmt}, got {t.dtype} {list(t.shape)}")
     rows, cols = t.shape
@@ -316,6 +326,10 @@ def _encode(name: str, t: torch.Tensor, scale: torch.Tensor | None) -> dict:
     if fmt is None:
         # copy: safetensors refuses tensors that share storage (tied or sliced parameters)
         return {name: t.to("cpu", official_dtype(name), copy=True).contiguous()}
+    if t.dtype == _STORAGE[fmt]:
+        if scale is None:
+            raise CheckpointError(f"{name}: an encoded {fmt} weight needs its {name[:-7]}.scale")
+        return {name: t.cpu().contiguous(), name[: -len(".weight")] + ".scale": scale.cpu().contiguous()}
     try:
         w, s = _QUANT[fmt](t, scale=None if scale is None else scale.to(t.device))
     except (ValueError, TypeError) as e:

@@ -35,12 +35,19 @@ CACHE_KWARG = "cache" if "cache" in inspect.signature(GenerationMixin.prepare_in
     else "past_key_values"
 
 
-@dataclass
-class DeepseekV41CausalLMOutput(ModelOutput):
-    logits: torch.Tensor | None = None
-    cache: DeepseekV41Cache | None = None  # transformers >= 5.24 reads this field ...
-    past_key_values: DeepseekV41Cache | None = None  # ... older ones this (only one is set, CACHE_KWARG)
-    hidden_states: torch.Tensor | None = None
+# generate() reads the cache back from the output under the name its version uses.
+if CACHE_KWARG == "cache":
+    @dataclass
+    class DeepseekV41CausalLMOutput(ModelOutput):
+        logits: torch.Tensor | None = None
+        cache: DeepseekV41Cache | None = None
+        hidden_states: torch.Tensor | None = None
+else:
+    @dataclass
+    class DeepseekV41CausalLMOutput(ModelOutput):
+        logits: torch.Tensor | None = None
+        past_key_values: DeepseekV41Cache | None = None
+        hidden_states: torch.Tensor | None = None
 
 
 class DeepseekV41Block(nn.Module):
@@ -86,7 +93,35 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         from .init import init_module  # random presets only; kept apart from the math
 
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            return  # built on the meta device by from_pretrained: the checkpoint fills it
         init_module(module, self.config.get_text_config())
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, device_map=None, dtype=None,
+                        torch_dtype=None, engram_token_map=None, **kwargs):
+        """Load a local folder in the release layout (config.json + model.safetensors or shards + index).
+
+        device_map: None/"cpu", "cuda", "cuda:N", "auto" or a one-device dict. engram_token_map: overrides
+        the folder's `engram_token_map.safetensors` / `tokenizer.json`. Other keyword arguments set
+        DeepseekV41TextConfig fields (e.g. quantize_dequantize=False)."""
+        from .pretrained import load_pretrained
+
+        if model_args:
+            raise TypeError(f"from_pretrained takes no positional model arguments, got {len(model_args)}")
+        for hub_only in ("trust_remote_code", "revision", "cache_dir", "local_files_only", "token", "force_download",
+                         "low_cpu_mem_usage", "use_safetensors", "attn_implementation", "_from_auto",
+                         "adapter_kwargs", "_commit_hash", "subfolder", "proxies"):
+            kwargs.pop(hub_only, None)  # accepted for compatibility with AutoModel; nothing to do locally
+        return load_pretrained(cls, pretrained_model_name_or_path, config=config, device_map=device_map,
+                               dtype=dtype if dtype is not None else torch_dtype, engram_token_map=engram_token_map,
+                               **kwargs)
+
+    def save_pretrained(self, save_directory, max_shard_size=None, **kwargs) -> None:
+        """Write config.json and the release layout (single file, or shards + index with max_shard_size)."""
+        from .pretrained import save_pretrained
+
+        save_pretrained(self, save_directory, max_shard_size=max_shard_size)
 
 
 class DeepseekV41Model(DeepseekV41PreTrainedModel):
@@ -116,6 +151,15 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         self.register_buffer("compressed_inv_freq", inverse_frequencies(
             text.qk_rope_head_dim, text.compress_rope_theta, text.rope_scaling), persistent=False)
         self.post_init()
+
+    def rebuild_buffers(self, device) -> None:
+        """Recompute the non-checkpoint buffers (after a meta-device build)."""
+        text = self.text_config
+        self.window_inv_freq = inverse_frequencies(text.qk_rope_head_dim, text.rope_theta).to(device)
+        self.compressed_inv_freq = inverse_frequencies(text.qk_rope_head_dim, text.compress_rope_theta,
+                                                       text.rope_scaling).to(device)
+        self.engram_token_map = torch.arange(text.vocab_size, device=device)
+        self.engram_token_map_is_identity = True
 
     # -- Engram token map --------------------------------------------------------------------------
     def set_engram_token_map(self, token_map: torch.Tensor) -> None:
@@ -231,6 +275,12 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         if model_kwargs.get(CACHE_KWARG) is not None or generation_config.use_cache is False:
             return
         model_kwargs[CACHE_KWARG] = self.new_cache(batch_size, max_cache_length)
+
+    def _prepare_attention_mask_for_generation(self, inputs_tensor, generation_config, model_kwargs):
+        """Without an explicit mask, only a leading run of pad ids is padding: the release treats the pad
+        id inside a prompt as an ordinary token (transformers' default would mask every occurrence)."""
+        mask = super()._prepare_attention_mask_for_generation(inputs_tensor, generation_config, model_kwargs)
+        return mask.cummax(dim=1).values
 
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, **kwargs) -> dict:
         cache = kwargs.get(CACHE_KWARG)
