@@ -41,7 +41,7 @@ def candidate_mask_reference(scores: Tensor, visible: Tensor, topk_blocks: int, 
     blocks = blocks.masked_fill(torch.arange(blocks.shape[-1], device=scores.device) == newest, torch.inf)
     top = blocks.topk(min(topk_blocks, blocks.shape[-1]), dim=-1)
     keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
-    return keep.repeat_interleave(block_size, dim=-1)[..., :width]
+    return keep.repeat_interleave(block_size, dim=-1)[..., :width].contiguous()
 
 
 @torch.library.custom_op("dsflash::candidate_mask", mutates_args=())

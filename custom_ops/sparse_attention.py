@@ -38,7 +38,7 @@ def _online_softmax(qf: Tensor, keys: Tensor, valid: Tensor, sink: Tensor, scale
     running_max = qf.new_full((batch, seq, heads), -1e30)  # finite: an all-invalid row stays 0, not NaN
     for k0 in range(0, keys.shape[2], KEY_BLOCK):
         blk, ok = keys[:, :, k0:k0 + KEY_BLOCK], valid[:, :, k0:k0 + KEY_BLOCK]
-        blk = blk * ok.unsqueeze(-1)
+        blk = torch.where(ok.unsqueeze(-1), blk, 0.0)  # a -1 slot gathered row 0: never let it through
         scores = torch.einsum("bmhd,bmkd->bmhk", qf, blk)
         scores = torch.where(ok.unsqueeze(2), scores, -torch.inf) * scale_t
         previous = running_max

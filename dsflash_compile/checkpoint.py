@@ -325,7 +325,10 @@ def _encode(name: str, t: torch.Tensor, scale: torch.Tensor | None) -> dict:
     t = t.detach()
     if fmt is None:
         # copy: safetensors refuses tensors that share storage (tied or sliced parameters)
-        return {name: t.to("cpu", official_dtype(name), copy=True).contiguous()}
+        stored = official_dtype(name)
+        if (t.dtype, stored) not in _EXACT_WIDENING and t.dtype != stored:
+            t = _exact_cast(name, t, stored)  # narrowing (e.g. the fp32 compressor to bf16) must lose nothing
+        return {name: t.to("cpu", stored, copy=True).contiguous()}
     if t.dtype == _STORAGE[fmt]:
         if scale is None:
             raise CheckpointError(f"{name}: an encoded {fmt} weight needs its {name[:-7]}.scale")

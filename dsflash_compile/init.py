@@ -36,7 +36,8 @@ def init_module(module: nn.Module, config: DeepseekV41TextConfig) -> None:
     elif isinstance(module, QuantLinear):
         module.weight.copy_(snap_to_storage(torch.randn_like(module.weight, dtype=torch.float32) * std, module.storage))
     elif isinstance(module, (Linear, nn.Linear, nn.Embedding)):
-        module.weight.normal_(0, std)
+        # bf16 values even where the reference computes in fp32 (the compressor): the release stores bf16
+        module.weight.copy_(torch.randn_like(module.weight, dtype=torch.float32).mul_(std).bfloat16())
     elif isinstance(module, RMSNorm):
         module.weight.fill_(1.0)
     elif isinstance(module, EngramTable):

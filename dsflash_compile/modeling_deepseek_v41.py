@@ -194,6 +194,16 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DeepseekV41Cache) -> torch.Tensor:
         """input_ids, attention_mask [B, S] (new columns). Returns the final-norm hidden [B, S, D] and
         advances the cache."""
+        ctx, streams, pre_mix, hash_ids = self.begin(input_ids, attention_mask, cache)
+        for block in self.layers:
+            if block.engram is not None:
+                streams = block.engram(streams, hash_ids[block.role.layer])
+            streams, pre_mix = block(streams, pre_mix, ctx)
+        return self.end(ctx, streams, pre_mix)
+
+    def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DeepseekV41Cache):
+        """Per-forward set-up: positions and window lists, RoPE rotations, Engram hash ids (per Engram
+        layer) with the cache's n-gram history advanced, and the initial streams and one-hot pre-mix."""
         batch, seq = input_ids.shape
         cache.check_fits(batch, seq)
         ctx = build_context(cache, attention_mask)
@@ -201,25 +211,24 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         safe_pos = ctx.positions.clamp_min(0)
         ctx.rotations = {kind: rotation(safe_pos, f) for kind, f in ctx.inv_freq.items()}
 
-        hash_ids = None
+        hash_ids = {}
         if self.engram_params is not None:
             self._check_token_map()
             compressed = torch.where(ctx.positions >= 0, self.engram_token_map[input_ids], cache.engram_pad_id)
             history = cache.engram_history[:batch]
-            hash_ids = [engram_hash.engram_hash_ids(compressed, history, self.engram_params, i)
-                        for i in range(len(self.engram_params.layer_ids))]
+            for i, layer in enumerate(self.engram_params.layer_ids):
+                hash_ids[layer] = engram_hash.engram_hash_ids(compressed, history, self.engram_params, i)
             cache.engram_history[:batch] = engram_hash.update_history(history, compressed)
 
         streams = self.embed(input_ids).unsqueeze(2).repeat(1, 1, self.hc, 1)
         pre_mix = streams.new_zeros(batch, seq, self.hc, dtype=torch.float32)
         pre_mix[..., 0] = 1.0
-        for block in self.layers:
-            if block.engram is not None:
-                streams = block.engram(streams, hash_ids[self.engram_params.layer_ids.index(block.role.layer)])
-            streams, pre_mix = block(streams, pre_mix, ctx)
+        return ctx, streams, pre_mix, hash_ids
 
-        cache.lengths[:batch] += (ctx.positions >= 0).sum(1)
-        cache.seen_columns += seq
+    def end(self, ctx: ForwardContext, streams: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
+        """Advance the cache's lengths and return norm(pre(streams, last pre-mix))."""
+        ctx.cache.lengths[:ctx.batch] += (ctx.positions >= 0).sum(1)
+        ctx.cache.seen_columns += ctx.positions.shape[1]
         return self.norm(hc_pre(streams, pre_mix))
 
 

@@ -57,24 +57,23 @@ _TINY_TEXT = {
 }
 
 
-def _random_engram(text: dict, engram_vocab_size: int) -> dict:
-    """One-to-one token map and the table rows its primes give."""
-    text = dict(text, engram_vocab_size=engram_vocab_size, engram_compressed_vocab_size=text["vocab_size"])
+def _random_engram(text: dict) -> dict:
+    """One-to-one token map and the table rows the primes of engram_vocab_size give."""
     params = derive_hash_params(text["engram_layer_ids"], text["engram_max_ngram_size"], text["engram_n_heads"],
-                                engram_vocab_size, text["vocab_size"], 0)
-    return dict(text, engram_num_embeddings=list(params.table_rows))
+                                text["engram_vocab_size"], text["vocab_size"], 0)
+    return dict(text, engram_compressed_vocab_size=text["vocab_size"], engram_num_embeddings=list(params.table_rows))
 
 
 def _flash(layers: int, ratios: list, **overrides) -> dict:
     text = dict(_RELEASE_TEXT, num_hidden_layers=layers, compress_ratios=ratios, n_routed_experts=8,
                 num_nextn_predict_layers=0, dspark_block_size=0, dspark_target_layer_ids=[],
                 dspark_n_routed_experts=0, dspark_num_experts_per_tok=0, **overrides)
-    return _random_engram(text, engram_vocab_size=41667)  # 24 primes of ~41.7K: ~1M rows per table
+    return dict(text, engram_vocab_size=41667)  # 24 primes of ~41.7K: ~1M rows per table
 
 
 def _text(name: str) -> dict:
     if name == "tiny":
-        return _random_engram(_TINY_TEXT, engram_vocab_size=1000)
+        return dict(_TINY_TEXT)
     if name == "flash-40l-e8":
         return _flash(40, _RELEASE_TEXT["compress_ratios"][:40])
     if name == "flash-layer":
@@ -93,6 +92,8 @@ PRESETS = ("tiny", "flash-layer", "flash-40l-e8", "release")
 def preset_config(name: str, **text_overrides) -> DeepseekV41Config:
     """The named configuration; keyword arguments override text-config fields (validated)."""
     text = dict(_text(name), **text_overrides)
+    if name != "release":  # derived after the overrides, so they stay consistent with them
+        text = _random_engram(text)
     return DeepseekV41Config(architectures=["DeepseekV41ForCausalLM"], text_config=text,
                              quantization_config=dict(_QUANT), image_token_id=text["vocab_size"] - 16,
                              dtype="bfloat16")

@@ -1,0 +1,112 @@
+"""The golden fixture `tiny-a` (DeepSeek's reference on a random checkpoint): paths, tensors, and a
+teacher-forced runner that feeds every block the reference's own input streams and pre-mix."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+TINY_A = SHARED / "golden" / "tiny-a"
+
+requires_golden = pytest.mark.skipif(not (TINY_A / "model.safetensors").exists(),
+                                     reason=f"golden fixture not found at {TINY_A}")
+
+
+@lru_cache(1)
+def fixture() -> dict:
+    return {
+        "inputs": load_file(TINY_A / "inputs.safetensors"),
+        "expected": load_file(TINY_A / "expected.safetensors"),
+        "debug": load_file(TINY_A / "debug.safetensors"),
+        "report": json.loads((TINY_A / "run_report.json").read_text()),
+    }
+
+
+def tie_rows(phase: str) -> dict[int, set[int]]:
+    """{layer: query rows} where the reference recorded an exact score tie at a top-k cut.
+    phase: 'prefill' or 'decode' (decode rows are step indices)."""
+    rows: dict[int, set[int]] = {}
+    for tie in fixture()["report"]["ties"]["rows"]:
+        if tie["phase"] == phase:
+            rows.setdefault(tie["layer"], set()).add(tie["row"])
+        elif phase == "decode" and tie["phase"].startswith("decode "):
+            rows.setdefault(tie["layer"], set()).add(int(tie["phase"].split()[1]))
+    return rows
+
+
+def probe(name: str, key: str) -> float:
+    """A number of the README's 'Determinism and tolerance' probes (run_report.json 'checks')."""
+    return fixture()["report"]["checks"]["float64_accumulation"][name][key]
+
+
+def block_probe(layer: int) -> float:
+    return fixture()["report"]["block_isolated"]["float64_accumulation"][str(layer)]["rel_l2"]
+
+
+def load_model(**overrides):
+    from dsflash_compile import DeepseekV41ForCausalLM
+
+    return DeepseekV41ForCausalLM.from_pretrained(TINY_A, **overrides)
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def force_selections(model, phase: str, step: int | None = None, start: int = 0):
+    """Forward hooks on every Indexer replacing the top-k (and candidate mask) rows where the reference
+    recorded a tie by the reference's own picks. Prefill rows are positions start + row (a chunk);
+    decode has one row, step `step`. Returns the hook handles."""
+    from dsflash_compile.attention import Indexer
+
+    dbg, ties = fixture()["debug"], tie_rows(phase)
+    handles = []
+    for module in model.modules():
+        if not isinstance(module, Indexer) or module.role.layer not in ties:
+            continue
+        layer = module.role.layer
+
+        def hook(mod, args, out, layer=layer):
+            ctx = args[2]
+            if phase == "prefill":
+                pairs = [(t - start, t) for t in ties[layer] if 0 <= t - start < out.shape[1]]
+            else:
+                pairs = [(0, step)] if step in ties[layer] else []
+            for row, src in pairs:
+                out[0, row] = dbg[f"{phase}.topk.{layer}"][0, src, :out.shape[-1]].to(out.dtype)
+                if mod.role.is_candidate_source:
+                    ctx.candidates[0, row] = dbg[f"{phase}.candidates.{layer}"][0, src, :ctx.candidates.shape[-1]]
+            return out
+
+        handles.append(module.register_forward_hook(hook))
+    return handles
+
+
+def teacher_forced(model, ids: torch.Tensor, cache, phase: str, step: int | None = None,
+                   columns: slice = slice(None)) -> dict:
+    """Run one forward where block L gets the reference's input (engram_out.L or block_out.L-1 and
+    block_pre_mix.L-1) instead of our previous block's output: decode step `step`, or the prefill
+    positions `columns` (a chunk). Returns per-layer outputs and the Engram outputs (each Engram fed the
+    reference's block_out.L-1)."""
+    dbg = fixture()["debug"]
+    sl = columns if step is None else slice(step, step + 1)
+    inner = model.model
+    ctx, streams, pre_mix, hash_ids = inner.begin(ids, torch.ones_like(ids), cache)
+    outs, engram_outs = {}, {}
+    for block in inner.layers:
+        layer = block.role.layer
+        if layer > 0:
+            streams = dbg[f"{phase}.block_out.{layer - 1}"][:, sl]
+            pre_mix = dbg[f"{phase}.block_pre_mix.{layer - 1}"][:, sl]
+        if block.engram is not None:
+            engram_outs[layer] = block.engram(streams, hash_ids[layer])
+            streams = dbg[f"{phase}.engram_out.{layer}"][:, sl]
+        outs[layer], pre_mix = block(streams, pre_mix, ctx)
+    inner.end(ctx, outs[layer], pre_mix)
+    return {"blocks": outs, "engram": engram_outs, "ctx": ctx}
