@@ -243,9 +243,16 @@ class DeepseekV41VisionConfig(PreTrainedConfig):
     max_wh_ratio: float | None = None
 
 
+_SUB_CONFIGS = {"text_config": DeepseekV41TextConfig, "vision_config": DeepseekV41VisionConfig}
+
+
 class DeepseekV41Config(PreTrainedConfig):
     model_type = "deepseek_v41"
-    sub_configs_defaults = {"text_config": DeepseekV41TextConfig, "vision_config": DeepseekV41VisionConfig}
+    # transformers >= 5.2x declares sub-configs as `sub_configs_defaults`, earlier 5.x as `sub_configs`
+    if hasattr(PreTrainedConfig, "sub_configs_defaults"):
+        sub_configs_defaults = dict(_SUB_CONFIGS)
+    else:
+        sub_configs = dict(_SUB_CONFIGS)
 
     text_config: dict | PreTrainedConfig | None = None
     vision_config: dict | PreTrainedConfig | None = None
@@ -255,3 +262,10 @@ class DeepseekV41Config(PreTrainedConfig):
     eos_token_id: int | list | None = 1
     pad_token_id: int | None = 2
     tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        for key, config_class in _SUB_CONFIGS.items():  # earlier transformers leave them as dicts
+            value = getattr(self, key)
+            if value is None or isinstance(value, dict):
+                setattr(self, key, config_class(**(value or {})))
+        super().__post_init__(**kwargs)

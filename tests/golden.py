@@ -102,11 +102,11 @@ def teacher_forced(model, ids: torch.Tensor, cache, phase: str, step: int | None
     for block in inner.layers:
         layer = block.role.layer
         if layer > 0:
-            streams = dbg[f"{phase}.block_out.{layer - 1}"][:, sl]
-            pre_mix = dbg[f"{phase}.block_pre_mix.{layer - 1}"][:, sl]
+            streams = dbg[f"{phase}.block_out.{layer - 1}"][:, sl].to(ids.device)
+            pre_mix = dbg[f"{phase}.block_pre_mix.{layer - 1}"][:, sl].to(ids.device)
         if block.engram is not None:
             engram_outs[layer] = block.engram(streams, hash_ids[layer])
-            streams = dbg[f"{phase}.engram_out.{layer}"][:, sl]
+            streams = dbg[f"{phase}.engram_out.{layer}"][:, sl].to(ids.device)
         outs[layer], pre_mix = block(streams, pre_mix, ctx)
     inner.end(ctx, outs[layer], pre_mix)
     return {"blocks": outs, "engram": engram_outs, "ctx": ctx}

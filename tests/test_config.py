@@ -27,9 +27,9 @@ from dsflash_compile import (
 from dsflash_compile.configuration_deepseek_v41 import LayerRole, ScheduleError
 from dsflash_compile.engram_hash import derive_hash_params
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+from golden import SHARED  # noqa: E402
 RELEASE_CONFIG = SHARED / "configs" / "deepseek-v4.1-flash.config.json"
-FIXTURE = SHARED / "golden" / "tiny-a"
+from golden import TINY_A as FIXTURE  # noqa: E402
 GOLDEN_CONFIG = FIXTURE / "config.json"
 GOLDEN_README = FIXTURE / "README.md"
 

@@ -16,8 +16,8 @@ from dsflash_compile.engram_hash import (
     update_history,
 )
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-FIXTURE = SHARED / "golden" / "tiny-a"
+from golden import SHARED  # noqa: E402
+from golden import TINY_A as FIXTURE  # noqa: E402
 RELEASE_CONFIG = SHARED / "configs" / "deepseek-v4.1-flash.config.json"
 
 needs_fixture = pytest.mark.skipif(
