@@ -178,7 +178,7 @@ class CheckpointReader:
             files = sorted(p for p in self.folder.glob("model-*-of-*.safetensors") if _SHARD.fullmatch(p.name))
             weight_map = None
             if not files:
-                raise CheckpointError(f"{self.folder}: no {SINGLE_FILE}, {INDEX_FILE} or model-XXXXX-of-YYYYY.safetensors")
+                raise CheckpointError(f"{self.folder}: no {SINGLE_FILE}, {INDEX_FILE} or model-<i>-of-<n>.safetensors")
         stored = {}
         for file in files:
             if not file.exists():
@@ -342,7 +342,7 @@ def _encode(name: str, t: torch.Tensor, scale: torch.Tensor | None) -> dict:
 
 def save_checkpoint(named_tensors: dict, folder, *, max_shard_bytes: int | None = None) -> None:
     """Write official name -> tensor in the release layout: `model.safetensors`, or, when max_shard_bytes
-    is set and the tensors do not fit in one, `model-XXXXX-of-YYYYY.safetensors` + `model.safetensors.index.json`.
+    is set and the tensors do not fit in one, `model-<i>-of-<n>.safetensors` + `model.safetensors.index.json`.
 
     Quantized weights (given dequantized, any float dtype) are re-quantized with the smallest non-clipping
     power-of-two scales; an `X.scale` (float8_e8m0fnu) next to `X.weight` pins the scale instead (needed for

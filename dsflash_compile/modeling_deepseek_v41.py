@@ -88,7 +88,6 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     main_input_name = "input_ids"
     _no_split_modules = ["DeepseekV41Block"]
     _is_stateful = True  # a static per-row cache: no beam search / cache reordering
-    _supports_cache_class = True
 
     def _init_weights(self, module: nn.Module) -> None:
         from .init import init_module  # random presets only; kept apart from the math

@@ -65,7 +65,9 @@ def load_pretrained(cls, folder, config=None, device_map=None, dtype=None, engra
     loaded = checkpoint.load_into(targets, folder, device=device)
     # safetensors hands tensors back at their file offsets; MKL's small GEMMs round differently on
     # unaligned operands, so give every CPU tensor fresh (64-byte aligned) storage: same bits every load.
-    loaded = {n: t.clone() if t.device.type == "cpu" and t.data_ptr() % 64 else t for n, t in loaded.items()}
+    for name, t in loaded.items():  # one at a time: the unaligned original is freed as it is replaced
+        if t.device.type == "cpu" and t.data_ptr() % 64:
+            loaded[name] = t.clone()
     model.load_state_dict({to_module(n): t for n, t in loaded.items()}, assign=True, strict=True)
     model.model.rebuild_buffers(device)
     if text.engram_layer_ids:
