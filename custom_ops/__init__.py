@@ -1,7 +1,7 @@
 """`dsflash` torch.library ops. Importing this package registers them (torch.ops.dsflash.*).
 
-Each op has a plain-PyTorch reference (CPU and CUDA) and a fake kernel; Triton kernels register
-themselves for CUDA on top of the reference in later modules.
+Each op has a plain-PyTorch reference (CPU and CUDA) and a fake kernel; where a Triton kernel exists it is
+registered for CUDA (`register_kernel("cuda")`) and the reference stays the CPU path.
 """
 
-from . import cache_write, indexer, sparse_attention, topk  # noqa: F401  (registration side effects)
+from . import attention, indexer, records, topk  # noqa: F401  (registration side effects)

@@ -102,7 +102,10 @@ class Indexer(nn.Module):
             q = fp4_qdq_ue8m0(q)
         weights = self.weights_proj(x) * (self.head_dim ** -0.5 * self.heads ** -0.5)
         visible = ctx.visible(ratio)
-        scores = ops.indexer_scores(q, weights, keys[:batch], visible, num_rows)
+        keys = keys[:batch, :num_rows]
+        if ctx.cache.index_format != "bf16":
+            keys = ops.record_read(keys, ctx.cache.index_format, self.head_dim)
+        scores = ops.indexer_scores(q, weights, keys, visible, num_rows)
         if self.role.is_candidate_source:
             ctx.candidates = ops.candidate_mask(scores, visible, self.candidate_blocks, self.candidate_block_size)
         elif self.role.uses_candidates:
@@ -142,7 +145,6 @@ class Attention(nn.Module):
         if self.quantize:
             kv = fp8_qdq(kv)  # the window K=V is FP8 over all dims, RoPE tail included
         ring = cache.window[role.layer]
-        window_kv = torch.cat([ring[:batch].to(kv.dtype), kv], dim=1)
 
         if role.ratio:
             key_layer = role.kv_layer
@@ -153,12 +155,14 @@ class Attention(nn.Module):
                 ctx.topk[role.layer] = self.indexer(x, qr, ctx, cache.index_keys[key_layer])
             compressed, cidx = cache.compressed[role.kv_layer][:batch], ctx.topk[role.topk_layer]
         else:
-            compressed = kv.new_zeros(batch, 0, self.head_dim)
-            cidx = ctx.window_idx.new_zeros(batch, seq, 0)
-        o = ops.sparse_attention(q, window_kv, ctx.window_idx, compressed.to(q.dtype), cidx, self.attn_sink,
-                                 self.head_dim ** -0.5)
-        ops.cache_write_(ring, kv, ctx.window_slots)
-        o = apply_rope(o, rot, inverse=True)
+            compressed, cidx = ring[:batch, :0], ctx.window_idx.new_zeros(batch, seq, 0)
+        # sparse attention over the ring (+ this chunk's kv) and the top-k compressed rows, read from
+        # their records; the inverse RoPE of the output (V = K carries the rotation) is fused in
+        o = torch.empty_like(q)
+        ops.attention_(o, q, ring[:batch], kv, ctx.window_idx, compressed, cidx, self.attn_sink, ctx.positions,
+                       ctx.inv_freq[role.rope_kind], self.head_dim ** -0.5, cache.window_format,
+                       cache.compressed_format if role.ratio else cache.window_format)
+        ops.record_write_(ring, kv, ctx.window_slots, cache.window_format)
 
         wo_a = self.wo_a.weight.view(self.groups, self.o_rank, -1)
         z = torch.einsum("bsgd,grd->bsgr", o.view(batch, seq, self.groups, -1), wo_a)
@@ -182,9 +186,9 @@ class Attention(nn.Module):
         latent, row_ids = self.compressor(x, ctx, layer)
         rot = rotation(row_ids.clamp_min(0) * ratio, ctx.inv_freq["compressed"])
         if self.indexer is not None:
-            ops.cache_write_(cache.index_keys[layer], self.indexer.keys(latent, rot), row_ids)
+            ops.record_write_(cache.index_keys[layer], self.indexer.keys(latent, rot), row_ids, cache.index_format)
         latent = apply_rope(latent, rot)
         if self.quantize:
             latent = fp4_qdq_e4m3(latent)
-        ops.cache_write_(cache.compressed[layer], latent, row_ids)
+        ops.record_write_(cache.compressed[layer], latent, row_ids, cache.compressed_format)
         return row_ids >= 0

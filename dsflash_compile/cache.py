@@ -9,7 +9,11 @@ reallocate them, so the cache can live inside CUDA graphs. Per row it holds:
     (slot = position mod ratio; empty slots hold 0 / -inf)
   - `engram_history`   [Bmax, n-1] int64   compressed ids of the last n-1 tokens (pad id at the start)
   - `lengths`          [Bmax] int64        real tokens processed per row (positions continue from here)
-Storage is bf16 for the KV kinds; the kernel issue adds FP8/NVFP4/MXFP4 records behind this interface.
+Each KV kind is stored in a record format (custom_ops/records.py): `window_format` "fp8" (528 B/slot) or
+"bf16"; `compressed_format` "nvfp4" (288 B/row) or "bf16" (1024); `index_format` "mxfp4"
+(68 B/row) or "bf16". "auto" picks fp8 / nvfp4 / mxfp4 on CUDA and bf16 on the CPU (where the codecs
+work too, only slower). The model quantize-dequantizes to exactly these grids, so the format changes no
+output.
 """
 
 from __future__ import annotations
@@ -18,6 +22,35 @@ import torch
 from transformers.cache_utils import Cache
 
 from .configuration_deepseek_v41 import DeepseekV41TextConfig
+from .custom_ops import records
+
+# An FP8 record (UE8M0 scales) cannot hold NVFP4-grid values exactly, so FP8 compressed rows exist only
+# for the attention benchmark's comparison, not as a cache format.
+_ALLOWED = {"window": ("fp8", "bf16"), "compressed": ("nvfp4", "bf16"), "index": ("mxfp4", "bf16")}
+_CUDA_DEFAULT = {"window": "fp8", "compressed": "nvfp4", "index": "mxfp4"}
+
+
+def resolve_format(kind: str, fmt: str, device) -> str:
+    if fmt == "auto":
+        return _CUDA_DEFAULT[kind] if torch.device(device or "cpu").type == "cuda" else "bf16"
+    if fmt not in _ALLOWED[kind]:
+        raise ValueError(f"{kind}_format={fmt!r}: choose one of {', '.join(_ALLOWED[kind])} or 'auto'")
+    return fmt
+
+
+def growing_bytes_per_token(config: DeepseekV41TextConfig, compressed_format: str = "nvfp4",
+                            index_format: str = "mxfp4") -> float:
+    """Bytes the cache grows by per token: every KV source adds one compressed row and one index-key row
+    per `ratio` tokens (MODEL.md section 7: 890 B for the release with NVFP4 + MXFP4)."""
+    row = records.record_bytes(compressed_format, config.head_dim) + records.record_bytes(index_format,
+                                                                                           config.index_head_dim)
+    return sum(row / role.ratio for role in config.layer_roles if role.is_kv_source)
+
+
+def _storage(rows: tuple, dim: int, fmt: str, device) -> torch.Tensor:
+    if fmt == "bf16":
+        return torch.zeros(*rows, dim, dtype=torch.bfloat16, device=device)
+    return torch.zeros(*rows, records.record_bytes(fmt, dim), dtype=torch.uint8, device=device)
 
 
 class CacheCapacityError(ValueError):
@@ -29,7 +62,8 @@ class DeepseekV41Cache(Cache):
     is_sliding = False
 
     def __init__(self, config: DeepseekV41TextConfig, max_batch: int, max_length: int,
-                 device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16):
+                 device: torch.device | str | None = None, window_format: str = "auto",
+                 compressed_format: str = "auto", index_format: str = "auto"):
         super().__init__(layers=[])
         if max_batch < 1 or max_length < 1:
             raise CacheCapacityError(f"max_batch ({max_batch}) and max_length ({max_length}) must be >= 1")
@@ -37,18 +71,20 @@ class DeepseekV41Cache(Cache):
         self.max_batch, self.max_length = max_batch, max_length
         self.window_size = config.sliding_window
         d, di = config.head_dim, config.index_head_dim
-        kw = dict(device=device, dtype=dtype)
+        self.window_format = resolve_format("window", window_format, device)
+        self.compressed_format = resolve_format("compressed", compressed_format, device)
+        self.index_format = resolve_format("index", index_format, device)
         self.window: dict[int, torch.Tensor] = {}
         self.compressed: dict[int, torch.Tensor] = {}
         self.index_keys: dict[int, torch.Tensor] = {}
         self.pending_kv: dict[int, torch.Tensor] = {}
         self.pending_score: dict[int, torch.Tensor] = {}
         for role in config.layer_roles:
-            self.window[role.layer] = torch.zeros(max_batch, self.window_size, d, **kw)
+            self.window[role.layer] = _storage((max_batch, self.window_size), d, self.window_format, device)
             if role.is_kv_source:
                 rows = max_length // role.ratio
-                self.compressed[role.layer] = torch.zeros(max_batch, rows, d, **kw)
-                self.index_keys[role.layer] = torch.zeros(max_batch, rows, di, **kw)
+                self.compressed[role.layer] = _storage((max_batch, rows), d, self.compressed_format, device)
+                self.index_keys[role.layer] = _storage((max_batch, rows), di, self.index_format, device)
                 if role.ratio > 1:
                     self.pending_kv[role.layer] = torch.zeros(max_batch, role.ratio, d, device=device)
                     self.pending_score[role.layer] = torch.full((max_batch, role.ratio, d), -torch.inf,
@@ -106,6 +142,19 @@ class DeepseekV41Cache(Cache):
             raise CacheCapacityError(
                 f"sequence of {self.seen_columns + new_columns} positions ({self.seen_columns} cached + "
                 f"{new_columns} new) exceeds the cache's max_length={self.max_length}")
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Growth of the per-row state per token with this cache's formats (the rings are fixed-size)."""
+        return growing_bytes_per_token(self.config, self.compressed_format, self.index_format)
+
+    def read(self, kind: str, layer: int) -> torch.Tensor:
+        """A kind's rows decoded to bf16 ([Bmax, N, dim]): for tests and inspection, not the hot path."""
+        storage, fmt = {"window": (self.window, self.window_format),
+                        "compressed": (self.compressed, self.compressed_format),
+                        "index": (self.index_keys, self.index_format)}[kind]
+        dim = self.config.index_head_dim if kind == "index" else self.config.head_dim
+        return records.decode_reference(storage[layer], fmt, dim) if fmt != "bf16" else storage[layer]
 
     def memory_bytes(self) -> int:
         tensors = [*self.window.values(), *self.compressed.values(), *self.index_keys.values(),

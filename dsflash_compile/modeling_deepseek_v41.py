@@ -242,9 +242,10 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Linear:
         return self.head
 
-    def new_cache(self, max_batch: int, max_length: int) -> DeepseekV41Cache:
-        """A static cache for this model (rows reused across calls after `cache.reset()`)."""
-        cache = DeepseekV41Cache(self.model.text_config, max_batch, max_length, device=self.device)
+    def new_cache(self, max_batch: int, max_length: int, **formats) -> DeepseekV41Cache:
+        """A static cache for this model (rows reused across calls after `cache.reset()`). formats:
+        window_format / compressed_format / index_format (default "auto": packed records on CUDA)."""
+        cache = DeepseekV41Cache(self.model.text_config, max_batch, max_length, device=self.device, **formats)
         cache.set_engram_pad_id(self.model.engram_pad_id())
         return cache
 

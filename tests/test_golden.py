@@ -37,9 +37,9 @@ def report(name: str, ours: torch.Tensor, ref: torch.Tensor) -> dict:
     return stats
 
 
-def run_prefill_and_decode(model, splits=(0, P)):
+def run_prefill_and_decode(model, splits=(0, P), **formats):
     ids, dec = fixture()["inputs"]["prompt_ids"], fixture()["inputs"]["decode_input_ids"]
-    cache = model.new_cache(1, P + N)
+    cache = model.new_cache(1, P + N, **formats)
     with torch.no_grad():
         prefill = torch.cat([model(ids[:, a:b], cache=cache).logits for a, b in zip(splits[:-1], splits[1:])], 1)
         decode = torch.cat([model(dec[:, i:i + 1], cache=cache).logits for i in range(N)], 1)
@@ -63,6 +63,17 @@ def test_decode_logits_end_to_end(golden_run):
     stats = report("decode", golden_run[1], fixture()["expected"]["decode_logits"])
     assert stats["max_abs"] <= probe("decode_logits", "max_abs")
     assert stats["argmax_agree"] == 1.0
+
+
+def test_packed_cache_records_change_no_output(golden_run, ref_model):
+    """FP8 window ring, NVFP4 compressed KV and MXFP4 index keys (the CUDA defaults) give the same logits
+    bit for bit as bf16 storage: the model quantize-dequantizes to exactly those grids."""
+    prefill, decode, cache = run_prefill_and_decode(ref_model, window_format="fp8", compressed_format="nvfp4",
+                                                    index_format="mxfp4")
+    assert cache.window[0].dtype == torch.uint8 and cache.compressed[2].shape[-1] == 36  # 32 B E2M1 + 4 E4M3 scales
+    assert torch.equal(prefill, golden_run[0]) and torch.equal(decode, golden_run[1])
+    for layer in cache.window:
+        assert torch.equal(cache.read("window", layer), golden_run[2].read("window", layer)), layer
 
 
 def test_generate_reproduces_reference_greedy_ids(ref_model):

@@ -231,3 +231,19 @@ def test_cli_generate_checkpoint(capsys):
 
     assert main(["generate", "--model", str(TINY_A), "--prompt-ids", "0 17 42", "--max-new-tokens", "2"]) == 0
     assert "generated ids:" in capsys.readouterr().out
+
+
+def test_growing_cache_bytes_per_token():
+    """The release's growing cache with the default CUDA formats is 890 B/token (MODEL.md section 7):
+    3 ratio-2 sources x 0.5 x (288 + 68) + 1 ratio-1 source x (288 + 68); bf16 storage for comparison."""
+    from dsflash_compile.cache import DeepseekV41Cache, growing_bytes_per_token
+
+    release = preset_config("release").text_config
+    assert growing_bytes_per_token(release) == 890
+    assert growing_bytes_per_token(release, "bf16", "bf16") == 3 * 0.5 * (1024 + 256) + (1024 + 256)
+    tiny = preset_config("tiny").text_config
+    cache = DeepseekV41Cache(tiny, 1, 32, window_format="fp8", compressed_format="nvfp4", index_format="mxfp4")
+    assert cache.bytes_per_token == 0.5 * (36 + 34) + (36 + 34)  # dims 64 / 64: E2M1 halves + scales
+    assert cache.window[0].shape == (1, 16, 64 + 2)  # 64 E4M3 codes + 2 UE8M0 scales per slot
+    with pytest.raises(ValueError, match="compressed_format='fp8'"):
+        DeepseekV41Cache(tiny, 1, 32, compressed_format="fp8")
