@@ -30,31 +30,38 @@ def _dot(a, b, FP32_DOT: tl.constexpr):
 
 @triton.jit
 def _e2m1(code):
-    """4-bit E2M1 code (int32) -> fp32 value: magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6; bit 3 = sign."""
+    """4-bit E2M1 code (int32) -> fp32 value (0, .5, 1, 1.5, 2, 3, 4, 6; bit 3 = sign), built from float
+    bits with integer ops only (no transcendental): e > 0 is (1 + m/2) 2^(e-1), e = 0 is m/2."""
     e = (code >> 1) & 3
-    m = (code & 1).to(tl.float32)
-    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
-    return tl.where((code & 8) != 0, -mag, mag)
+    m = code & 1
+    bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _load_rows(base, rows, row_stride, mask, D: tl.constexpr, FMT: tl.constexpr):
-    """Rows `rows` [N] of a cache (records of format FMT) -> bf16 [N, D]; masked rows read as 0."""
-    d = tl.arange(0, D)
+    """Rows `rows` [N] of a cache (records of format FMT) -> bf16 [N, D]; masked rows read as 0.
+    Codes and scales are loaded as the contiguous byte runs they are, and each scale multiplies its
+    group through a [N, groups, group] view (exact: code x scale fits bf16's 8 significant bits)."""
+    N: tl.constexpr = rows.shape[0]
     row_base = base + rows[:, None].to(tl.int64) * row_stride
     m2 = mask[:, None]
     if FMT == 0:  # bf16 rows
-        vals = tl.load(row_base + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        return tl.load(row_base + tl.arange(0, D)[None, :], mask=m2, other=0.0)
     elif FMT == 1:  # fp8: D E4M3 codes, then D/32 UE8M0 scales
-        codes = tl.load(row_base + d[None, :], mask=m2, other=0).to(tl.float8e4nv, bitcast=True)
-        exps = tl.load(row_base + D + d[None, :] // 32, mask=m2, other=127).to(tl.int32)
-        vals = codes.to(tl.float32) * tl.exp2((exps - 127).to(tl.float32))
+        codes = tl.load(row_base + tl.arange(0, D)[None, :], mask=m2, other=0).to(tl.float8e4nv, bitcast=True)
+        exps = tl.load(row_base + D + tl.arange(0, D // 32)[None, :], mask=m2, other=127).to(tl.int32)
+        scale = (exps << 23).to(tl.float32, bitcast=True)  # UE8M0 byte = the fp32 exponent field
+        vals = tl.reshape(codes.to(tl.float32), (N, D // 32, 32)) * scale[:, :, None]
+        return tl.reshape(vals, (N, D)).to(tl.bfloat16)
     else:  # nvfp4: D/2 packed E2M1 (even element low nibble), then D/16 E4M3 scales
-        packed = tl.load(row_base + d[None, :] // 2, mask=m2, other=0).to(tl.int32)
-        code = tl.where((d[None, :] % 2) == 0, packed & 15, packed >> 4)
-        scales = tl.load(row_base + D // 2 + d[None, :] // 16, mask=m2, other=0).to(tl.float8e4nv, bitcast=True)
-        vals = _e2m1(code) * scales.to(tl.float32)
-    return vals.to(tl.bfloat16)
+        packed = tl.load(row_base + tl.arange(0, D // 2)[None, :], mask=m2, other=0).to(tl.int32)
+        scale = tl.load(row_base + D // 2 + tl.arange(0, D // 16)[None, :], mask=m2, other=0)
+        scale = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)[:, :, None]  # per 8 bytes = 16 values
+        lo = tl.reshape(_e2m1(packed & 15), (N, D // 16, 8)) * scale
+        hi = tl.reshape(_e2m1(packed >> 4), (N, D // 16, 8)) * scale
+        vals = tl.join(tl.reshape(lo, (N, D // 2)), tl.reshape(hi, (N, D // 2)))  # [N, D/2, 2]: even, odd
+        return tl.reshape(vals, (N, D)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -106,9 +113,10 @@ def _attention_kernel(q_ptr, ring_ptr, chunk_ptr, widx_ptr, comp_ptr, cidx_ptr, 
             e = blk * BLOCK_N + n
             w = tl.load(widx_ptr + tok.to(tl.int64) * NW + e, mask=e < NW, other=-1)
             in_ring = (w >= 0) & (w < W)
-            k_ring = _load_rows(ring_ptr + b.to(tl.int64) * ring_sb, w, ring_sr, in_ring, D, WIN_FMT)
-            k_chunk = _load_rows(chunk_ptr + (b * S).to(tl.int64) * D, w - W, D, w >= W, D, 0)
-            k = tl.where(in_ring[:, None], k_ring, k_chunk)
+            k = _load_rows(ring_ptr + b.to(tl.int64) * ring_sb, w, ring_sr, in_ring, D, WIN_FMT)
+            if tl.max((w >= W).to(tl.int32), axis=0) > 0:  # this chunk's own rows (decode: one per token)
+                k_chunk = _load_rows(chunk_ptr + (b * S).to(tl.int64) * D, w - W, D, w >= W, D, 0)
+                k = tl.where(in_ring[:, None], k, k_chunk)
             valid = w >= 0
         else:  # compressed entries: the top-k rows
             e = (blk - win_blocks) * BLOCK_N + n

@@ -37,7 +37,8 @@ The sign of zero is kept (a negative value that rounds to zero stores code -0 an
 QDQ gives). UE8M0 bytes are decoded as the fp32 with that exponent field (byte << 23): 2^(byte - 127) for
 bytes 1..254, which is all that finite inputs produce (the amax floors keep byte >= 1); 255 would read as
 inf (pow2_ceil_scale's value for an infinite amax). Inputs are assumed finite; NaN/inf rows are not
-specified.
+specified. (Finite inputs can still decode to inf where the QDQ gives inf: an fp8 group at bf16's max has
+codes 255 * 2^120 that round to 256 * 2^120 = 2^128.)
 
 Ops (namespace dsflash, each with a fake kernel):
   record_write_(cache, rows, slots, fmt): cache[b, slots[b, s]] = encode(rows[b, s]) where slots >= 0.
@@ -48,13 +49,13 @@ Ops (namespace dsflash, each with a fake kernel):
 
 Triton notes. The interpreter's (TRITON_INTERPRET=1) float casts are not IEEE: fp32 -> float8e4nv rounds half
 away from zero and drops the mantissa carry (127.9 -> 64.0), fp32 -> bf16 does not round to nearest even,
-and bf16 -> fp32 mangles subnormals. So the kernel never casts down: E4M3 codes and bf16 rounding are
-integer arithmetic on the fp32 bits (exact RNE, identical in the interpreter and on any GPU, no sm_89
-requirement), and bf16 rows are stored as they are. (The loads' bf16 -> fp32 upcast only matters for
-subnormal inputs, which every quantized format maps to a signed zero code either way.) Divisions by the non-power-of-two nvfp4 scale use tl.math.div_rn (Triton's `/` on fp32 is
-approximate on NVIDIA); power-of-two scales are applied by multiplying with their exact reciprocal.
-TRITON_INTERPRET must be set before triton is first imported (triton.language's own tl.max is a
-@triton.jit function, fixed at that import), so tests run the interpreter in a subprocess.
+and bf16 -> fp32 turns subnormals into other values (which mxfp4's tiny amax floor would expose). So the
+kernel casts no float down or from bf16: bf16 rows are widened by shifting their bits, E4M3 codes and bf16
+rounding are integer arithmetic on the fp32 bits (exact RNE, the same in the interpreter and on any GPU;
+no sm_89 fp8 instructions needed). Division by the non-power-of-two nvfp4 scale uses tl.math.div_rn
+(Triton's `/` on fp32 is approximate on NVIDIA); power-of-two scales are applied by multiplying with their
+exact reciprocal. TRITON_INTERPRET must be set before triton is first imported (triton.language's own
+tl.max is a @triton.jit function, fixed at that import), so the tests run the interpreter in a subprocess.
 """
 
 import torch
@@ -157,14 +158,14 @@ def decode_reference(records: Tensor, fmt: str, dim: int, dtype: torch.dtype = t
 # ops
 
 
-def _cache_dim(cache: Tensor, fmt: str) -> int:
-    """The row width `dim` a cache of this format holds (checks dtype and record size)."""
+def _bf16_cache(cache: Tensor, fmt: str) -> bool:
+    """True for a bf16 [.., dim] cache (fmt "bf16" only), False for uint8 records; any other dtype raises."""
     if cache.dtype == torch.bfloat16 and fmt == "bf16":
-        return cache.shape[-1]
+        return True
     if cache.dtype != torch.uint8:
         raise TypeError(f"a {fmt!r} cache must be uint8 records" + (" or bf16" if fmt == "bf16" else "")
                         + f", got {cache.dtype}")
-    return -1  # uint8: determined by the rows
+    return False
 
 
 def _check_write(cache: Tensor, rows: Tensor, slots: Tensor, fmt: str) -> int:
@@ -180,8 +181,7 @@ def _check_write(cache: Tensor, rows: Tensor, slots: Tensor, fmt: str) -> int:
                         f"{rows.dtype}")
     dim = rows.shape[-1]
     _check_format(fmt, dim)
-    width = _cache_dim(cache, fmt)
-    expected = dim if width >= 0 else record_bytes(fmt, dim)
+    expected = dim if _bf16_cache(cache, fmt) else record_bytes(fmt, dim)
     if cache.shape[-1] != expected:
         raise ValueError(f"record_write_: cache rows have {cache.shape[-1]} {cache.dtype} elements, expected "
                          f"{expected} for {fmt!r} records of {dim} values")
@@ -212,7 +212,7 @@ def _(cache, rows, slots, fmt):
 
 
 def record_read_reference(cache: Tensor, fmt: str, dim: int) -> Tensor:
-    if _cache_dim(cache, fmt) >= 0:
+    if _bf16_cache(cache, fmt):
         if cache.shape[-1] != dim:
             raise ValueError(f"record_read: bf16 cache rows have {cache.shape[-1]} values, expected {dim}")
         return cache.clone()
@@ -227,7 +227,7 @@ def record_read(cache: Tensor, fmt: str, dim: int) -> Tensor:
 
 @record_read.register_fake
 def _(cache, fmt, dim):
-    if _cache_dim(cache, fmt) < 0 and cache.shape[-1] != record_bytes(fmt, dim):
+    if not _bf16_cache(cache, fmt) and cache.shape[-1] != record_bytes(fmt, dim):
         raise ValueError(f"record_read: expected uint8 records [..., {record_bytes(fmt, dim)}], got "
                          f"{tuple(cache.shape)}")
     return cache.new_empty((*cache.shape[:-1], dim), dtype=torch.bfloat16)
