@@ -40,8 +40,11 @@ class ForwardContext:
         return self.columns_after // ratio
 
 
-def build_context(cache: DeepseekV41Cache, attention_mask: torch.Tensor) -> ForwardContext:
-    """attention_mask [B, S] (1 = real token) for the new columns only; padding must be on the left."""
+def build_context(cache: DeepseekV41Cache, attention_mask: torch.Tensor,
+                  window_floor: torch.Tensor | None = None) -> ForwardContext:
+    """attention_mask [B, S] (1 = real token) for the new columns only; padding must be on the left.
+    window_floor [B]: the lowest position a row's window attention may see (bounded replay clamps the
+    window of the trimmed / replayed tokens there); default 0."""
     mask = attention_mask.to(torch.long)
     batch, seq = mask.shape
     if bool((mask[:, 1:] < mask[:, :-1]).any()):
@@ -60,6 +63,8 @@ def build_context(cache: DeepseekV41Cache, attention_mask: torch.Tensor) -> Forw
     in_ring = key_pos < lengths.view(batch, 1, 1)
     idx = torch.where(in_ring, key_pos % window, window + key_pos - lengths.view(batch, 1, 1) + pad.view(batch, 1, 1))
     valid = (key_pos <= positions.unsqueeze(-1)) & (positions.unsqueeze(-1) >= 0)
+    if window_floor is not None:
+        valid &= key_pos >= window_floor.view(batch, 1, 1)
     window_idx = torch.where(valid, idx, -1)
 
     # Only the last W tokens of a row reach the ring; earlier ones would be overwritten in this chunk.

@@ -247,3 +247,20 @@ def test_growing_cache_bytes_per_token():
     assert cache.window[0].shape == (1, 16, 64 + 2)  # 64 E4M3 codes + 2 UE8M0 scales per slot
     with pytest.raises(ValueError, match="compressed_format='fp8'"):
         DeepseekV41Cache(tiny, 1, 32, compressed_format="fp8")
+
+
+def test_window_floor_hides_positions_below_it(tiny):
+    """The bounded-replay clamp: with window_floor f, no query's window lists a position below f, and a
+    query at position p >= f sees exactly max(f, p - W + 1) .. p."""
+    from dsflash_compile.context import build_context
+
+    cache = tiny.new_cache(2, 64)
+    with torch.no_grad():
+        tiny(prompts([40])[0][None].repeat(2, 1), cache=cache)  # 40 cached positions per row
+    ctx = build_context(cache, torch.ones(2, 8, dtype=torch.long), window_floor=torch.tensor([0, 35]))
+    window = cache.window_size
+    for b, floor in enumerate((0, 35)):
+        for t in range(8):
+            p = 40 + t
+            listed = ctx.window_idx[b, t]
+            assert int((listed >= 0).sum()) == p - max(floor, p - window + 1) + 1
