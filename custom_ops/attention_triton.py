@@ -75,7 +75,7 @@ def _finish(acc, m, l, sink_ptr, heads, pos, freq_ptr, out_ptr, out_row, H: tl.c
     pairs = tl.arange(0, D // 2)
     rope_pair = pairs - (D // 2 - HALF_ROPE)
     freq = tl.load(freq_ptr + rope_pair, mask=rope_pair >= 0, other=0.0)  # 0: not a rope pair, no rotation
-    angle = pos.to(tl.float32) * freq
+    angle = tl.maximum(pos, 0).to(tl.float32) * freq  # padding (-1) rotates by 0, as the reference
     c, s = tl.cos(angle), tl.sin(angle)
     x0, x1 = tl.split(tl.reshape(o, (HG, D // 2, 2)))
     y0 = x0 * c[None, :] + x1 * s[None, :]
@@ -179,6 +179,17 @@ def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, posit
     head_group, block_n and num_warps override the defaults (benchmark sweeps)."""
     batch, seq, heads, dim = q.shape
     window, nw, k = ring.shape[1], widx.shape[-1], cidx.shape[-1]
+    if not out.is_contiguous() or out.shape != q.shape:
+        raise ValueError(f"attention_triton: out must be a contiguous {tuple(q.shape)} tensor")
+    if chunk_kv.dtype != torch.bfloat16:
+        raise TypeError(f"attention_triton: chunk_kv must be bf16, got {chunk_kv.dtype}")
+    for name, cache, fmt in (("ring", ring, window_fmt), ("compressed", compressed, compressed_fmt)):
+        if (fmt == "bf16") != (cache.dtype == torch.bfloat16):
+            raise ValueError(f"attention_triton: {name} format {fmt!r} needs a "
+                             f"{'bf16' if fmt == 'bf16' else 'uint8 record'} tensor, got {cache.dtype}")
+    if nw + k == 0:  # no key at all: every output is 0, as in the reference
+        out.zero_()
+        return
     tokens, groups = batch * seq, triton.cdiv(heads, head_group)
     total_blocks = triton.cdiv(nw, block_n) + triton.cdiv(k, block_n)
     if num_splits is None:  # enough programs to fill the GPU once, never an empty split

@@ -17,6 +17,7 @@ import torch
 import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
 from dsflash_compile.custom_ops import records
 from dsflash_compile.custom_ops.attention import attention_reference
+from dsflash_compile.rope import inverse_frequencies
 
 ops = torch.ops.dsflash
 OP_ARGS = ("q", "ring", "chunk_kv", "widx", "compressed", "cidx", "sink", "positions", "inv_freq", "scale",
@@ -370,7 +371,8 @@ def interpreted():
 @pytest.mark.parametrize("name", list(interpreter_cases()))
 def test_triton_matches_reference_interpreted(interpreted, name):
     """The Triton kernel under the CPU interpreter vs the reference: within 2^-6 max|o| (~2 bf16 ulps of the
-    output scale, interpreter_tolerance); a query with nothing valid gets exact zeros; every value written and finite."""
+    output scale, interpreter_tolerance); a query with nothing valid gets exact zeros; every value written and
+    finite."""
     result = interpreted[name]
     assert "error" not in result, result["error"]
     assert result["finite"] and result["padding_zero"], result
@@ -406,10 +408,10 @@ def release_inputs(seed, batch, seq, compressed_fmt, pad=(), lengths=None, n_com
     cidx = torch.where(top.values >= 0, top.indices, -1).sort(dim=-1).values  # -1 first, as a sort leaves it
     ring_vals = torch.randn(bmax, window, dim, generator=g)
     comp_vals = torch.randn(bmax, n_comp, dim, generator=g)
-    from dsflash_compile.rope import inverse_frequencies
     return SimpleNamespace(
         q=torch.randn(batch, seq, heads, dim, generator=g).bfloat16(),
-        ring=records.encode_reference(ring_vals, "fp8")[:batch], chunk_kv=torch.randn(batch, seq, dim, generator=g).bfloat16(),
+        ring=records.encode_reference(ring_vals, "fp8")[:batch],
+        chunk_kv=torch.randn(batch, seq, dim, generator=g).bfloat16(),
         widx=widx, compressed=records.encode_reference(comp_vals, compressed_fmt)[:batch], cidx=cidx,
         sink=torch.rand(heads, generator=g) * 3 - 1, positions=positions, inv_freq=inverse_frequencies(64, 10000.0),
         scale=dim ** -0.5, window_fmt="fp8", compressed_fmt=compressed_fmt)
@@ -427,7 +429,7 @@ CUDA_SHAPES = {
 @pytest.mark.parametrize("shape", list(CUDA_SHAPES))
 def test_triton_cuda_matches_reference_release_shapes(shape, compressed_fmt):
     """On CUDA the op runs the Triton kernel: within 2e-2 max|o| of the reference (run on the same device),
-    at the release shapes; padding queries get exact zeros."""
+    at the release shapes; padding queries get exact zeros. (Measured on an H200: <= 5.5e-3 max|o|, 1 ulp.)"""
     pytest.importorskip("triton")
     inp = release_inputs(1, compressed_fmt=compressed_fmt, **CUDA_SHAPES[shape])
     for name in OP_ARGS:
@@ -449,7 +451,8 @@ def test_triton_cuda_matches_reference_release_shapes(shape, compressed_fmt):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", list(interpreter_cases()))
 def test_triton_cuda_matches_reference_small_cases(name):
-    """The interpreter's cases compiled for the GPU (bf16 tensor-core dots, rounding casts): the same bound."""
+    """The interpreter's cases compiled for the GPU (bf16 tensor-core dots, round-to-nearest casts): within
+    2^-7 max|o| (at least 1 bf16 ulp of max|o|; measured on an H200: <= 1 ulp in every case)."""
     pytest.importorskip("triton")
     spec = dict(interpreter_cases()[name])
     splits, seed = spec.pop("num_splits", 1), spec.pop("seed")
@@ -465,4 +468,4 @@ def test_triton_cuda_matches_reference_small_cases(name):
     attention_triton(out, *op_args(inp), num_splits=splits)
     assert out.isfinite().all() and (out[0, 0] == 0).all()
     err = (out.float() - ref.float()).abs().max().item()
-    assert err <= interpreter_tolerance(ref), (err, ref.float().abs().max().item())
+    assert err <= 2**-7 * ref.float().abs().max().item(), (err, ref.float().abs().max().item())
