@@ -71,7 +71,7 @@ def _finish(acc, m, l, sink_ptr, heads, pos, freq_ptr, out_ptr, out_row, H: tl.c
     live = heads < H
     sink = tl.load(sink_ptr + heads, mask=live, other=0.0)
     l = l + tl.exp(sink - m)
-    o = acc / l[:, None]
+    o = (acc / l[:, None]).to(tl.bfloat16).to(tl.float32)  # rounded before the rotation, as the reference
     pairs = tl.arange(0, D // 2)
     rope_pair = pairs - (D // 2 - HALF_ROPE)
     freq = tl.load(freq_ptr + rope_pair, mask=rope_pair >= 0, other=0.0)  # 0: not a rope pair, no rotation
