@@ -158,7 +158,8 @@ def main() -> None:
     result = {"command": "python " + " ".join(sys.argv),
               "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "triton": triton.__version__, "host": platform.node(),
-              "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()}
+              "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+              or "unknown (no git checkout here)"}
     result["max_abs_error_vs_reference"] = check(gen)
     copy_bw = copy_bandwidth()
     result["copy_bandwidth_Bps"] = copy_bw
