@@ -5,14 +5,20 @@
 numerics: the q.k products and the head sum in bf16, as the release computes them (the scores it ranks
 are bf16, so equal scores do occur).
 
-`dsflash::candidate_mask`: level one of the two-level selection. Blocks of `block_size` rows score their
-max, the block holding the query's newest visible row is pinned, the `topk_blocks` best blocks with a
-score > -inf are kept; returned as a per-row bool mask [B, S, num_rows].
+`dsflash::candidate_blocks`: level one of the two-level selection. Blocks of `block_size` rows score
+their max, the block holding the query's newest visible row is pinned, the `topk_blocks` best blocks
+with a score > -inf are kept; published compactly as block ids per query (not a mask over the context).
+
+`dsflash::candidate_scores` + `dsflash::candidate_topk`: level two scores only those candidate rows, in a
+compact [B, S, topk_blocks * block_size] layout, and picks its top-k there, remapped to row ids.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from . import records
+from .topk import top_k_stable
 
 
 def indexer_scores_reference(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, num_rows: int) -> Tensor:
@@ -34,22 +40,77 @@ def _(q, weights, keys, visible, num_rows):
     return q.new_empty(q.shape[0], q.shape[1], num_rows)
 
 
-def candidate_mask_reference(scores: Tensor, visible: Tensor, topk_blocks: int, block_size: int) -> Tensor:
+def candidate_blocks_reference(scores: Tensor, visible: Tensor, topk_blocks: int, block_size: int) -> Tensor:
     width = scores.shape[-1]
     blocks = F.pad(scores, (0, -width % block_size), value=-torch.inf).unflatten(-1, (-1, block_size)).amax(-1)
     newest = (visible.unsqueeze(-1) - 1).div(block_size, rounding_mode="floor")
     blocks = blocks.masked_fill(torch.arange(blocks.shape[-1], device=scores.device) == newest, torch.inf)
-    top = blocks.topk(min(topk_blocks, blocks.shape[-1]), dim=-1)
-    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
-    return keep.repeat_interleave(block_size, dim=-1)[..., :width].contiguous()
+    values, ids = top_k_stable(blocks, min(topk_blocks, blocks.shape[-1]))
+    ids = torch.where(values > -torch.inf, ids, blocks.shape[-1])  # dropped picks sort last
+    ids = ids.sort(dim=-1).values
+    return torch.where(ids < blocks.shape[-1], ids, -1).to(torch.int32)
 
 
-@torch.library.custom_op("dsflash::candidate_mask", mutates_args=())
-def candidate_mask(scores: Tensor, visible: Tensor, topk_blocks: int, block_size: int) -> Tensor:
-    """scores [B, S, R] (-inf = not visible); visible [B, S]. Returns bool [B, S, R]."""
-    return candidate_mask_reference(scores, visible, topk_blocks, block_size)
+@torch.library.custom_op("dsflash::candidate_blocks", mutates_args=())
+def candidate_blocks(scores: Tensor, visible: Tensor, topk_blocks: int, block_size: int) -> Tensor:
+    """Level one: scores [B, S, R] (-inf = not visible); visible [B, S]. Returns the kept block ids
+    int32 [B, S, min(topk_blocks, ceil(R / block_size))], ascending, -1 after the last kept block."""
+    return candidate_blocks_reference(scores, visible, topk_blocks, block_size)
 
 
-@candidate_mask.register_fake
+@candidate_blocks.register_fake
 def _(scores, visible, topk_blocks, block_size):
-    return torch.empty_like(scores, dtype=torch.bool)
+    blocks = -(-scores.shape[-1] // block_size)
+    return scores.new_empty(*scores.shape[:-1], min(topk_blocks, blocks), dtype=torch.int32)
+
+
+def candidate_rows(blocks: Tensor, block_size: int) -> Tensor:
+    """Block ids [B, S, nb] -> the rows they cover [B, S, nb * block_size] (-1 where the block is -1)."""
+    rows = blocks.unsqueeze(-1).long() * block_size + torch.arange(block_size, device=blocks.device)
+    return torch.where(blocks.unsqueeze(-1) >= 0, rows, -1).flatten(-2)
+
+
+def candidate_scores_reference(q: Tensor, weights: Tensor, keys: Tensor, blocks: Tensor, block_size: int,
+                               visible: Tensor, fmt: str) -> Tensor:
+    rows = candidate_rows(blocks, block_size)
+    ok = (rows >= 0) & (rows < visible.unsqueeze(-1))
+    batch = q.shape[0]
+    picked = keys[torch.arange(batch, device=q.device).view(batch, 1, 1), rows.clamp(0, keys.shape[1] - 1)]
+    if fmt != "bf16":
+        picked = records.decode_reference(picked, fmt, q.shape[-1])
+    scores = torch.einsum("bshd,bscd->bshc", q, picked.to(q.dtype))
+    scores = (scores.relu() * weights.unsqueeze(-1)).sum(dim=2)
+    return scores.masked_fill(~ok, -torch.inf)
+
+
+@torch.library.custom_op("dsflash::candidate_scores", mutates_args=())
+def candidate_scores(q: Tensor, weights: Tensor, keys: Tensor, blocks: Tensor, block_size: int, visible: Tensor,
+                     fmt: str) -> Tensor:
+    """Level two, candidate-only: the indexer score of each candidate row only, in the compact layout
+    [B, S, nb * block_size] (column c = row blocks[c // bs] * bs + c % bs), -inf where that row is
+    not visible or its block is -1. keys [B, R, D] bf16 or records of `fmt` (e.g. "mxfp4", 68 B rows)."""
+    return candidate_scores_reference(q, weights, keys, blocks, block_size, visible, fmt)
+
+
+@candidate_scores.register_fake
+def _(q, weights, keys, blocks, block_size, visible, fmt):
+    return q.new_empty(q.shape[0], q.shape[1], blocks.shape[-1] * block_size)
+
+
+def candidate_topk_reference(scores: Tensor, blocks: Tensor, block_size: int, k: int) -> Tensor:
+    values, picks = top_k_stable(scores, k)
+    rows = candidate_rows(blocks, block_size).gather(-1, picks)
+    rows = torch.where(values > -torch.inf, rows, torch.iinfo(torch.int32).max).sort(dim=-1).values
+    return torch.where(rows < torch.iinfo(torch.int32).max, rows, -1).to(torch.int32)
+
+
+@torch.library.custom_op("dsflash::candidate_topk", mutates_args=())
+def candidate_topk(scores: Tensor, blocks: Tensor, block_size: int, k: int) -> Tensor:
+    """Top-k in the compact candidate space, remapped to row ids: int32 [B, S, k], ascending, -1 for
+    picks whose score is -inf (fewer than k visible candidates)."""
+    return candidate_topk_reference(scores, blocks, block_size, k)
+
+
+@candidate_topk.register_fake
+def _(scores, blocks, block_size, k):
+    return scores.new_empty(*scores.shape[:-1], k, dtype=torch.int32)

@@ -101,16 +101,17 @@ class Indexer(nn.Module):
         if self.quantize:
             q = fp4_qdq_ue8m0(q)
         weights = self.weights_proj(x) * (self.head_dim ** -0.5 * self.heads ** -0.5)
-        visible = ctx.visible(ratio)
+        visible, fmt, k = ctx.visible(ratio), ctx.cache.index_format, min(self.topk, num_rows)
         keys = keys[:batch, :num_rows]
-        if ctx.cache.index_format != "bf16":
-            keys = ops.record_read(keys, ctx.cache.index_format, self.head_dim)
+        if self.role.uses_candidates:  # level two: score only the candidate rows, top-k among them
+            scores = ops.candidate_scores(q, weights, keys, ctx.candidates, self.candidate_block_size, visible, fmt)
+            return ops.candidate_topk(scores, ctx.candidates, self.candidate_block_size, k)
+        if fmt != "bf16":
+            keys = ops.record_read(keys, fmt, self.head_dim)
         scores = ops.indexer_scores(q, weights, keys, visible, num_rows)
-        if self.role.is_candidate_source:
-            ctx.candidates = ops.candidate_mask(scores, visible, self.candidate_blocks, self.candidate_block_size)
-        elif self.role.uses_candidates:
-            scores = scores.masked_fill(~ctx.candidates, -torch.inf)
-        return ops.topk_indices(scores, min(self.topk, num_rows), visible)
+        if self.role.is_candidate_source:  # level one: publish the best blocks (ids, compact)
+            ctx.candidates = ops.candidate_blocks(scores, visible, self.candidate_blocks, self.candidate_block_size)
+        return ops.topk_indices(scores, k, visible)
 
 
 class Attention(nn.Module):

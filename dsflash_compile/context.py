@@ -25,7 +25,7 @@ class ForwardContext:
     inv_freq: dict = field(default_factory=dict)  # rope kind ('window' / 'compressed') -> fp32 [r/2]
     rotations: dict = field(default_factory=dict)  # rope kind -> complex [B, S, r/2] at `positions`
     topk: dict = field(default_factory=dict)  # index-source layer -> int32 [B, S, k]
-    candidates: torch.Tensor | None = None  # bool [B, S, rows] from the candidate source
+    candidates: torch.Tensor | None = None  # int32 [B, S, blocks]: block ids the candidate source kept
 
     @property
     def batch(self) -> int:

@@ -59,6 +59,23 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+def mask_to_blocks(mask: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
+    """The fixture's per-row candidate mask -> our compact block ids (ascending, -1 padded to `width`)."""
+    padded = torch.nn.functional.pad(mask, (0, -mask.shape[-1] % block_size))
+    ids = padded.unflatten(-1, (-1, block_size)).any(-1).nonzero().flatten().to(torch.int32)
+    return torch.cat([ids, ids.new_full((width - len(ids),), -1)])
+
+
+def blocks_to_mask(blocks: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
+    """Our block ids [..., nb] -> the per-row mask [..., width] the fixture records."""
+    from dsflash_compile.custom_ops.indexer import candidate_rows
+
+    rows = candidate_rows(blocks, block_size)
+    mask = torch.zeros(*rows.shape[:-1], width + 1, dtype=torch.bool)
+    mask.scatter_(-1, torch.where((rows >= 0) & (rows < width), rows, width), True)
+    return mask[..., :width]
+
+
 def force_selections(model, phase: str, step: int | None = None, start: int = 0):
     """Forward hooks on every Indexer replacing the top-k (and candidate mask) rows where the reference
     recorded a tie by the reference's own picks. Prefill rows are positions start + row (a chunk);
@@ -81,7 +98,8 @@ def force_selections(model, phase: str, step: int | None = None, start: int = 0)
             for row, src in pairs:
                 out[0, row] = dbg[f"{phase}.topk.{layer}"][0, src, :out.shape[-1]].to(out.dtype)
                 if mod.role.is_candidate_source:
-                    ctx.candidates[0, row] = dbg[f"{phase}.candidates.{layer}"][0, src, :ctx.candidates.shape[-1]]
+                    mask = dbg[f"{phase}.candidates.{layer}"][0, src]
+                    ctx.candidates[0, row] = mask_to_blocks(mask, mod.candidate_block_size, ctx.candidates.shape[-1])
             return out
 
         handles.append(module.register_forward_hook(hook))

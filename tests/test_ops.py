@@ -110,28 +110,39 @@ def kept_blocks(mask, block_size):
     return torch.nn.functional.pad(mask, (0, -mask.shape[-1] % block_size)).unflatten(-1, (-1, block_size)).any(-1)
 
 
+def as_mask(blocks, block_size, width):
+    """Block ids [..., nb] (-1 = none) -> the per-row mask [..., width] they cover."""
+    from dsflash_compile.custom_ops.indexer import candidate_rows
+
+    rows = candidate_rows(blocks, block_size)
+    mask = torch.zeros(*rows.shape[:-1], width + 1, dtype=torch.bool)
+    return mask.scatter_(-1, torch.where((rows >= 0) & (rows < width), rows, width), True)[..., :width]
+
+
 @pytest.mark.parametrize("width", [48, 43])
-def test_candidate_mask_opcheck(width):
+def test_candidate_blocks_opcheck(width):
     """opcheck with bf16 scores holding -inf rows and zero-visible queries, width a multiple of the block or not."""
     batch, seq = 2, 6
     visible = ramp_visible(batch, seq, width) * 7
     scores = tie_free_scores(30, batch, seq, width, visible)
-    torch.library.opcheck(ops.candidate_mask.default, (scores, visible, 3, 4))
+    torch.library.opcheck(ops.candidate_blocks.default, (scores, visible, 3, 4))
 
 
 @pytest.mark.parametrize("topk_blocks", [1, 3, 20])
-def test_candidate_mask_matches_plain_selection(topk_blocks):
-    """Block max over blocks of block_size (last padded), newest block pinned, best topk_blocks finite blocks kept."""
+def test_candidate_blocks_match_plain_selection(topk_blocks):
+    """Block max over blocks of block_size (last padded), newest block pinned, best topk_blocks finite blocks
+    kept, published as ascending block ids with -1 after the last kept one."""
     batch, seq, width, block_size = 2, 6, 43, 4
     visible = (ramp_visible(batch, seq, width) * 7).clamp_max(width)
     scores = tie_free_scores(31, batch, seq, width, visible)
-    out = ops.candidate_mask(scores, visible, topk_blocks, block_size)
-    assert out.dtype == torch.bool and out.shape == scores.shape
-    assert torch.equal(out, plain_candidates(scores, visible, topk_blocks, block_size))
-    assert (kept_blocks(out, block_size).sum(-1) <= topk_blocks).all()
+    out = ops.candidate_blocks(scores, visible, topk_blocks, block_size)
+    assert out.dtype == torch.int32 and out.shape == (batch, seq, min(topk_blocks, 11))
+    kept = torch.where(out >= 0, out, 1 << 20)
+    assert torch.equal(kept, kept.sort(-1).values)  # ascending, -1 padding at the end
+    assert torch.equal(as_mask(out, block_size, width), plain_candidates(scores, visible, topk_blocks, block_size))
 
 
-def test_candidate_mask_pins_newest_block_even_if_lowest():
+def test_candidate_blocks_pin_newest_block_even_if_lowest():
     """The block holding row visible-1 is kept although its scores are the lowest."""
     width, block_size = 43, 4
     visible = torch.tensor([[22, 43]])
@@ -139,22 +150,76 @@ def test_candidate_mask_pins_newest_block_even_if_lowest():
     scores[0, 0, 20:22] = -1000.0  # rows 20, 21: the newest block (5) holds only the lowest scores
     scores[0, 1, 40:43] = -1000.0  # the padded last block (10) is the newest and the lowest
     for topk_blocks in (1, 2):
-        out = ops.candidate_mask(scores, visible, topk_blocks, block_size)
-        blocks = kept_blocks(out, block_size)
-        assert blocks[0, 0, 5] and blocks[0, 1, 10]
-        assert (blocks.sum(-1) == topk_blocks).all()
-        assert out[0, 1, 40:].all()  # the last block covers the 3 real columns of the padded block
+        out = ops.candidate_blocks(scores, visible, topk_blocks, block_size)
+        assert 5 in out[0, 0].tolist() and 10 in out[0, 1].tolist()
+        assert (out >= 0).sum(-1).eq(topk_blocks).all()
 
 
-def test_candidate_mask_neg_inf_blocks_not_kept():
+def test_candidate_blocks_neg_inf_blocks_not_kept():
     """With fewer visible blocks than topk_blocks only the visible blocks are kept; visible = 0 keeps nothing."""
     width, block_size = 43, 4
     visible = torch.tensor([[5, 0, 1]])
     scores = tie_free_scores(33, 1, 3, width, visible)
-    out = ops.candidate_mask(scores, visible, 8, block_size)
-    assert out[0, 0].tolist() == [True] * 8 + [False] * (width - 8)  # blocks 0 and 1 (rows 4..7, row 4 visible)
-    assert not out[0, 1].any()
-    assert out[0, 2].tolist() == [True] * 4 + [False] * (width - 4)
+    out = ops.candidate_blocks(scores, visible, 8, block_size)
+    assert out[0, 0].tolist() == [0, 1] + [-1] * 6
+    assert out[0, 1].tolist() == [-1] * 8
+    assert out[0, 2].tolist() == [0] + [-1] * 7
+
+
+def candidate_inputs(seed, fmt="bf16"):
+    q, weights, keys, visible, num_rows = indexer_inputs(seed)
+    dense = ops.indexer_scores(q, weights, keys, visible, num_rows)
+    blocks = ops.candidate_blocks(dense, visible, 3, 4)
+    return q, weights, keys, visible, num_rows, dense, blocks
+
+
+def test_candidate_scores_equal_dense_scores_at_candidate_rows():
+    """Candidate-only scores equal the dense scores gathered at the candidate rows (bit for bit: same bf16
+    products and head sum), -inf where the block is -1 or the row is not visible; opcheck."""
+    from dsflash_compile.custom_ops.indexer import candidate_rows
+
+    q, weights, keys, visible, num_rows, dense, blocks = candidate_inputs(40)
+    out = ops.candidate_scores(q, weights, keys[:, :num_rows], blocks, 4, visible, "bf16")
+    rows = candidate_rows(blocks, 4)
+    ok = (rows >= 0) & (rows < visible.unsqueeze(-1))
+    expected = dense.gather(-1, rows.clamp(0, num_rows - 1)).masked_fill(~ok, NEG_INF)
+    assert out.shape == rows.shape and torch.equal(out, expected)
+    torch.library.opcheck(ops.candidate_scores.default, (q, weights, keys[:, :num_rows], blocks, 4, visible, "bf16"))
+
+
+def test_candidate_scores_read_mxfp4_records():
+    """MXFP4 key records give the scores of their decoded keys (the records are exact on that grid)."""
+    from dsflash_compile.custom_ops import records
+
+    q, weights, keys, visible, num_rows, dense, blocks = candidate_inputs(41)
+    packed = records.encode_reference(keys, "mxfp4")
+    decoded = records.decode_reference(packed, "mxfp4", keys.shape[-1])
+    assert torch.equal(ops.candidate_scores(q, weights, packed, blocks, 4, visible, "mxfp4"),
+                       ops.candidate_scores(q, weights, decoded, blocks, 4, visible, "bf16"))
+
+
+def test_candidate_topk_equals_dense_topk_over_masked_scores():
+    """Top-k in the compact space, remapped to rows, equals top-k over the dense scores masked to the
+    candidates (tie-free), ascending; picks beyond the finite candidates are -1; opcheck."""
+    batch, seq, width, block_size, k = 2, 6, 43, 4, 5
+    visible = (ramp_visible(batch, seq, width) * 7).clamp_max(width)
+    dense = tie_free_scores(42, batch, seq, width, visible)
+    blocks = ops.candidate_blocks(dense, visible, 3, block_size)
+    from dsflash_compile.custom_ops.indexer import candidate_rows
+
+    rows = candidate_rows(blocks, block_size)
+    ok = (rows >= 0) & (rows < visible.unsqueeze(-1))
+    compact = dense.gather(-1, rows.clamp(0, width - 1)).masked_fill(~ok, NEG_INF)
+    out = ops.candidate_topk(compact, blocks, block_size, k)
+    masked = dense.masked_fill(~as_mask(blocks, block_size, width), NEG_INF)
+    dense_picks = ops.topk_indices(masked, k, visible)
+    for b in range(batch):
+        for t in range(seq):
+            expected = {x for x in dense_picks[b, t].tolist() if x >= 0 and masked[b, t, x].isfinite()}
+            assert {x for x in out[b, t].tolist() if x >= 0} == expected, (b, t)
+            assert out[b, t].tolist() == sorted(expected) + [-1] * (k - len(expected))
+    assert out.dtype == torch.int32 and out.shape == (batch, seq, k)
+    torch.library.opcheck(ops.candidate_topk.default, (compact, blocks, block_size, k))
 
 
 # ------------------------------------------------------------------------------------- topk_indices
