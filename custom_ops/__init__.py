@@ -4,4 +4,4 @@ Each op has a plain-PyTorch reference (CPU and CUDA) and a fake kernel; where a 
 registered for CUDA (`register_kernel("cuda")`) and the reference stays the CPU path.
 """
 
-from . import attention, indexer, records, topk  # noqa: F401  (registration side effects)
+from . import attention, indexer, records, router, topk  # noqa: F401  (registration side effects)

@@ -1,0 +1,18 @@
+"""FX/Inductor passes of dsflash_compile and their manager (see `install`)."""
+
+from .manager import DsflashPassManager
+from .router_fusion import RouterFusionPass
+
+
+def install(text_config) -> DsflashPassManager:
+    """Make Inductor run our passes (post-grad) for graphs compiled from now on; returns the manager,
+    whose `matches` counts the rewrites. Patterns use the config's router constants."""
+    from torch._inductor import config as inductor_config
+
+    manager = DsflashPassManager([RouterFusionPass(text_config.num_experts_per_tok, text_config.norm_topk_prob,
+                                                   text_config.routed_scaling_factor)])
+    inductor_config.post_grad_custom_post_pass = manager
+    return manager
+
+
+__all__ = ["DsflashPassManager", "RouterFusionPass", "install"]
