@@ -10,10 +10,17 @@ from torch import Tensor
 
 
 def top_k_stable(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """(values, indices) of the k largest along the last dim; equal scores keep index order, so exact
-    ties resolve deterministically (lowest index wins) on every device and thread count."""
-    order = scores.sort(dim=-1, descending=True, stable=True)
-    return order.values[..., :k], order.indices[..., :k]
+    """(values, indices) of the k largest along the last dim; an exact tie goes to the lower index, on
+    every device and thread count. torch.topk alone leaves ties implementation-defined, so it ranks one
+    int64 key per entry: the score's order-preserving fp32 bits above the index's complement."""
+    width = scores.shape[-1]
+    if width >= 1 << 31:
+        raise ValueError(f"top_k_stable: {width} entries per row exceed 2^31")
+    bits = scores.float().contiguous().view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)  # larger float -> larger integer
+    key = (ordered << 31) | ((1 << 31) - 1 - torch.arange(width, device=scores.device))
+    indices = key.topk(k, dim=-1).indices
+    return scores.gather(-1, indices), indices
 
 
 def topk_indices_reference(scores: Tensor, k: int, visible: Tensor) -> Tensor:

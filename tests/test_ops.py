@@ -269,3 +269,16 @@ def test_topk_indices_picks_past_visible_become_minus_one():
     expected = torch.where(top < visible.unsqueeze(-1), top, -1)
     assert torch.equal(out.long(), expected)
     assert (out[0, 0] == -1).all()
+
+
+def test_top_k_stable_breaks_ties_by_lower_index():
+    """Exact ties (including +0/-0) go to the lower index; otherwise the k largest, like a stable sort."""
+    from dsflash_compile.custom_ops.topk import top_k_stable
+
+    scores = torch.tensor([[1.0, 3.0, 3.0, NEG_INF, 2.0, 3.0, -0.0, 0.0, -5.0, NEG_INF]]).bfloat16()
+    values, indices = top_k_stable(scores, 10)
+    assert indices[0].tolist() == [1, 2, 5, 4, 0, 6, 7, 8, 3, 9]
+    assert torch.equal(values, scores.gather(-1, indices))
+    y = torch.randn(3, 1000, generator=gen(7)).bfloat16()
+    ref = y.float().sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(top_k_stable(y, 17)[1], ref.indices[:, :17])
