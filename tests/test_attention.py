@@ -2,15 +2,10 @@
 formats against bf16 caches holding the same values, and the Triton kernel (custom_ops/attention_triton.py)
 against the reference, under Triton's CPU interpreter (in a subprocess) and on CUDA at the release shapes."""
 
-import json
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
-import numpy
 import pytest
 import torch
 
@@ -18,6 +13,7 @@ import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
 from dsflash_compile.custom_ops import records
 from dsflash_compile.custom_ops.attention import attention_reference
 from dsflash_compile.rope import inverse_frequencies
+from interp import interpreter_skip_reason, report, run_interpreted
 
 ops = torch.ops.dsflash
 OP_ARGS = ("q", "ring", "chunk_kv", "widx", "compressed", "cidx", "sink", "positions", "inv_freq", "scale",
@@ -335,39 +331,16 @@ def interpreter_checks():
             result = run_interpreter_case(name, spec)
         except Exception as e:  # report it against its case, run the others
             result = dict(name=name, error=f"{type(e).__name__}: {e}")
-        print("CASE " + json.dumps(result), flush=True)
-
-
-def _interpreter_skip_reason():
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "triton is not installed"
-    if numpy.lib.NumpyVersion(numpy.__version__) >= "2.4.0":
-        return (f"triton's interpreter fails with numpy {numpy.__version__} >= 2.4 (int() of a 1-element "
-                "array in triton/runtime/interpreter.py); install numpy<2.4 to run these")
-    return None
+        report(result)
 
 
 @pytest.fixture(scope="module")
 def interpreted():
-    """Runs every interpreter case in one subprocess with TRITON_INTERPRET=1 set from the start (this process
-    imported triton at collection, when TRITON_INTERPRET is read: see test_records.py)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    tests_dir = str(Path(__file__).resolve().parent)
-    code = (f"import sys; sys.path.insert(0, {tests_dir!r}); import test_attention; "
-            "test_attention.interpreter_checks()")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("CASE "):
-            result = json.loads(line[5:])
-            results[result["name"]] = result
-    return results
+    """Every interpreter case, run in one subprocess with TRITON_INTERPRET=1 (see interp.py)."""
+    return run_interpreted("test_attention", "interpreter_checks")
 
 
-@pytest.mark.skipif(_interpreter_skip_reason() is not None, reason=str(_interpreter_skip_reason()))
+@pytest.mark.skipif(interpreter_skip_reason() is not None, reason=str(interpreter_skip_reason()))
 @pytest.mark.parametrize("name", list(interpreter_cases()))
 def test_triton_matches_reference_interpreted(interpreted, name):
     """The Triton kernel under the CPU interpreter vs the reference: within 2^-6 max|o| (~2 bf16 ulps of the

@@ -1,0 +1,45 @@
+"""Running Triton kernels under the CPU interpreter from the test suite.
+
+TRITON_INTERPRET is read when triton (and its own jitted helpers) are first imported, and this process
+imported triton at collection, so interpreter checks run in a subprocess with the variable set from the
+start. A check function prints one `CASE {json}` line per case; `run_interpreted` collects them by name.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy
+
+
+def interpreter_skip_reason() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    if numpy.lib.NumpyVersion(numpy.__version__) >= "2.4.0":
+        return (f"triton's interpreter fails with numpy {numpy.__version__} >= 2.4 (int() of a 1-element "
+                "array in triton/runtime/interpreter.py); install numpy<2.4 to run these")
+    return None
+
+
+def report(result: dict) -> None:
+    """Called inside the subprocess: one case's measurements."""
+    print("CASE " + json.dumps(result), flush=True)
+
+
+def run_interpreted(module: str, function: str, timeout: int = 600) -> dict:
+    """Run tests/<module>.<function>() with TRITON_INTERPRET=1; returns {case name: result dict}."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    tests_dir = str(Path(__file__).resolve().parent)
+    code = f"import sys; sys.path.insert(0, {tests_dir!r}); import {module}; {module}.{function}()"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("CASE "):
+            result = json.loads(line[5:])
+            results[result["name"]] = result
+    return results
