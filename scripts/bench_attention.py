@@ -12,17 +12,13 @@ the reference is timed eagerly (it is the eager path). Correctness against the r
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 import triton
 
+from dsflash_compile.benchmarking import copy_bandwidth, run_metadata, time_eager, time_graph
 from dsflash_compile.custom_ops import records
 from dsflash_compile.custom_ops.attention import attention_reference
 from dsflash_compile.custom_ops.attention_triton import attention_triton
@@ -30,55 +26,6 @@ from dsflash_compile.rope import inverse_frequencies
 
 H, D, R_DIMS, W, TOPK = 64, 512, 64, 128, 512
 FORMATS = ("nvfp4", "fp8", "bf16")
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second of a 1 GiB device copy (median of 20)."""
-    x = torch.empty(2 ** 29, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    times = []
-    for _ in range(22):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        y.copy_(x)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * x.numel() * 2 / statistics.median(times[2:])
-
-
-def time_graph(fn, calls: int = 10, replays: int = 20) -> float:
-    """Median seconds per call of `fn` captured `calls` times in one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return statistics.median(times[2:])
-
-
-def time_eager(fn, iters: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
 
 
 def record_pool(fmt: str, rows: int, gen: torch.Generator) -> torch.Tensor:
@@ -155,11 +102,7 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="skip the kernel-shape sweep; use the defaults")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    result = {"command": "python " + " ".join(sys.argv),
-              "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "triton": triton.__version__, "host": platform.node(),
-              "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-              or "unknown (no git checkout here)"}
+    result = run_metadata()
     result["max_abs_error_vs_reference"] = check(gen)
     copy_bw = copy_bandwidth()
     result["copy_bandwidth_Bps"] = copy_bw

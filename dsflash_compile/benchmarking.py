@@ -1,0 +1,70 @@
+"""Timing helpers shared by the benchmark scripts (one GPU; see shared/spec/BENCHMARKS.md's method)."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import subprocess
+import sys
+
+import torch
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second of a 1 GiB device copy (median of 20 after 2 warm-ups)."""
+    x = torch.empty(2 ** 29, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    times = []
+    for _ in range(22):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y.copy_(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * x.numel() * 2 / statistics.median(times[2:])
+
+
+def time_graph(fn, calls: int = 10, replays: int = 20) -> float:
+    """Median seconds per call of `fn` captured `calls` times in one CUDA graph (launches excluded)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(times[2:])
+
+
+def time_eager(fn, iters: int = 10) -> float:
+    """Seconds per call of `fn` run eagerly (launch overheads included: the day-zero path)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def run_metadata() -> dict:
+    import triton
+
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {"command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "host": platform.node(), "commit": commit or "unknown (no git checkout here)"}
