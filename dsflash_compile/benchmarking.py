@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import datetime
+import json
 import platform
 import statistics
 import subprocess
 import sys
+
+from pathlib import Path
 
 import torch
 
@@ -68,3 +71,13 @@ def run_metadata() -> dict:
     return {"command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "host": platform.node(), "commit": commit or "unknown (no git checkout here)"}
+
+
+def save_results(result: dict, name: str, out_dir: str) -> Path:
+    """Write `result` as <out_dir>/<name>-<date>.json and return the path."""
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}-{result['date']}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print("wrote", path)
+    return path

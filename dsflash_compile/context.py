@@ -19,7 +19,7 @@ class ForwardContext:
     cache: DeepseekV41Cache
     positions: torch.Tensor  # [B, S] int64, -1 for padding
     lengths_before: torch.Tensor  # [B] real tokens cached before this chunk
-    window_idx: torch.Tensor  # [B, S, W] index into cat(ring, chunk kv); -1 = none
+    window_idx: torch.Tensor  # [B, S, W] int32: < W ring slot, >= W row W+i of this chunk's kv; -1 = none
     window_slots: torch.Tensor  # [B, S] ring slot each new kv goes to; -1 = not written
     columns_after: int  # host-side bound on any row's length after this chunk
     inv_freq: dict = field(default_factory=dict)  # rope kind ('window' / 'compressed') -> fp32 [r/2]
@@ -65,7 +65,7 @@ def build_context(cache: DeepseekV41Cache, attention_mask: torch.Tensor,
     valid = (key_pos <= positions.unsqueeze(-1)) & (positions.unsqueeze(-1) >= 0)
     if window_floor is not None:
         valid &= key_pos >= window_floor.view(batch, 1, 1)
-    window_idx = torch.where(valid, idx, -1)
+    window_idx = torch.where(valid, idx, -1).to(torch.int32)  # int32: what the attention kernel reads
 
     # Only the last W tokens of a row reach the ring; earlier ones would be overwritten in this chunk.
     last = (lengths + count - 1).unsqueeze(1)

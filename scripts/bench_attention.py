@@ -12,13 +12,11 @@ the reference is timed eagerly (it is the eager path). Correctness against the r
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 import triton
 
-from dsflash_compile.benchmarking import copy_bandwidth, run_metadata, time_eager, time_graph
+from dsflash_compile.benchmarking import copy_bandwidth, run_metadata, save_results, time_eager, time_graph
 from dsflash_compile.custom_ops import records
 from dsflash_compile.custom_ops.attention import attention_reference
 from dsflash_compile.custom_ops.attention_triton import attention_triton
@@ -170,11 +168,7 @@ def main() -> None:
         print(f"{r['phase']:8} {r['context']:>7} {r['batch']:>3} {r['nvfp4_s'] * 1e6:9.1f} {r['fp8_s'] * 1e6:8.1f} "
               f"{r['bf16_s'] * 1e6:8.1f} {r['reference_bf16_s'] * 1e6:9.1f} {r['nvfp4_s'] / r['fp8_s']:7.3f} "
               f"{100 * r.get('nvfp4_bw_fraction', float('nan')):7.1f} {r['speedup_nvfp4_vs_reference']:7.1f}")
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"attention-{result['date']}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print("wrote", path)
+    save_results(result, "attention", args.out)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,10 @@ kernel against the reference op, and both paths pick the same row sets (tie-free
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 
-from dsflash_compile.benchmarking import run_metadata, time_eager, time_graph
+from dsflash_compile.benchmarking import run_metadata, save_results, time_eager, time_graph
 from dsflash_compile.custom_ops import records
 from dsflash_compile.custom_ops.indexer import (candidate_rows, candidate_scores_reference, candidate_topk_reference,
                                                 indexer_scores_reference)
@@ -126,11 +124,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['context']:>7} {r['batch']:>3} {r['seq']:>5} {r['dense_mask_topk_s'] * 1e3:19.3f} "
               f"{r['candidate_only_s'] * 1e3:13.3f} {r['speedup']:6.1f}")
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"indexer-{result['date']}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print("wrote", path)
+    save_results(result, "indexer", args.out)
 
 
 if __name__ == "__main__":
