@@ -14,6 +14,8 @@ for decode (batch 1 must fill the GPU) and merges the partial softmaxes by log-s
 import torch
 from torch import Tensor
 
+from dsflash_compile.rope import apply_rope, rotation
+
 from . import records
 
 KEY_BLOCK = 64  # the release kernel's online-softmax block
@@ -52,14 +54,6 @@ def _gather_rows(cache: Tensor, idx: Tensor, fmt: str, dim: int) -> Tensor:
     return picked.to(torch.bfloat16) if fmt == "bf16" else records.decode_reference(picked, fmt, dim)
 
 
-def _inverse_rope(o: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
-    angles = positions.clamp_min(0).float().unsqueeze(-1) * inv_freq
-    rot = torch.polar(torch.ones_like(angles), angles).conj().unsqueeze(-2)  # [B, S, 1, r/2]
-    r = 2 * inv_freq.shape[0]
-    tail = torch.view_as_complex(o[..., -r:].float().unflatten(-1, (-1, 2)).contiguous())
-    return torch.cat([o[..., :-r], torch.view_as_real(tail * rot).flatten(-2).to(o.dtype)], dim=-1)
-
-
 def attention_reference(out: Tensor, q: Tensor, ring: Tensor, chunk_kv: Tensor, widx: Tensor, compressed: Tensor,
                         cidx: Tensor, sink: Tensor, positions: Tensor, inv_freq: Tensor, scale: float,
                         window_fmt: str, compressed_fmt: str) -> None:
@@ -77,7 +71,7 @@ def attention_reference(out: Tensor, q: Tensor, ring: Tensor, chunk_kv: Tensor, 
             keys = torch.cat([keys, _gather_rows(compressed, cidx[:, sl], compressed_fmt, dim)], dim=2)
         valid = torch.cat([w >= 0, cidx[:, sl] >= 0], dim=-1)
         o = online_softmax(q[:, sl].float(), keys.float(), valid, sink.float(), scale).to(q.dtype)
-        out[:, sl] = _inverse_rope(o, positions[:, sl], inv_freq)
+        out[:, sl] = apply_rope(o, rotation(positions[:, sl].clamp_min(0), inv_freq), inverse=True)
 
 
 @torch.library.custom_op("dsflash::attention_", mutates_args=("out",))

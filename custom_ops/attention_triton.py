@@ -39,6 +39,15 @@ def _e2m1(code):
 
 
 @triton.jit
+def _e2m1_rows(packed, scale, N: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr):
+    """Packed E2M1 bytes [N, D/2] (even element in the low nibble) times one scale per GROUP values
+    (scale [N, D/GROUP, 1] fp32) -> fp32 [N, D]."""
+    lo = tl.reshape(_e2m1(packed & 15), (N, D // GROUP, GROUP // 2)) * scale
+    hi = tl.reshape(_e2m1(packed >> 4), (N, D // GROUP, GROUP // 2)) * scale
+    return tl.reshape(tl.join(tl.reshape(lo, (N, D // 2)), tl.reshape(hi, (N, D // 2))), (N, D))
+
+
+@triton.jit
 def _load_rows(base, rows, row_stride, mask, D: tl.constexpr, FMT: tl.constexpr):
     """Rows `rows` [N] of a cache (records of format FMT) -> bf16 [N, D]; masked rows read as 0.
     Codes and scales are loaded as the contiguous byte runs they are, and each scale multiplies its
@@ -57,11 +66,8 @@ def _load_rows(base, rows, row_stride, mask, D: tl.constexpr, FMT: tl.constexpr)
     else:  # nvfp4: D/2 packed E2M1 (even element low nibble), then D/16 E4M3 scales
         packed = tl.load(row_base + tl.arange(0, D // 2)[None, :], mask=m2, other=0).to(tl.int32)
         scale = tl.load(row_base + D // 2 + tl.arange(0, D // 16)[None, :], mask=m2, other=0)
-        scale = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)[:, :, None]  # per 8 bytes = 16 values
-        lo = tl.reshape(_e2m1(packed & 15), (N, D // 16, 8)) * scale
-        hi = tl.reshape(_e2m1(packed >> 4), (N, D // 16, 8)) * scale
-        vals = tl.join(tl.reshape(lo, (N, D // 2)), tl.reshape(hi, (N, D // 2)))  # [N, D/2, 2]: even, odd
-        return tl.reshape(vals, (N, D)).to(tl.bfloat16)
+        scale = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)[:, :, None]
+        return _e2m1_rows(packed, scale, N, D, 16).to(tl.bfloat16)
 
 
 @triton.jit

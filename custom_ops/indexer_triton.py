@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_triton import _dot, _e2m1
+from .attention_triton import _dot, _e2m1_rows
 
 BLOCK_C = 32
 
@@ -41,11 +41,8 @@ def _candidate_scores_kernel(q_ptr, w_ptr, keys_ptr, blocks_ptr, visible_ptr, ou
     if MXFP4:
         packed = tl.load(base + tl.arange(0, D // 2)[None, :], mask=ok[:, None], other=0).to(tl.int32)
         exps = tl.load(base + D // 2 + tl.arange(0, D // 32)[None, :], mask=ok[:, None], other=127).to(tl.int32)
-        scale = (exps << 23).to(tl.float32, bitcast=True)[:, :, None]  # per 16 bytes = 32 values
-        lo = tl.reshape(_e2m1(packed & 15), (BLOCK_C, D // 32, 16)) * scale
-        hi = tl.reshape(_e2m1(packed >> 4), (BLOCK_C, D // 32, 16)) * scale
-        k = tl.reshape(tl.join(tl.reshape(lo, (BLOCK_C, D // 2)), tl.reshape(hi, (BLOCK_C, D // 2))), (BLOCK_C, D))
-        k = k.to(tl.bfloat16)
+        scale = (exps << 23).to(tl.float32, bitcast=True)[:, :, None]  # UE8M0: the fp32 exponent field
+        k = _e2m1_rows(packed, scale, BLOCK_C, D, 32).to(tl.bfloat16)
     else:
         k = tl.load(base + d[None, :], mask=ok[:, None], other=0.0)
 

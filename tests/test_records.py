@@ -2,10 +2,6 @@
 quantize-dequantize functions bit for bit, the dsflash::record_write_ / record_read ops, and the Triton write
 kernel under the interpreter (in a subprocess: see test_triton_write_matches_reference_interpreted)."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +10,7 @@ import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
 from dsflash_compile import quant
 from dsflash_compile.custom_ops import records
 from dsflash_compile.custom_ops.records import FORMATS, decode_reference, encode_reference, record_bytes
+from interp import report, run_interpreted
 
 ops = torch.ops.dsflash
 BLOCK = {"bf16": 32, "fp8": 32, "nvfp4": 16, "mxfp4": 32}  # bf16: the group size used to build test rows
@@ -356,24 +353,16 @@ def interpreter_checks() -> None:
         records.record_write_triton(cache, rows, slots, fmt)
         what = f"{fmt} dim {rows.shape[-1]} rows {rows.dtype} {tuple(rows.stride())} cache {cache.dtype}"
         assert torch.equal(cache.view(torch.uint8), ref.view(torch.uint8)), what
-    print(f"interpreter: {len(cases)} cases match")
+    report({"name": "write", "cases": len(cases)})
 
 
 def test_triton_write_matches_reference_interpreted():
     """The Triton kernel, run by Triton's CPU interpreter, writes the reference's bytes.
 
-    TRITON_INTERPRET is read when a function is decorated with @triton.jit, and triton.language's own
-    helpers (tl.max, ...) are decorated when triton is first imported; this process imported triton at
-    collection (dsflash_compile's Triton ops), so setting the variable here would come too late. Hence a
-    subprocess with the variable set from the start (no effect on this process or the other tests).
+    It runs in a subprocess with TRITON_INTERPRET=1 set from the start (interp.py says why).
     """
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    tests_dir = str(Path(__file__).resolve().parent)
-    code = f"import sys; sys.path.insert(0, {tests_dir!r}); import test_records; test_records.interpreter_checks()"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "cases match" in proc.stdout
+    assert run_interpreted("test_records", "interpreter_checks", timeout=300)["write"]["cases"] > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
