@@ -1,9 +1,10 @@
 """Lightning-indexer ops (MODEL.md section 4.2): scores, candidate blocks.
 
 `dsflash::indexer_scores`: I[b, t, j] = sum_h w[b, t, h] * relu(q[b, t, h] . k[b, j]) over the first
-`num_rows` key rows, -inf where row j is not yet visible to query t (j >= visible[b, t]). Reference
-numerics: the q.k products and the head sum in bf16, as the release computes them (the scores it ranks
-are bf16, so equal scores do occur).
+`num_rows` key rows, -inf where row j is not yet visible to query t (j >= visible[b, t]); keys are bf16
+rows or records of `fmt` (the cache's own MXFP4 records are read as they are). Reference numerics: the
+q.k products and the head sum in bf16, as the release computes them (the scores it ranks are bf16, so
+equal scores do occur).
 
 `dsflash::candidate_blocks`: level one of the two-level selection. Blocks of `block_size` rows score
 their max, the block holding the query's newest visible row is pinned, the `topk_blocks` best blocks
@@ -11,6 +12,11 @@ with a score > -inf are kept; published compactly as block ids per query (not a 
 
 `dsflash::candidate_scores` + `dsflash::candidate_topk`: level two scores only those candidate rows, in a
 compact [B, S, topk_blocks * block_size] layout, and picks its top-k there, remapped to row ids.
+
+On CUDA each op runs its Triton kernels (indexer_triton.py, topk_triton.py), the same results as the
+reference (scores within bf16 rounding-order differences, top-k picks exactly); the CPU path is the
+reference. Inputs outside the kernels' scope (q or weights not bf16, a head dim that is not a power of
+two >= 32, another key format) take the reference on CUDA too.
 """
 
 import torch
@@ -28,15 +34,23 @@ def indexer_scores_reference(q: Tensor, weights: Tensor, keys: Tensor, visible: 
     return scores.masked_fill(hidden, -torch.inf)
 
 
-@torch.library.custom_op("dsflash::indexer_scores", mutates_args=())
-def indexer_scores(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, num_rows: int) -> Tensor:
-    """q [B, S, H, D] bf16; weights [B, S, H]; keys [B, R, D] (R >= num_rows); visible [B, S] int64.
-    Returns [B, S, num_rows] in q's dtype."""
+def _indexer_scores_decoding(q, weights, keys, visible, num_rows, fmt):
+    """The reference on the decoded rows of records (bf16 keys as they are)."""
+    if fmt != "bf16":
+        keys = records.decode_reference(keys[:, :num_rows], fmt, q.shape[-1])
     return indexer_scores_reference(q, weights, keys, visible, num_rows)
 
 
+@torch.library.custom_op("dsflash::indexer_scores", mutates_args=())
+def indexer_scores(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, num_rows: int,
+                   fmt: str = "bf16") -> Tensor:
+    """q [B, S, H, D] bf16; weights [B, S, H]; keys [B, R, D] bf16 or records of `fmt` [B, R, bytes]
+    (R >= num_rows); visible [B, S] int64. Returns [B, S, num_rows] in q's dtype."""
+    return _indexer_scores_decoding(q, weights, keys, visible, num_rows, fmt)
+
+
 @indexer_scores.register_fake
-def _(q, weights, keys, visible, num_rows):
+def _(q, weights, keys, visible, num_rows, fmt="bf16"):
     return q.new_empty(q.shape[0], q.shape[1], num_rows)
 
 
@@ -114,3 +128,41 @@ def candidate_topk(scores: Tensor, blocks: Tensor, block_size: int, k: int) -> T
 @candidate_topk.register_fake
 def _(scores, blocks, block_size, k):
     return scores.new_empty(*scores.shape[:-1], k, dtype=torch.int32)
+
+
+try:  # Triton is optional on CPU machines
+    from . import indexer_triton, topk_triton
+except ImportError:  # pragma: no cover - CPU machines without triton
+    indexer_triton = None
+
+
+def _kernels_fit(q: Tensor, weights: Tensor, fmt: str) -> bool:
+    dim = q.shape[-1]
+    return (q.dtype == weights.dtype == torch.bfloat16 and fmt in indexer_triton.FORMATS and dim >= 32
+            and dim & (dim - 1) == 0)
+
+
+if indexer_triton is not None:
+    @indexer_scores.register_kernel("cuda")
+    def _(q, weights, keys, visible, num_rows, fmt="bf16"):
+        if not _kernels_fit(q, weights, fmt):
+            return _indexer_scores_decoding(q, weights, keys, visible, num_rows, fmt)
+        return indexer_triton.indexer_scores_triton(q, weights, keys, visible, num_rows, fmt)
+
+    @candidate_blocks.register_kernel("cuda")
+    def _(scores, visible, topk_blocks, block_size):
+        if scores.dtype not in topk_triton.KEY_DTYPES:
+            return candidate_blocks_reference(scores, visible, topk_blocks, block_size)
+        return indexer_triton.candidate_blocks_triton(scores, visible, topk_blocks, block_size)
+
+    @candidate_scores.register_kernel("cuda")
+    def _(q, weights, keys, blocks, block_size, visible, fmt):
+        if not _kernels_fit(q, weights, fmt):
+            return candidate_scores_reference(q, weights, keys, blocks, block_size, visible, fmt)
+        return indexer_triton.candidate_scores_triton(q, weights, keys, blocks, block_size, visible, fmt)
+
+    @candidate_topk.register_kernel("cuda")
+    def _(scores, blocks, block_size, k):
+        if scores.dtype not in topk_triton.KEY_DTYPES:
+            return candidate_topk_reference(scores, blocks, block_size, k)
+        return topk_triton.candidate_topk_triton(scores, blocks, block_size, k)

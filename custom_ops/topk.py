@@ -3,6 +3,8 @@
 k picks per query among `scores[..., :R]`; a pick j with j >= visible[b, t] (fewer visible rows than k)
 becomes -1. Exact score ties at the cut go to the lower index (deterministic; the release's
 torch.topk(sorted=False) leaves them implementation-defined, so a tie may resolve differently from it).
+On CUDA the op runs the radix-select kernels of topk_triton.py (the same picks, without a sort of the
+whole row); the CPU path is the reference.
 """
 
 import torch
@@ -37,3 +39,16 @@ def topk_indices(scores: Tensor, k: int, visible: Tensor) -> Tensor:
 @topk_indices.register_fake
 def _(scores, k, visible):
     return scores.new_empty(*scores.shape[:-1], k, dtype=torch.int32)
+
+
+try:  # Triton is optional on CPU machines
+    from . import topk_triton
+except ImportError:  # pragma: no cover - CPU machines without triton
+    topk_triton = None
+
+if topk_triton is not None:
+    @topk_indices.register_kernel("cuda")
+    def _(scores, k, visible):
+        if scores.dtype not in topk_triton.KEY_DTYPES:
+            return topk_indices_reference(scores, k, visible)
+        return topk_triton.topk_indices_triton(scores, k, visible)

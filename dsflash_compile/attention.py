@@ -106,9 +106,7 @@ class Indexer(nn.Module):
         if self.role.uses_candidates:  # level two: score only the candidate rows, top-k among them
             scores = ops.candidate_scores(q, weights, keys, ctx.candidates, self.candidate_block_size, visible, fmt)
             return ops.candidate_topk(scores, ctx.candidates, self.candidate_block_size, k)
-        if fmt != "bf16":
-            keys = ops.record_read(keys, fmt, self.head_dim)
-        scores = ops.indexer_scores(q, weights, keys, visible, num_rows)
+        scores = ops.indexer_scores(q, weights, keys, visible, num_rows, fmt)  # reads the records in place
         if self.role.is_candidate_source:  # level one: publish the best blocks (ids, compact)
             ctx.candidates = ops.candidate_blocks(scores, visible, self.candidate_blocks, self.candidate_block_size)
         return ops.topk_indices(scores, k, visible)

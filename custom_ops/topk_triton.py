@@ -1,0 +1,234 @@
+"""Triton top-k of the indexer: radix select on order-preserving keys, for `dsflash::topk_indices` and the
+picks inside `candidate_blocks` and `candidate_topk` (CUDA).
+
+Per row it picks the k largest entries, an exact tie going to the lower index: top_k_stable's result. A
+score's bits become an integer key of the same order (a negative float maps to minus its magnitude bits,
+so -0 ties +0, as in top_k_stable). The k-th largest key T is found 8 bits at a time, most significant
+first: pass p histograms digit p of the entries whose higher digits equal T's so far, and T's digit is
+read off the suffix sums (16-bit scores such as the indexer's bf16 need 2 passes, fp32 4). A compaction
+pass then writes the index of every entry above T (slot from a per-row atomic counter: any order) and of
+the first k - #above entries equal to T in index order (slot from the tie counts of the programs before
+it, which the last pass stored per program). A finishing kernel sorts each row's k picks ascending and
+maps them to the op's output. torch.topk sorts far more than it needs to; this reads each score 3 times
+(bf16) and sorts only k entries.
+
+A long row is split over several programs (SPLIT, from the shapes only) that merge their histograms
+with atomics, so one 1M-entry row still fills the GPU. Buffer sizes depend on shapes only and nothing is
+read back to the host: CUDA-graph safe.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_triton import _num_sms
+
+BLOCK = 4096  # entries per tile of a pass
+PROGRAMS_PER_SM = 4
+_KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
+KEY_DTYPES = tuple(_KEY_BITS)  # score dtypes the kernels rank
+_BITS_VIEW = {16: torch.int16, 32: torch.int32}
+# finishing modes: what a pick becomes (constexpr: the kernel reads them)
+VISIBLE, FINITE, CANDIDATE_ROWS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+@triton.jit
+def _ordered(bits, KEY_BITS: tl.constexpr):
+    """Sign-extended float bits (int32) -> a key with the float's order (-0 and +0 equal)."""
+    return tl.where(bits < 0, -(bits & ((1 << (KEY_BITS - 1)) - 1)), bits)
+
+
+@triton.jit
+def _tile_keys(bits_ptr, row, width, off, end, BLOCK: tl.constexpr, KEY_BITS: tl.constexpr):
+    """Entries off .. off + BLOCK - 1 of a row: (index, present: index < end, ordered key)."""
+    idx = off + tl.arange(0, BLOCK)
+    live = idx < end
+    bits = tl.load(bits_ptr + row.to(tl.int64) * width + idx, mask=live, other=0).to(tl.int32)
+    return idx, live, _ordered(bits, KEY_BITS)
+
+
+@triton.jit
+def _digit(key, p: tl.constexpr, KEY_BITS: tl.constexpr):
+    """Digit p (8 bits, most significant first) of the key read as unsigned (key + 2^(KEY_BITS-1))."""
+    shift: tl.constexpr = KEY_BITS - 8 * (p + 1)
+    if p == 0:
+        return (key >> shift) + 128
+    else:
+        return (key >> shift) & 255
+
+
+@triton.jit
+def _threshold(hist_ptr, row, k, PASSES: tl.constexpr, NPASS: tl.constexpr, KEY_BITS: tl.constexpr):
+    """The top PASSES digits of the k-th largest key (as a key with the lower bits 0) and how many of the
+    k picks have exactly those top digits, from the merged histograms of passes 0..PASSES-1."""
+    bins = tl.arange(0, 256)
+    prefix = 0  # (set by pass 0: PASSES >= 1)
+    need = k
+    for p in tl.static_range(PASSES):
+        h = tl.load(hist_ptr + (row.to(tl.int64) * NPASS + p) * 256 + bins)
+        above = tl.sum(h) - tl.cumsum(h)  # entries whose digit is larger than each bin's
+        digit = tl.max(tl.where(above + h >= need, bins, -1))
+        need -= tl.sum(tl.where(bins > digit, h, 0))
+        if p == 0:
+            prefix = (digit - 128) << (KEY_BITS - 8)
+        else:
+            prefix = prefix | (digit << (KEY_BITS - 8 * (p + 1)))
+    return prefix, need
+
+
+@triton.jit
+def _histogram_kernel(bits_ptr, hist_ptr, ties_ptr, width, chunk, k, P: tl.constexpr, NPASS: tl.constexpr,
+                      KEY_BITS: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass P: histogram of digit P over this program's chunk of the row, among the entries that match
+    the threshold's top P digits; merged per row with atomics (the last pass also keeps its own)."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    top: tl.constexpr = KEY_BITS - 8 * P  # bits below the matched prefix
+    if P > 0:
+        prefix, _ = _threshold(hist_ptr, row, k, P, NPASS, KEY_BITS)
+    counts = tl.zeros((256,), tl.int32)
+    start = split * chunk
+    end = tl.minimum(start + chunk, width)
+    for off in range(start, end, BLOCK):
+        idx, live, key = _tile_keys(bits_ptr, row, width, off, end, BLOCK, KEY_BITS)
+        if P > 0:
+            live = live & ((key >> top) == (prefix >> top))
+        counts += tl.histogram(_digit(key, P, KEY_BITS), 256, mask=live)
+    bins = tl.arange(0, 256)
+    tl.atomic_add(hist_ptr + (row.to(tl.int64) * NPASS + P) * 256 + bins, counts)
+    if P == NPASS - 1:
+        tl.store(ties_ptr + (row.to(tl.int64) * SPLIT + split) * 256 + bins, counts)
+
+
+@triton.jit
+def _compact_kernel(bits_ptr, hist_ptr, ties_ptr, count_ptr, picks_ptr, width, chunk, k, NPASS: tl.constexpr,
+                    KEY_BITS: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """Write the indices of this chunk's entries above the threshold and of its share of the ties."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    threshold, need = _threshold(hist_ptr, row, k, NPASS, NPASS, KEY_BITS)
+    # ties before this chunk: the last pass's own counts of the programs before it, at T's last digit
+    before = tl.arange(0, SPLIT_P2)
+    tie_base = tl.sum(tl.load(ties_ptr + (row.to(tl.int64) * SPLIT + before) * 256 + (threshold & 255),
+                              mask=before < split, other=0))
+    first_tie = k - need  # ties take the slots after the entries above T
+    out = picks_ptr + row.to(tl.int64) * k
+    start = split * chunk
+    end = tl.minimum(start + chunk, width)
+    for off in range(start, end, BLOCK):
+        idx, live, key = _tile_keys(bits_ptr, row, width, off, end, BLOCK, KEY_BITS)
+        above = (live & (key > threshold)).to(tl.int32)
+        n_above = tl.sum(above)
+        if n_above > 0:
+            slot = tl.atomic_add(count_ptr + row, n_above) + tl.cumsum(above) - 1
+            tl.store(out + slot, idx, mask=above > 0)
+        tie = (live & (key == threshold)).to(tl.int32)
+        rank = tie_base + tl.cumsum(tie) - 1  # among the row's ties, in index order
+        tl.store(out + first_tie + rank, idx, mask=(tie > 0) & (rank < need))
+        tie_base += tl.sum(tie)
+
+
+@triton.jit
+def _finish_kernel(picks_ptr, values_ptr, visible_ptr, blocks_ptr, out_ptr, width, k, NB, BS,
+                   MODE: tl.constexpr, K_P2: tl.constexpr):
+    """Sort a row's picks ascending and map them: VISIBLE: picks >= visible -> -1; FINITE: picks whose
+    value is -inf -> -1 (last); CANDIDATE_ROWS: compact column -> row id (-1 for a -1 block), -inf -> -1."""
+    row = tl.program_id(0)
+    i = tl.arange(0, K_P2)
+    present = i < k
+    pick = tl.load(picks_ptr + row.to(tl.int64) * k + i, mask=present, other=0)
+    dropped = ~present
+    if MODE == VISIBLE:
+        limit = tl.load(visible_ptr + row)
+    else:
+        value = tl.load(values_ptr + row.to(tl.int64) * width + pick, mask=present, other=0.0)
+        dropped = dropped | (value == float("-inf"))
+        if MODE == CANDIDATE_ROWS:
+            block = tl.load(blocks_ptr + row.to(tl.int64) * NB + pick // BS, mask=present, other=-1)
+            pick = tl.where(block >= 0, block * BS + pick % BS, -1)
+    big = 2147483647  # dropped picks sort last
+    pick = tl.sort(tl.where(dropped, big, pick))
+    if MODE == VISIBLE:
+        pick = tl.where(pick < limit, pick, -1)
+    else:
+        pick = tl.where(pick == big, -1, pick)
+    tl.store(out_ptr + row.to(tl.int64) * k + i, pick, mask=present)
+
+
+def select_topk(scores: torch.Tensor, k: int, split: int | None = None, block: int = BLOCK) -> torch.Tensor:
+    """Indices int32 [rows, k] (in no order) of the k largest of each row of scores [rows, width] (bf16,
+    fp16 or fp32), ties to the lower index. split/block override the programs per row and the tile."""
+    rows, width = scores.shape
+    if scores.dtype not in _KEY_BITS:
+        raise TypeError(f"select_topk: scores must be bf16, fp16 or fp32, got {scores.dtype}")
+    if not 0 < k <= width:
+        raise ValueError(f"select_topk: k = {k} must be in [1, {width}] (the row width)")
+    if width >= 1 << 31:
+        raise ValueError(f"select_topk: {width} entries per row exceed 2^31")
+    key_bits = _KEY_BITS[scores.dtype]
+    npass = key_bits // 8
+    tiles = triton.cdiv(width, block)
+    if split is None:  # enough programs to fill the GPU a few times over
+        split = triton.cdiv(PROGRAMS_PER_SM * _num_sms(scores.device), rows)
+    chunk = triton.cdiv(tiles, max(1, min(split, tiles))) * block
+    split = triton.cdiv(width, chunk)
+    bits = scores.contiguous().view(_BITS_VIEW[key_bits])
+    counters = torch.zeros(rows * (npass * 256 + 1), dtype=torch.int32, device=scores.device)
+    hist, count = counters[:rows * npass * 256], counters[rows * npass * 256:]
+    ties = torch.empty(rows * split * 256, dtype=torch.int32, device=scores.device)
+    picks = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
+    for p in range(npass):
+        _histogram_kernel[(rows, split)](bits, hist, ties, width, chunk, k, P=p, NPASS=npass, KEY_BITS=key_bits,
+                                         SPLIT=split, BLOCK=block, num_warps=8)
+    _compact_kernel[(rows, split)](bits, hist, ties, count, picks, width, chunk, k, NPASS=npass, KEY_BITS=key_bits,
+                                   SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), BLOCK=block, num_warps=8)
+    return picks
+
+
+def finish(picks: torch.Tensor, mode: int, values: torch.Tensor | None = None, visible: torch.Tensor | None = None,
+           blocks: torch.Tensor | None = None, block_size: int = 1) -> torch.Tensor:
+    """picks int32 [rows, k] -> sorted, mapped int32 [rows, k] (see _finish_kernel's modes)."""
+    rows, k = picks.shape
+    out = torch.empty_like(picks)
+    dummy = picks  # an operand the mode never reads
+    values = dummy if values is None else values.contiguous()
+    visible = dummy if visible is None else visible.to(torch.int32).contiguous()
+    blocks = dummy if blocks is None else blocks.to(torch.int32).contiguous()
+    width = values.shape[-1] if mode != VISIBLE else 0
+    nb = blocks.shape[-1] if mode == CANDIDATE_ROWS else 0
+    _finish_kernel[(rows,)](picks, values, visible, blocks, out, width, k, nb, block_size, MODE=mode.value,
+                            K_P2=max(16, triton.next_power_of_2(k)), num_warps=4)
+    return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def topk_indices_triton(scores, k, visible, split=None, block=BLOCK):
+    """`dsflash::topk_indices` on the GPU: int32 [..., k] ascending, -1 for picks j >= visible."""
+    lead = scores.shape[:-1]
+    if k == 0 or lead.numel() == 0:
+        return torch.full((*lead, k), -1, dtype=torch.int32, device=scores.device)
+    picks = select_topk(_rows(scores), k, split, block)
+    return finish(picks, VISIBLE, visible=visible.reshape(-1)).view(*lead, k)
+
+
+def top_blocks_triton(block_scores, k, split=None, block=BLOCK):
+    """The k best blocks of block_scores [..., nblocks] (+inf pinned), ascending, -1 for -inf picks."""
+    lead = block_scores.shape[:-1]
+    if k == 0 or lead.numel() == 0:
+        return torch.full((*lead, k), -1, dtype=torch.int32, device=block_scores.device)
+    values = _rows(block_scores).contiguous()
+    return finish(select_topk(values, k, split, block), FINITE, values=values).view(*lead, k)
+
+
+def candidate_topk_triton(scores, blocks, block_size, k, split=None, block=BLOCK):
+    """`dsflash::candidate_topk` on the GPU: top-k of the compact scores, remapped to row ids, ascending,
+    -1 for picks whose score is -inf."""
+    lead = scores.shape[:-1]
+    if k == 0 or lead.numel() == 0:
+        return torch.full((*lead, k), -1, dtype=torch.int32, device=scores.device)
+    values = _rows(scores).contiguous()
+    picks = select_topk(values, k, split, block)
+    return finish(picks, CANDIDATE_ROWS, values=values, blocks=_rows(blocks), block_size=block_size).view(*lead, k)

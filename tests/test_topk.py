@@ -1,0 +1,120 @@
+"""The radix-select top-k kernels (custom_ops/topk_triton.py) against top_k_stable and the reference op:
+under the Triton interpreter on CPU at small sizes (in a subprocess, see interp.py), and on CUDA at the
+release's sizes (skipped without a GPU). Picks must be equal exactly, ties included (lower index wins)."""
+
+import pytest
+import torch
+
+import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
+from interp import interpreter_skip_reason, report, run_interpreted
+
+ops = torch.ops.dsflash
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CASES = {  # name: (rows, width, k, dtype, split, tile)
+    "bf16_one_program": (3, 700, 40, torch.bfloat16, 1, 256),
+    "bf16_split_rows": (2, 3000, 100, torch.bfloat16, 3, 256),
+    "fp32_split_rows": (2, 2500, 300, torch.float32, 4, 256),
+    "fp16": (2, 600, 33, torch.float16, 2, 128),
+    "k_equals_width": (2, 300, 300, torch.bfloat16, 2, 128),
+    "k_one": (3, 500, 1, torch.float32, 2, 128),
+    "release_k": (2, 4096, 512, torch.bfloat16, 4, 512),
+}
+
+
+def make_scores(rows, width, dtype, seed=0, device="cpu"):
+    """Random scores with what the indexer produces: exact ties (a run of equal values across the cut,
+    +0 and -0), an all -inf row and -inf tails (rows not yet visible)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(rows, width, generator=g, device=device).to(dtype)
+    x[0, width // 5: width // 2] = x[0].float().quantile(0.9).to(dtype)  # many ties at the cut
+    x[0, :7] = 0.0
+    x[0, 7:14] = -0.0
+    if rows > 1:
+        x[1] = float("-inf")
+    if rows > 2:
+        x[2, width // 3:] = float("-inf")
+    return x
+
+
+def make_visible(rows, width, k, seed=0, device="cpu"):
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    visible = torch.randint(0, width + 1, (rows,), generator=g, device=device)
+    visible[0] = min(k // 2, width)  # fewer visible rows than k
+    return visible
+
+
+def interpreter_checks():
+    """Entry point of the subprocess: picks of every case against the reference."""
+    from dsflash_compile.custom_ops.topk import top_k_stable, topk_indices_reference
+    from dsflash_compile.custom_ops.topk_triton import select_topk, topk_indices_triton
+
+    for name, (rows, width, k, dtype, split, tile) in CASES.items():
+        scores = make_scores(rows, width, dtype)
+        picks = select_topk(scores, k, split, tile).long().sort(-1).values
+        want = top_k_stable(scores, k)[1].sort(-1).values
+        visible = make_visible(rows, width, k)
+        out = topk_indices_triton(scores.view(1, rows, width), k, visible.view(1, rows), split, tile)
+        ref = topk_indices_reference(scores.view(1, rows, width), k, visible.view(1, rows))
+        report(dict(name=name, same_picks=bool(torch.equal(picks, want)), same_op=bool(torch.equal(out, ref))))
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted("test_topk", "interpreter_checks")
+
+
+@pytest.mark.skipif(interpreter_skip_reason() is not None, reason=str(interpreter_skip_reason()))
+@pytest.mark.parametrize("name", list(CASES))
+def test_topk_kernel_matches_reference(interpreted, name):
+    """The same k indices as top_k_stable (ties to the lower index, -0 == +0, all -inf rows), and the op's
+    output (ascending, -1 for picks past visible) equal to the reference."""
+    result = interpreted[name]
+    assert result["same_picks"] and result["same_op"], result
+
+
+def test_select_topk_rejects_bad_input():
+    pytest.importorskip("triton")
+    from dsflash_compile.custom_ops.topk_triton import select_topk
+
+    with pytest.raises(ValueError, match="k = 9"):
+        select_topk(torch.zeros(2, 8), 9)
+    with pytest.raises(TypeError, match="bf16, fp16 or fp32"):
+        select_topk(torch.zeros(2, 8, dtype=torch.float64), 2)
+
+
+# ----------------------------------------------------------------------------------------------- CUDA
+
+GPU_SHAPES = [(1, 16384), (64, 16384), (1, 1 << 20), (8, 1 << 20), (64, 131072), (4096, 16384), (512, 524288)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows,width", GPU_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_topk_indices_cuda_equals_reference(rows, width, dtype):
+    """Release k = 512 on decode and prefill shapes: the registered CUDA op (Triton) picks exactly what
+    the reference picks; bf16 rows this long hold many exact ties at the cut."""
+    from dsflash_compile.custom_ops.topk import topk_indices_reference
+
+    scores = make_scores(rows, width, dtype, device="cuda").view(1, rows, width)
+    visible = make_visible(rows, width, 512, device="cuda").view(1, rows)
+    out = ops.topk_indices(scores, 512, visible)
+    ref = topk_indices_reference(scores, 512, visible)
+    bad = (out != ref).any(-1).sum().item()
+    print(f"topk {rows}x{width} {dtype}: {'PASS' if bad == 0 else 'FAIL'} ({bad} rows differ)")
+    assert bad == 0
+
+
+@requires_cuda
+def test_topk_indices_cuda_graph_replay():
+    """No host sync, no data-dependent allocation: capture once, replay on new scores, same as eager."""
+    scores = make_scores(4, 1 << 18, torch.bfloat16, device="cuda").view(1, 4, -1)
+    visible = torch.full((1, 4), 1 << 18, device="cuda")
+    ops.topk_indices(scores, 512, visible)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.topk_indices(scores, 512, visible)
+    scores.copy_(make_scores(4, 1 << 18, torch.bfloat16, seed=5, device="cuda").view(1, 4, -1))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ops.topk_indices(scores, 512, visible))
