@@ -8,6 +8,7 @@ import torch
 
 import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
 from interp import interpreter_skip_reason, report, run_interpreted
+from test_topk import check_compiles_for_hopper
 
 ops = torch.ops.dsflash
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -168,6 +169,35 @@ def test_indexer_scores_reads_records_opcheck():
     torch.library.opcheck(ops.indexer_scores.default, args)
     with pytest.raises(ValueError, match="unknown record format"):
         ops.indexer_scores(q, weights, stored, visible, num_rows, "nvfp8")
+
+
+_SCORING_ARGS = dict(q_ptr="*bf16", w_ptr="*bf16", visible_ptr="*i32", out_ptr="*bf16", S="i32", keys_sb="i64",
+                     keys_sr="i32")
+INDEXER_KERNELS = {  # name: (kernel, args, constexprs, num_warps), as the wrappers launch them at release dims
+    f"dense_{fmt}_tq{tq}": ("_dense_scores_kernel",
+                            dict(_SCORING_ARGS, keys_ptr="*u8" if fmt == "mxfp4" else "*bf16", num_rows="i32",
+                                 tiles_per_program="i32"),
+                            dict(H=32, HP=32, D=128, TQ=tq, BLOCK_N=64, MXFP4=fmt == "mxfp4", FP32_DOT=False),
+                            4 if tq == 1 else 8)
+    for fmt in ("mxfp4", "bf16") for tq in (1, 4)
+} | {
+    f"candidate_{fmt}": ("_candidate_scores_kernel",
+                         dict(_SCORING_ARGS, keys_ptr="*u8" if fmt == "mxfp4" else "*bf16", blocks_ptr="*i32",
+                              NB="i32", tiles_per_program="i32"),
+                         dict(H=32, HP=32, D=128, BS=8, BLOCK_C=32, MXFP4=fmt == "mxfp4", FP32_DOT=False), 4)
+    for fmt in ("mxfp4", "bf16")
+} | {
+    "block_max": ("_block_max_kernel", dict(scores_ptr="*bf16", visible_ptr="*i32", out_ptr="*bf16", width="i32",
+                                            n_blocks="i32"), dict(BS=8, BS_P2=8, BLOCK_B=128), 4),
+}
+
+
+@pytest.mark.parametrize("name", list(INDEXER_KERNELS))
+def test_indexer_kernels_compile_for_hopper(name):
+    """Every release variant compiles for sm_90 (tensor-core dots on bf16) without spilling registers."""
+    from dsflash_compile.custom_ops import indexer_triton
+
+    check_compiles_for_hopper(indexer_triton, INDEXER_KERNELS[name])
 
 
 # ----------------------------------------------------------------------------------------------- CUDA
