@@ -1,13 +1,28 @@
 """Triton kernel of `dsflash::attention_` (see attention.py for the math and the argument layout).
 
-Grid: (query token, head group of HG heads, key split). A program keeps q [HG, d] and an fp32
-accumulator [HG, d]; it walks its share of the key list in blocks of BLOCK_N entries, loads each block's
-rows once for all HG heads (window ring records or this chunk's bf16 rows, then compressed records),
-dequantizes them in registers, and runs an online softmax (tl.dot on bf16 operands, fp32 accumulation).
-With one split the program adds the sink, normalises, rotates the rope tail back and stores bf16; with
-several (decode, where one token's 640 keys must fill 132 SMs) it stores (acc, max, sum) and a merge
-kernel combines the splits by log-sum-exp. The W window entries come first, so a block of BLOCK_N
-(a divisor of W) is all-window or all-compressed.
+Grid: (query token, head group, key split). All H heads of a token share every key row (MQA), so a
+program takes all of them (HG = 64 at the release shape, an M = 64 wgmma tile): each key block is loaded
+and dequantized once per token and feeds two tensor-core products, S = Q [HG, D] K^T [D, BLOCK_N] and
+acc [HG, D] += P [HG, BLOCK_N] K [BLOCK_N, D] (K = V), with Q and the block in shared memory and the
+fp32 accumulator in registers (8 warps: 128 registers per thread). The op is compute-bound on Hopper
+(84 MFLOP against 215-338 KB of records per token), so the design keeps the CUDA cores' share small:
+FP8 codes convert in hardware, and NVFP4 nibbles are rewritten as E4M3 codes (same sign, exponent and
+mantissa bits, value / 64) so they take the same hardware conversion (on the GPU in inline PTX, on whole
+32-bit words; the interpreter runs the same rewrite in Triton).
+
+The key list is the W' window entries (ring records or this chunk's bf16 rows) then the K compressed
+ones; a split owns a run of BLOCK_N-entry blocks and walks its window blocks, then its compressed blocks
+(two loops without branches in their bodies, so Triton pipelines the gathers: NUM_STAGES). With one split
+the program adds the sink, normalises, rotates the rope tail back and stores bf16; with several (decode:
+one token's 640 keys must fill 132 SMs) it stores (acc, max, sum) and a merge kernel, one program per
+(token, head), combines the splits by log-sum-exp.
+
+Where the time goes (H200, decode batch 64: ~51 us, ~104 TFLOP/s, 13% of a bf16 matmul; see
+benchmarks/results/attention-2026-11-29-allheads.json): one 255-register program per SM runs its steps
+one after another (gather, dequantize, store the block to shared memory, Q K^T, softmax, P V) with little
+to overlap them; Triton lays out a dot whose result feeds another dot with all 8 warps along M, so both
+warpgroups compute the same S (2x the Q K^T work and its shared-memory reads); and a 64-key block still
+costs ~1950 instructions per thread (dequantization, wgmma descriptors, the accumulator rescale).
 """
 
 import torch
@@ -15,8 +30,12 @@ import triton
 import triton.language as tl
 
 _FMT_ID = {"bf16": 0, "fp8": 1, "nvfp4": 2}
-BLOCK_N = 32
-HEAD_GROUP = 16
+BLOCK_N = 64  # keys per step; 64 halves the per-key cost of re-reading Q from shared memory for Q K^T
+SMALL_BLOCK_N = 32  # below SMALL_BATCH (token, head group) pairs, for twice the key splits
+SMALL_BATCH = 32
+NUM_WARPS = 8  # two warpgroups: the [64, 512] fp32 accumulator is 128 registers per thread
+NUM_STAGES = 2  # the next block's records and indices are fetched (cp.async) while this one computes
+MAX_HEAD_GROUP = 64  # an M = 64 wgmma tile: all heads of the release shape in one program
 
 
 @triton.jit
@@ -29,57 +48,116 @@ def _dot(a, b, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _e2m1(code):
-    """4-bit E2M1 code (int32) -> fp32 value (0, .5, 1, 1.5, 2, 3, 4, 6; bit 3 = sign), built from float
-    bits with integer ops only (no transcendental): e > 0 is (1 + m/2) 2^(e-1), e = 0 is m/2."""
-    e = (code >> 1) & 3
-    m = code & 1
-    bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
-    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+def _e2m1_as_e4m3(packed):
+    """Packed E2M1 bytes [N, P] (even element in the low nibble) -> E4M3 codes uint8 [N, 2P] of value / 64.
+    E2M1 is sign, 2 exponent bits (bias 1), 1 mantissa bit; written into E4M3 (bias 7) as sign, the two low
+    exponent bits and the top mantissa bit, a normal value scales by 2^(1-7) and a subnormal one (e = 0:
+    m/2 in E2M1, m * 4/8 * 2^-6 in E4M3) by the same 2^-6. Four integer ops per nibble, no select."""
+    N: tl.constexpr = packed.shape[0]
+    P: tl.constexpr = packed.shape[1]
+    lo = ((packed & 7) << 2) | ((packed & 8) << 4)
+    hi = ((packed >> 2) & 0x1C) | (packed & 0x80)
+    return tl.reshape(tl.join(lo, hi), (N, 2 * P)).to(tl.uint8)
+
+
+@triton.jit
+def _e4m3_rows(codes, scale, N: tl.constexpr, C: tl.constexpr, GROUP: tl.constexpr):
+    """E4M3 codes uint8 [N, C] times one fp32 scale per GROUP values (scale [N, C/GROUP, 1]) -> fp32 [N, C].
+    The code converts in hardware; the product is exact (code x power-of-two or E4M3 scale fits fp32)."""
+    vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return tl.reshape(tl.reshape(vals, (N, C // GROUP, GROUP)) * scale, (N, C))
 
 
 @triton.jit
 def _e2m1_rows(packed, scale, N: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr):
     """Packed E2M1 bytes [N, D/2] (even element in the low nibble) times one scale per GROUP values
-    (scale [N, D/GROUP, 1] fp32) -> fp32 [N, D]."""
-    lo = tl.reshape(_e2m1(packed & 15), (N, D // GROUP, GROUP // 2)) * scale
-    hi = tl.reshape(_e2m1(packed >> 4), (N, D // GROUP, GROUP // 2)) * scale
-    return tl.reshape(tl.join(tl.reshape(lo, (N, D // 2)), tl.reshape(hi, (N, D // 2))), (N, D))
+    (scale [N, D/GROUP, 1] fp32) -> fp32 [N, D]. Exact while scale * 64 is finite (every E4M3 scale,
+    UE8M0 scales up to 2^121)."""
+    return _e4m3_rows(_e2m1_as_e4m3(packed), scale * 64.0, N, D, GROUP)
+
+
+# _nvfp4_bf16x2's body. $4: 4 packed bytes; lo <- E4M3 codes of their low nibbles, hi <- of their high
+# nibbles (value / 64); each cvt takes two codes; $5 / $6: the f16 scales x 64 of bytes 0-1 / 2-3; f16x2 ->
+# bf16x2 through f32 (cvt.rn.bf16x2.f32 puts its first operand in the high half). Outputs $0-$1: low
+# nibbles, $2-$3: high nibbles.
+_NVFP4_PTX = tl.constexpr("""{
+    .reg .b32 lo, hi, t, f0, f1, f2, f3, a0, a1;
+    .reg .b16 l0, l1, h0, h1, x0, x1;
+    and.b32 lo, $4, 0x07070707; shl.b32 lo, lo, 2; and.b32 t, $4, 0x08080808; shl.b32 t, t, 4; or.b32 lo, lo, t;
+    shr.b32 hi, $4, 2; and.b32 hi, hi, 0x1C1C1C1C; and.b32 t, $4, 0x80808080; or.b32 hi, hi, t;
+    mov.b32 {l0, l1}, lo; mov.b32 {h0, h1}, hi;
+    cvt.rn.f16x2.e4m3x2 f0, l0; cvt.rn.f16x2.e4m3x2 f1, l1; cvt.rn.f16x2.e4m3x2 f2, h0; cvt.rn.f16x2.e4m3x2 f3, h1;
+    mul.rn.f16x2 f0, f0, $5; mul.rn.f16x2 f1, f1, $6; mul.rn.f16x2 f2, f2, $5; mul.rn.f16x2 f3, f3, $6;
+""" + "".join(f"""    mov.b32 {{x0, x1}}, f{i}; cvt.f32.f16 a0, x0; cvt.f32.f16 a1, x1; cvt.rn.bf16x2.f32 ${i}, a1, a0;
+""" for i in range(4)) + "}")
 
 
 @triton.jit
-def _load_rows(base, rows, row_stride, mask, D: tl.constexpr, FMT: tl.constexpr):
-    """Rows `rows` [N] of a cache (records of format FMT) -> bf16 [N, D]; masked rows read as 0.
-    Codes and scales are loaded as the contiguous byte runs they are, and each scale multiplies its
-    group through a [N, groups, group] view (exact: code x scale fits bf16's 8 significant bits)."""
+def _nvfp4_bf16x2(packed, scale):
+    """GPU form of the NVFP4 decode (inline PTX; the interpreter takes _e2m1_as_e4m3 + _e4m3_rows): packed
+    bytes uint8 [N, P] and each byte's f16 scale x 64 -> (low-nibble values, high-nibble values), bf16 [N, P]
+    each. Per 4 bytes (8 values): the nibble -> E4M3 rewrite on the whole 32-bit word (9 integer ops),
+    hardware E4M3x2 -> f16x2 conversions, the scale applied in f16x2 (exact: |product| in [2^-10, 2688], at
+    most 6 significant bits), then f16 -> f32 -> bf16x2 (exact): 3.4 instructions per value against ~9 for
+    the same steps written in Triton (which works on one byte per register)."""
+    return tl.inline_asm_elementwise(
+        asm=_NVFP4_PTX,
+        constraints="=r,=r,=r,=r,r,r,r", args=[packed, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+        pack=4)
+
+
+@triton.jit
+def _load_rows(base, rows, row_stride, mask, D: tl.constexpr, FMT: tl.constexpr, PTX: tl.constexpr):
+    """Rows `rows` [N] of a cache (records of format FMT) -> bf16 [N, D]; masked rows read as 0. Codes and
+    scales are loaded as the contiguous byte runs they are; each scale multiplies its group through a
+    [N, groups, group] view (exact in bf16: code x scale has at most 8 significant bits). PTX: the GPU's
+    NVFP4 decode (_nvfp4_bf16x2) instead of the interpreter-safe one."""
     N: tl.constexpr = rows.shape[0]
     row_base = base + rows[:, None].to(tl.int64) * row_stride
     m2 = mask[:, None]
     if FMT == 0:  # bf16 rows
         return tl.load(row_base + tl.arange(0, D)[None, :], mask=m2, other=0.0)
     elif FMT == 1:  # fp8: D E4M3 codes, then D/32 UE8M0 scales
-        codes = tl.load(row_base + tl.arange(0, D)[None, :], mask=m2, other=0).to(tl.float8e4nv, bitcast=True)
+        codes = tl.load(row_base + tl.arange(0, D)[None, :], mask=m2, other=0)
         exps = tl.load(row_base + D + tl.arange(0, D // 32)[None, :], mask=m2, other=127).to(tl.int32)
         scale = (exps << 23).to(tl.float32, bitcast=True)  # UE8M0 byte = the fp32 exponent field
-        vals = tl.reshape(codes.to(tl.float32), (N, D // 32, 32)) * scale[:, :, None]
-        return tl.reshape(vals, (N, D)).to(tl.bfloat16)
+        return _e4m3_rows(codes, scale[:, :, None], N, D, 32).to(tl.bfloat16)
     else:  # nvfp4: D/2 packed E2M1 (even element low nibble), then D/16 E4M3 scales
-        packed = tl.load(row_base + tl.arange(0, D // 2)[None, :], mask=m2, other=0).to(tl.int32)
+        packed = tl.load(row_base + tl.arange(0, D // 2)[None, :], mask=m2, other=0)
         scale = tl.load(row_base + D // 2 + tl.arange(0, D // 16)[None, :], mask=m2, other=0)
-        scale = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)[:, :, None]
-        return _e2m1_rows(packed, scale, N, D, 16).to(tl.bfloat16)
+        scale = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0  # undoes _e2m1_as_e4m3's 2^-6
+        if PTX:  # each byte's scale, f16
+            byte_scale = tl.reshape(tl.broadcast_to(scale.to(tl.float16)[:, :, None], (N, D // 16, 8)), (N, D // 2))
+            lo, hi = _nvfp4_bf16x2(packed, byte_scale)
+            return tl.reshape(tl.join(lo, hi), (N, D))
+        else:
+            return _e4m3_rows(_e2m1_as_e4m3(packed), scale[:, :, None], N, D, 16).to(tl.bfloat16)
+
+
+@triton.jit
+def _online_step(q, k, valid, m, l, acc, scale, FP32_DOT: tl.constexpr):
+    """One key block k (= its values: one latent row per key) of the online softmax: scores, running max,
+    rescaled sum and accumulator."""
+    s = _dot(q, tl.trans(k), FP32_DOT) * scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p.to(tl.bfloat16), k, FP32_DOT)
+    return m_new, l, acc
 
 
 @triton.jit
 def _finish(acc, m, l, sink_ptr, heads, pos, freq_ptr, out_ptr, out_row, H: tl.constexpr, D: tl.constexpr,
-            HALF_ROPE: tl.constexpr, HG: tl.constexpr):
+            HALF_ROPE: tl.constexpr):
     """Add the sink, normalise, rotate the trailing rope dims back by the query position, store bf16."""
+    HG: tl.constexpr = acc.shape[0]
     live = heads < H
     sink = tl.load(sink_ptr + heads, mask=live, other=0.0)
     l = l + tl.exp(sink - m)
     o = (acc / l[:, None]).to(tl.bfloat16).to(tl.float32)  # rounded before the rotation, as the reference
-    pairs = tl.arange(0, D // 2)
-    rope_pair = pairs - (D // 2 - HALF_ROPE)
+    rope_pair = tl.arange(0, D // 2) - (D // 2 - HALF_ROPE)
     freq = tl.load(freq_ptr + rope_pair, mask=rope_pair >= 0, other=0.0)  # 0: not a rope pair, no rotation
     angle = tl.maximum(pos, 0).to(tl.float32) * freq  # padding (-1) rotates by 0, as the reference
     c, s = tl.cos(angle), tl.sin(angle)
@@ -97,7 +175,7 @@ def _attention_kernel(q_ptr, ring_ptr, chunk_ptr, widx_ptr, comp_ptr, cidx_ptr, 
                       S, K, ring_sb, ring_sr, comp_sb, comp_sr, scale, blocks_per_split,
                       H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, NW: tl.constexpr,
                       HALF_ROPE: tl.constexpr, HG: tl.constexpr, BLOCK_N: tl.constexpr,
-                      WIN_FMT: tl.constexpr, CMP_FMT: tl.constexpr, SPLIT: tl.constexpr, FP32_DOT: tl.constexpr):
+                      WIN_FMT: tl.constexpr, CMP_FMT: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
     tok = tl.program_id(0)
     group = tl.program_id(1)
     split = tl.program_id(2)
@@ -106,83 +184,74 @@ def _attention_kernel(q_ptr, ring_ptr, chunk_ptr, widx_ptr, comp_ptr, cidx_ptr, 
     d = tl.arange(0, D)
     q = tl.load(q_ptr + tok.to(tl.int64) * H * D + heads[:, None] * D + d[None, :], mask=(heads < H)[:, None],
                 other=0.0)
-    m = tl.full((HG,), -1e30, tl.float32)
+    m = tl.full((HG,), -1e30, tl.float32)  # finite: a query with no valid key keeps acc = 0, not NaN
     l = tl.zeros((HG,), tl.float32)
     acc = tl.zeros((HG, D), tl.float32)
     n = tl.arange(0, BLOCK_N)
 
     win_blocks = tl.cdiv(NW, BLOCK_N)
-    for i in range(0, blocks_per_split):
-        blk = split * blocks_per_split + i
-        # (past the end: every entry invalid, the update is a no-op; keeps the loop bounds uniform)
-        if blk < win_blocks:  # window entries: a ring slot, or a row of this chunk's kv
-            e = blk * BLOCK_N + n
-            w = tl.load(widx_ptr + tok.to(tl.int64) * NW + e, mask=e < NW, other=-1)
-            in_ring = (w >= 0) & (w < W)
-            k = _load_rows(ring_ptr + b.to(tl.int64) * ring_sb, w, ring_sr, in_ring, D, WIN_FMT)
-            if tl.max((w >= W).to(tl.int32), axis=0) > 0:  # this chunk's own rows (decode: one per token)
-                k_chunk = _load_rows(chunk_ptr + (b * S).to(tl.int64) * D, w - W, D, w >= W, D, 0)
-                k = tl.where(in_ring[:, None], k, k_chunk)
-            valid = w >= 0
-        else:  # compressed entries: the top-k rows
-            e = (blk - win_blocks) * BLOCK_N + n
-            c = tl.load(cidx_ptr + tok.to(tl.int64) * K + e, mask=e < K, other=-1)
-            k = _load_rows(comp_ptr + b.to(tl.int64) * comp_sb, c, comp_sr, c >= 0, D, CMP_FMT)
-            valid = c >= 0
-        s = _dot(q, tl.trans(k), FP32_DOT) * scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(tl.bfloat16), k, FP32_DOT)
-        m = m_new
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, win_blocks + tl.cdiv(K, BLOCK_N))
+    ring_base = ring_ptr + b.to(tl.int64) * ring_sb
+    chunk_base = chunk_ptr + (b * S).to(tl.int64) * D
+    for blk in range(first, tl.minimum(last, win_blocks)):  # window entries: a ring slot or a chunk row
+        e = blk * BLOCK_N + n
+        w = tl.load(widx_ptr + tok.to(tl.int64) * NW + e, mask=e < NW, other=-1)
+        in_ring = (w >= 0) & (w < W)
+        in_chunk = w >= W  # (decode: the token's own row; masked-off loads cost no memory traffic)
+        k = tl.where(in_ring[:, None], _load_rows(ring_base, w, ring_sr, in_ring, D, WIN_FMT, not INTERPRET),
+                     _load_rows(chunk_base, w - W, D, in_chunk, D, 0, False))
+        m, l, acc = _online_step(q, k, w >= 0, m, l, acc, scale, INTERPRET)
+    comp_base = comp_ptr + b.to(tl.int64) * comp_sb
+    for blk in range(tl.maximum(first, win_blocks), last):  # compressed entries: the top-k rows
+        e = (blk - win_blocks) * BLOCK_N + n
+        c = tl.load(cidx_ptr + tok.to(tl.int64) * K + e, mask=e < K, other=-1)
+        k = _load_rows(comp_base, c, comp_sr, c >= 0, D, CMP_FMT, not INTERPRET)
+        m, l, acc = _online_step(q, k, c >= 0, m, l, acc, scale, INTERPRET)
 
     if SPLIT:
-        nsplit = tl.num_programs(2)
-        part = (tok.to(tl.int64) * H + heads) * nsplit + split  # [HG]
+        part = (tok.to(tl.int64) * H + heads) * tl.num_programs(2) + split  # [HG]
         live = heads < H
         tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=live[:, None])
         tl.store(part_ml_ptr + part * 2, m, mask=live)
         tl.store(part_ml_ptr + part * 2 + 1, l, mask=live)
     else:
         pos = tl.load(pos_ptr + tok)
-        _finish(acc, m, l, sink_ptr, heads, pos, freq_ptr, out_ptr, tok.to(tl.int64) * H * D, H, D, HALF_ROPE, HG)
+        _finish(acc, m, l, sink_ptr, heads, pos, freq_ptr, out_ptr, tok.to(tl.int64) * H * D, H, D, HALF_ROPE)
 
 
 @triton.jit
 def _merge_kernel(part_acc_ptr, part_ml_ptr, sink_ptr, pos_ptr, freq_ptr, out_ptr, nsplit,
-                  H: tl.constexpr, D: tl.constexpr, HALF_ROPE: tl.constexpr, HG: tl.constexpr):
+                  H: tl.constexpr, D: tl.constexpr, HALF_ROPE: tl.constexpr, NSPLIT: tl.constexpr):
+    """One (token, head): all its splits' partials loaded at once ([NSPLIT, D], NSPLIT a power of two >= the
+    split count), combined by log-sum-exp, then finished like an unsplit program."""
     tok = tl.program_id(0)
-    group = tl.program_id(1)
-    heads = group * HG + tl.arange(0, HG)
-    d = tl.arange(0, D)
-    live = heads < H
-    base = (tok.to(tl.int64) * H + heads) * nsplit
-    m = tl.full((HG,), -1e30, tl.float32)
-    for i in range(nsplit):
-        m = tl.maximum(m, tl.load(part_ml_ptr + (base + i) * 2, mask=live, other=-1e30))
-    l = tl.zeros((HG,), tl.float32)
-    acc = tl.zeros((HG, D), tl.float32)
-    for i in range(nsplit):
-        w = tl.exp(tl.load(part_ml_ptr + (base + i) * 2, mask=live, other=-1e30) - m)
-        l += tl.load(part_ml_ptr + (base + i) * 2 + 1, mask=live, other=0.0) * w
-        acc += tl.load(part_acc_ptr + (base + i)[:, None] * D + d[None, :], mask=live[:, None], other=0.0) * w[:, None]
+    head = tl.program_id(1)
+    i = tl.arange(0, NSPLIT)
+    part = (tok.to(tl.int64) * H + head) * nsplit + i
+    ok = i < nsplit
+    m_i = tl.load(part_ml_ptr + part * 2, mask=ok, other=-1e30)
+    m = tl.max(m_i, axis=0, keep_dims=True)  # [1]
+    w = tl.exp(m_i - m)
+    l = tl.sum(tl.load(part_ml_ptr + part * 2 + 1, mask=ok, other=0.0) * w, axis=0, keep_dims=True)
+    acc = tl.load(part_acc_ptr + part[:, None] * D + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
+    acc = tl.sum(acc * w[:, None], axis=0, keep_dims=True)  # [1, D]
     pos = tl.load(pos_ptr + tok)
-    _finish(acc, m, l, sink_ptr, heads, pos, freq_ptr, out_ptr, tok.to(tl.int64) * H * D, H, D, HALF_ROPE, HG)
+    _finish(acc, m, l, sink_ptr, head + tl.arange(0, 1), pos, freq_ptr, out_ptr, tok.to(tl.int64) * H * D, H, D,
+            HALF_ROPE)
 
 
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
-        return 4  # the interpreter: small, still exercises the split path
+        return 8  # the interpreter: small, still exercises the split path
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, positions, inv_freq, scale,
-                     window_fmt, compressed_fmt, num_splits: int | None = None, head_group: int = HEAD_GROUP,
-                     block_n: int = BLOCK_N, num_warps: int = 4):
+                     window_fmt, compressed_fmt, num_splits: int | None = None, block_n: int | None = None,
+                     num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES):
     """Launch (the op's CUDA kernel; also callable directly, e.g. under TRITON_INTERPRET=1). num_splits,
-    head_group, block_n and num_warps override the defaults (benchmark sweeps)."""
+    block_n, num_warps and num_stages override the defaults (benchmark sweeps)."""
     batch, seq, heads, dim = q.shape
     window, nw, k = ring.shape[1], widx.shape[-1], cidx.shape[-1]
     if not out.is_contiguous() or out.shape != q.shape:
@@ -196,26 +265,30 @@ def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, posit
     if nw + k == 0:  # no key at all: every output is 0, as in the reference
         out.zero_()
         return
+    head_group = max(16, min(MAX_HEAD_GROUP, triton.next_power_of_2(heads)))  # tl.dot needs M >= 16
     tokens, groups = batch * seq, triton.cdiv(heads, head_group)
+    if block_n is None:  # few tokens: smaller blocks give more splits to spread over the SMs
+        block_n = BLOCK_N if tokens * groups >= SMALL_BATCH else SMALL_BLOCK_N
     total_blocks = triton.cdiv(nw, block_n) + triton.cdiv(k, block_n)
-    if num_splits is None:  # enough programs to fill the GPU once, never an empty split
-        num_splits = max(1, min(total_blocks, triton.cdiv(_num_sms(q.device), tokens * groups)))
+    if num_splits is None:  # fill the GPU once (one program per SM at 8 warps), never an empty split
+        num_splits = max(1, min(total_blocks, _num_sms(q.device) // (tokens * groups)))
     per = triton.cdiv(total_blocks, num_splits)
     num_splits = triton.cdiv(total_blocks, per)
     widx = widx.to(torch.int32).contiguous()
     cidx = cidx.to(torch.int32).contiguous()
+    positions = positions.contiguous()
     if compressed.numel() == 0:
         compressed = ring  # never read (K = 0); any valid pointer
     split = num_splits > 1
     part_acc = q.new_empty((tokens * heads * num_splits, dim) if split else (1,), dtype=torch.float32)
     part_ml = q.new_empty((tokens * heads * num_splits, 2) if split else (1,), dtype=torch.float32)
-    args = dict(H=heads, D=dim, W=window, NW=nw, HALF_ROPE=inv_freq.shape[0], HG=head_group, BLOCK_N=block_n,
-                WIN_FMT=_FMT_ID[window_fmt], CMP_FMT=_FMT_ID[compressed_fmt], SPLIT=split,
-                FP32_DOT=q.device.type != "cuda")
     _attention_kernel[(tokens, groups, num_splits)](
-        q.contiguous(), ring, chunk_kv.contiguous(), widx, compressed, cidx, sink, positions.contiguous(), inv_freq,
+        q.contiguous(), ring, chunk_kv.contiguous(), widx, compressed, cidx, sink, positions, inv_freq,
         out, part_acc, part_ml, seq, k, ring.stride(0), ring.stride(1), compressed.stride(0), compressed.stride(1),
-        scale, per, num_warps=num_warps, **args)
+        scale, per, H=heads, D=dim, W=window, NW=nw, HALF_ROPE=inv_freq.shape[0], HG=head_group, BLOCK_N=block_n,
+        WIN_FMT=_FMT_ID[window_fmt], CMP_FMT=_FMT_ID[compressed_fmt], SPLIT=split,
+        INTERPRET=q.device.type != "cuda", num_warps=num_warps, num_stages=num_stages)
     if split:
-        _merge_kernel[(tokens, groups)](part_acc, part_ml, sink, positions.contiguous(), inv_freq, out, num_splits,
-                                        H=heads, D=dim, HALF_ROPE=inv_freq.shape[0], HG=head_group, num_warps=4)
+        _merge_kernel[(tokens, heads)](part_acc, part_ml, sink, positions, inv_freq, out, num_splits, H=heads, D=dim,
+                                       HALF_ROPE=inv_freq.shape[0], NSPLIT=triton.next_power_of_2(num_splits),
+                                       num_warps=4)

@@ -260,10 +260,11 @@ def test_attention_record_formats(window_fmt, compressed_fmt):
 
 
 def interpreter_cases():
-    """name -> make_inputs kwargs + num_splits. Every format pair x num_splits 1 / 3 / None, heads 20 (not a
-    multiple of the kernel's head group of 16) or 4 (fewer), windows of 16 or 32 slots, up to 40 compressed
-    entries; the ratio-0 shape. With num_splits None on the interpreter (4 "SMs"), splits = min(blocks,
-    ceil(4 / (tokens * head groups))): the decode-shaped cases (3 rows x 1 token, 4 heads) get 2 splits."""
+    """name -> make_inputs kwargs + num_splits (+ block_n). Every format pair x num_splits 1 / 3 / None, heads
+    20 (head group 32: 12 masked rows) or 4 (head group 16, the smallest tl.dot), windows of 16 or 32 slots, up
+    to 40 compressed entries; the ratio-0 shape; 64-key blocks (what many tokens get on the GPU). With
+    num_splits None on the interpreter (8 "SMs"), splits = min(blocks, 8 // (tokens * head groups)): the
+    decode-shaped cases (3 rows x 1 token, 4 heads) get 2 splits."""
     cases = {}
     i = 0
     for window_fmt in ("bf16", "fp8"):
@@ -282,6 +283,9 @@ def interpreter_cases():
     # a window list wider than the ring (20 entries: ring slots and chunk rows), not a multiple of the block
     cases["wide-window-list-h20"] = dict(window_fmt="fp8", compressed_fmt="nvfp4", heads=20, seq=6, window=16,
                                          nw=20, seed=300)
+    # 64-key blocks: a partly filled window block, then compressed blocks split across programs
+    cases["block64-fp8-nvfp4-split2"] = dict(window_fmt="fp8", compressed_fmt="nvfp4", batch=3, seq=1, window=32,
+                                             nw=32, n_comp=160, k=150, num_splits=2, block_n=64, seed=400)
     return cases
 
 
@@ -301,14 +305,14 @@ def run_interpreter_case(name, spec):
     from dsflash_compile.custom_ops.attention_triton import attention_triton
 
     spec = dict(spec)
-    splits, seed = spec.pop("num_splits", 1), spec.pop("seed")
+    splits, block_n, seed = spec.pop("num_splits", 1), spec.pop("block_n", None), spec.pop("seed")
     inp = make_inputs(seed, **spec)
     batch = inp.q.shape[0]
     args = op_args(inp, ring=inp.ring[:batch], compressed=inp.compressed[:batch])
     ref = torch.full_like(inp.q, math.nan)
     attention_reference(ref, *args)
     out = torch.full_like(inp.q, math.nan)
-    attention_triton(out, *args, num_splits=splits)
+    attention_triton(out, *args, num_splits=splits, block_n=block_n)
     tol = interpreter_tolerance(ref)
     err = (out.float() - ref.float()).abs()
     no_sink = torch.full_like(inp.q, math.nan)
@@ -428,7 +432,7 @@ def test_triton_cuda_matches_reference_small_cases(name):
     2^-7 max|o| (at least 1 bf16 ulp of max|o|; measured on an H200: <= 1 ulp in every case)."""
     pytest.importorskip("triton")
     spec = dict(interpreter_cases()[name])
-    splits, seed = spec.pop("num_splits", 1), spec.pop("seed")
+    splits, block_n, seed = spec.pop("num_splits", 1), spec.pop("block_n", None), spec.pop("seed")
     inp = make_inputs(seed, **spec)
     for arg in OP_ARGS:
         if isinstance(getattr(inp, arg), torch.Tensor):
@@ -438,7 +442,7 @@ def test_triton_cuda_matches_reference_small_cases(name):
     ref = torch.full_like(inp.q, math.nan)
     attention_reference(ref, *op_args(inp))
     out = torch.full_like(inp.q, math.nan)
-    attention_triton(out, *op_args(inp), num_splits=splits)
+    attention_triton(out, *op_args(inp), num_splits=splits, block_n=block_n)
     assert out.isfinite().all() and (out[0, 0] == 0).all()
     err = (out.float() - ref.float()).abs().max().item()
     assert err <= 2**-7 * ref.float().abs().max().item(), (err, ref.float().abs().max().item())
