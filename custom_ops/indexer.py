@@ -36,6 +36,9 @@ def indexer_scores_reference(q: Tensor, weights: Tensor, keys: Tensor, visible: 
 
 def _indexer_scores_decoding(q, weights, keys, visible, num_rows, fmt):
     """The reference on the decoded rows of records (bf16 keys as they are)."""
+    if fmt == "bf16" and not keys.is_floating_point():
+        raise ValueError(f"indexer_scores: fmt 'bf16' needs floating-point key rows, got {keys.dtype} (records "
+                         "need their format, e.g. 'mxfp4')")
     if fmt != "bf16":
         keys = records.decode_reference(keys[:, :num_rows], fmt, q.shape[-1])
     return indexer_scores_reference(q, weights, keys, visible, num_rows)

@@ -162,13 +162,16 @@ def test_candidate_topk_kernel_equals_reference(interpreted, name):
 
 
 def test_indexer_scores_reads_records_opcheck():
-    """The fmt argument: MXFP4 records give the scores of their decoded rows; opcheck of the new schema."""
+    """The fmt argument: MXFP4 records give the scores of their decoded rows; opcheck of the new schema;
+    an unknown format or records passed as bf16 rows are clear errors."""
     args, keys_bf16 = make_dense_case(2, 3, 8, 64, 20, 16, "mxfp4")
     q, weights, stored, visible, num_rows, fmt = args
     assert torch.equal(ops.indexer_scores(*args), ops.indexer_scores(q, weights, keys_bf16, visible, num_rows))
     torch.library.opcheck(ops.indexer_scores.default, args)
     with pytest.raises(ValueError, match="unknown record format"):
         ops.indexer_scores(q, weights, stored, visible, num_rows, "nvfp8")
+    with pytest.raises(ValueError, match="floating-point key rows"):
+        ops.indexer_scores(q, weights, stored, visible, num_rows)
 
 
 _SCORING_ARGS = dict(q_ptr="*bf16", w_ptr="*bf16", visible_ptr="*i32", out_ptr="*bf16", S="i32", keys_sb="i64",
