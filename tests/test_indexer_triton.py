@@ -295,3 +295,18 @@ def test_indexer_ops_cuda_graph_replay():
     torch.cuda.synchronize()
     for got, want in zip(captured, layer()):
         assert torch.equal(got, want)
+
+
+@requires_cuda
+def test_cuda_kernels_opcheck():
+    """opcheck of every indexer op with CUDA inputs (the registered Triton kernels against their schemas and
+    fake kernels)."""
+    q, weights, keys, _, blocks, visible = release_candidates(1, 2, 3000)
+    dense = ops.indexer_scores(q, weights, keys, visible, 3000, "mxfp4")
+    compact = ops.candidate_scores(q, weights, keys, blocks, 8, visible, "mxfp4")
+    for op, args in ((ops.indexer_scores.default, (q, weights, keys, visible, 3000, "mxfp4")),
+                     (ops.candidate_blocks.default, (dense, visible, 2048, 8)),
+                     (ops.candidate_scores.default, (q, weights, keys, blocks, 8, visible, "mxfp4")),
+                     (ops.candidate_topk.default, (compact, blocks, 8, 512)),
+                     (ops.topk_indices.default, (dense, 512, visible))):
+        torch.library.opcheck(op, args)
