@@ -5,6 +5,7 @@
 Both scoring kernels compute sum_h w_h relu(q_h . k) with the reference's rounding points (q.k rounded
 to bf16, times w rounded to bf16, head sum in fp32 rounded to bf16), reading bf16 keys or MXFP4 records
 (D/2 packed E2M1 + D/32 UE8M0 bytes) dequantized in registers, so no decoded copy of the cache exists.
+Index tensors (visible counts, block ids) are read in their own integer dtype: no conversion launches.
 MQA: one key tile serves every head of a query token, as the N side of one tensor-core dot whose M side
 is the tile's heads (padded to 16, tl.dot's minimum; padded heads have q = w = 0 and add 0).
 
@@ -176,7 +177,7 @@ def indexer_scores_triton(q, weights, keys, visible, num_rows, fmt, tokens_per_t
     key_tiles = triton.cdiv(num_rows, BLOCK_N)
     per = tiles_per_program or _tiles_per_program(query_tiles, key_tiles, q.device)
     _dense_scores_kernel[(query_tiles, triton.cdiv(key_tiles, per))](
-        q.contiguous(), weights.contiguous(), keys, visible.to(torch.int32).contiguous(), out, seq, num_rows, per,
+        q.contiguous(), weights.contiguous(), keys, visible.contiguous(), out, seq, num_rows, per,
         keys.stride(0), keys.stride(1), H=heads, HP=hp, D=dim, TQ=tq, BLOCK_N=BLOCK_N, MXFP4=fmt == "mxfp4",
         FP32_DOT=q.device.type != "cuda", num_warps=4 if tq * hp <= 64 else 8)
     return out
@@ -195,8 +196,8 @@ def candidate_scores_triton(q, weights, keys, blocks, block_size, visible, fmt, 
     tiles = triton.cdiv(nb * block_size, BLOCK_C)
     per = tiles_per_program or _tiles_per_program(batch * seq, tiles, q.device)
     _candidate_scores_kernel[(batch * seq, triton.cdiv(tiles, per))](
-        q.contiguous(), weights.contiguous(), keys, blocks.to(torch.int32).contiguous(),
-        visible.to(torch.int32).contiguous(), out, seq, nb, per, keys.stride(0), keys.stride(1),
+        q.contiguous(), weights.contiguous(), keys, blocks.contiguous(),
+        visible.contiguous(), out, seq, nb, per, keys.stride(0), keys.stride(1),
         H=heads, HP=_padded_heads(heads), D=dim, BS=block_size, BLOCK_C=BLOCK_C, MXFP4=fmt == "mxfp4",
         FP32_DOT=q.device.type != "cuda")
     return out
@@ -211,7 +212,7 @@ def candidate_blocks_triton(scores, visible, topk_blocks, block_size, split=None
     block_scores = scores.new_empty(rows, n_blocks)
     if block_scores.numel():
         _block_max_kernel[(rows, triton.cdiv(n_blocks, BLOCK_B))](
-            scores.contiguous(), visible.to(torch.int32).contiguous(), block_scores, width, n_blocks, BS=block_size,
+            scores.contiguous(), visible.contiguous(), block_scores, width, n_blocks, BS=block_size,
             BS_P2=triton.next_power_of_2(block_size), BLOCK_B=BLOCK_B)
     k = min(topk_blocks, n_blocks)
     picks = top_blocks_triton(block_scores, k, split, block)

@@ -192,8 +192,8 @@ def finish(picks: torch.Tensor, mode: int, values: torch.Tensor | None = None, v
     out = torch.empty_like(picks)
     dummy = picks  # an operand the mode never reads
     values = dummy if values is None else values.contiguous()
-    visible = dummy if visible is None else visible.to(torch.int32).contiguous()
-    blocks = dummy if blocks is None else blocks.to(torch.int32).contiguous()
+    visible = dummy if visible is None else visible.contiguous()
+    blocks = dummy if blocks is None else blocks.contiguous()
     width = values.shape[-1] if mode != VISIBLE else 0
     nb = blocks.shape[-1] if mode == CANDIDATE_ROWS else 0
     _finish_kernel[(rows,)](picks, values, visible, blocks, out, width, k, nb, block_size, MODE=mode.value,

@@ -174,7 +174,7 @@ def test_indexer_scores_reads_records_opcheck():
         ops.indexer_scores(q, weights, stored, visible, num_rows)
 
 
-_SCORING_ARGS = dict(q_ptr="*bf16", w_ptr="*bf16", visible_ptr="*i32", out_ptr="*bf16", S="i32", keys_sb="i64",
+_SCORING_ARGS = dict(q_ptr="*bf16", w_ptr="*bf16", visible_ptr="*i64", out_ptr="*bf16", S="i32", keys_sb="i64",
                      keys_sr="i32")
 INDEXER_KERNELS = {  # name: (kernel, args, constexprs, num_warps), as the wrappers launch them at release dims
     f"dense_{fmt}_tq{tq}": ("_dense_scores_kernel",
@@ -190,7 +190,7 @@ INDEXER_KERNELS = {  # name: (kernel, args, constexprs, num_warps), as the wrapp
                          dict(H=32, HP=32, D=128, BS=8, BLOCK_C=32, MXFP4=fmt == "mxfp4", FP32_DOT=False), 4)
     for fmt in ("mxfp4", "bf16")
 } | {
-    "block_max": ("_block_max_kernel", dict(scores_ptr="*bf16", visible_ptr="*i32", out_ptr="*bf16", width="i32",
+    "block_max": ("_block_max_kernel", dict(scores_ptr="*bf16", visible_ptr="*i64", out_ptr="*bf16", width="i32",
                                             n_blocks="i32"), dict(BS=8, BS_P2=8, BLOCK_B=128), 4),
 }
 

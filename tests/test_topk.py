@@ -109,7 +109,7 @@ TOPK_KERNELS = {  # name: (kernel, args, constexprs, num_warps), as select_topk 
                            dict(NPASS=bits // 8, KEY_BITS=bits, SPLIT=3, SPLIT_P2=4, BLOCK=4096), 8)
     for bits in (16, 32)
 } | {
-    f"finish_mode{mode}_k{kp}": ("_finish_kernel", dict(picks_ptr="*i32", values_ptr="*bf16", visible_ptr="*i32",
+    f"finish_mode{mode}_k{kp}": ("_finish_kernel", dict(picks_ptr="*i32", values_ptr="*bf16", visible_ptr="*i64",
                                                         blocks_ptr="*i32", out_ptr="*i32", width="i32", k="i32",
                                                         NB="i32", BS="i32"), dict(MODE=mode, K_P2=kp), 4)
     for mode in (0, 1, 2) for kp in (512, 2048)
