@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _dot, _e2m1_rows, _num_sms
-from .topk_triton import BLOCK as TOPK_BLOCK, top_blocks_triton
+from .topk_triton import top_blocks_triton
 
 BLOCK_C = 32  # candidate columns per tile
 BLOCK_N = 64  # dense: keys per tile
@@ -203,7 +203,7 @@ def candidate_scores_triton(q, weights, keys, blocks, block_size, visible, fmt, 
     return out
 
 
-def candidate_blocks_triton(scores, visible, topk_blocks, block_size, split=None, block=TOPK_BLOCK):
+def candidate_blocks_triton(scores, visible, topk_blocks, block_size, split=None, block=None):
     """`dsflash::candidate_blocks` on the GPU: block maxima (newest block pinned) here, then the radix
     top-k (split/block: its overrides). Returns int32 [B, S, min(topk_blocks, blocks)]."""
     width = scores.shape[-1]

@@ -24,6 +24,7 @@ import triton.language as tl
 from .attention_triton import _num_sms
 
 BLOCK = 4096  # entries per tile of a pass
+SMALL_BLOCK = 1024  # the tile when all rows together are small (decode): more programs per row
 PROGRAMS_PER_SM = 4
 _KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 KEY_DTYPES = tuple(_KEY_BITS)  # score dtypes the kernels rank
@@ -77,8 +78,8 @@ def _threshold(hist_ptr, row, k, PASSES: tl.constexpr, NPASS: tl.constexpr, KEY_
 
 
 @triton.jit
-def _histogram_kernel(bits_ptr, hist_ptr, ties_ptr, width, chunk, k, P: tl.constexpr, NPASS: tl.constexpr,
-                      KEY_BITS: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _histogram_kernel(bits_ptr, hist_ptr, ties_ptr, width, chunk, k, SPLIT, P: tl.constexpr, NPASS: tl.constexpr,
+                      KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
     """Pass P: histogram of digit P over this program's chunk of the row, among the entries that match
     the threshold's top P digits; merged per row with atomics (the last pass also keeps its own)."""
     row = tl.program_id(0)
@@ -101,8 +102,8 @@ def _histogram_kernel(bits_ptr, hist_ptr, ties_ptr, width, chunk, k, P: tl.const
 
 
 @triton.jit
-def _compact_kernel(bits_ptr, hist_ptr, ties_ptr, count_ptr, picks_ptr, width, chunk, k, NPASS: tl.constexpr,
-                    KEY_BITS: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, BLOCK: tl.constexpr):
+def _compact_kernel(bits_ptr, hist_ptr, ties_ptr, count_ptr, picks_ptr, width, chunk, k, SPLIT, NPASS: tl.constexpr,
+                    KEY_BITS: tl.constexpr, SPLIT_P2: tl.constexpr, BLOCK: tl.constexpr):
     """Write the indices of this chunk's entries above the threshold and of its share of the ties."""
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -155,7 +156,7 @@ def _finish_kernel(picks_ptr, values_ptr, visible_ptr, blocks_ptr, out_ptr, widt
     tl.store(out_ptr + row.to(tl.int64) * k + i, pick, mask=present)
 
 
-def select_topk(scores: torch.Tensor, k: int, split: int | None = None, block: int = BLOCK) -> torch.Tensor:
+def select_topk(scores: torch.Tensor, k: int, split: int | None = None, block: int | None = None) -> torch.Tensor:
     """Indices int32 [rows, k] (in no order) of the k largest of each row of scores [rows, width] (bf16,
     fp16 or fp32), ties to the lower index. split/block override the programs per row and the tile."""
     rows, width = scores.shape
@@ -167,21 +168,26 @@ def select_topk(scores: torch.Tensor, k: int, split: int | None = None, block: i
         raise ValueError(f"select_topk: {width} entries per row exceed 2^31")
     key_bits = _KEY_BITS[scores.dtype]
     npass = key_bits // 8
+    programs = PROGRAMS_PER_SM * _num_sms(scores.device)  # enough to fill the GPU a few times over
+    if block is None:
+        block = BLOCK if rows * width >= programs * BLOCK else SMALL_BLOCK
     tiles = triton.cdiv(width, block)
-    if split is None:  # enough programs to fill the GPU a few times over
-        split = triton.cdiv(PROGRAMS_PER_SM * _num_sms(scores.device), rows)
+    if split is None:
+        split = triton.cdiv(programs, rows)
     chunk = triton.cdiv(tiles, max(1, min(split, tiles))) * block
-    split = triton.cdiv(width, chunk)
+    split = triton.cdiv(width, chunk)  # (a runtime argument: new shapes compile nothing new)
     bits = scores.contiguous().view(_BITS_VIEW[key_bits])
     counters = torch.zeros(rows * (npass * 256 + 1), dtype=torch.int32, device=scores.device)
     hist, count = counters[:rows * npass * 256], counters[rows * npass * 256:]
     ties = torch.empty(rows * split * 256, dtype=torch.int32, device=scores.device)
     picks = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
+    warps = 8 if block >= BLOCK else 4
     for p in range(npass):
-        _histogram_kernel[(rows, split)](bits, hist, ties, width, chunk, k, P=p, NPASS=npass, KEY_BITS=key_bits,
-                                         SPLIT=split, BLOCK=block, num_warps=8)
-    _compact_kernel[(rows, split)](bits, hist, ties, count, picks, width, chunk, k, NPASS=npass, KEY_BITS=key_bits,
-                                   SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), BLOCK=block, num_warps=8)
+        _histogram_kernel[(rows, split)](bits, hist, ties, width, chunk, k, split, P=p, NPASS=npass, KEY_BITS=key_bits,
+                                         BLOCK=block, num_warps=warps)
+    _compact_kernel[(rows, split)](bits, hist, ties, count, picks, width, chunk, k, split, NPASS=npass,
+                                   KEY_BITS=key_bits, SPLIT_P2=triton.next_power_of_2(split), BLOCK=block,
+                                   num_warps=warps)
     return picks
 
 
@@ -205,7 +211,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def topk_indices_triton(scores, k, visible, split=None, block=BLOCK):
+def topk_indices_triton(scores, k, visible, split=None, block=None):
     """`dsflash::topk_indices` on the GPU: int32 [..., k] ascending, -1 for picks j >= visible."""
     lead = scores.shape[:-1]
     if k == 0 or lead.numel() == 0:
@@ -214,7 +220,7 @@ def topk_indices_triton(scores, k, visible, split=None, block=BLOCK):
     return finish(picks, VISIBLE, visible=visible.reshape(-1)).view(*lead, k)
 
 
-def top_blocks_triton(block_scores, k, split=None, block=BLOCK):
+def top_blocks_triton(block_scores, k, split=None, block=None):
     """The k best blocks of block_scores [..., nblocks] (+inf pinned), ascending, -1 for -inf picks."""
     lead = block_scores.shape[:-1]
     if k == 0 or lead.numel() == 0:
@@ -223,7 +229,7 @@ def top_blocks_triton(block_scores, k, split=None, block=BLOCK):
     return finish(select_topk(values, k, split, block), FINITE, values=values).view(*lead, k)
 
 
-def candidate_topk_triton(scores, blocks, block_size, k, split=None, block=BLOCK):
+def candidate_topk_triton(scores, blocks, block_size, k, split=None, block=None):
     """`dsflash::candidate_topk` on the GPU: top-k of the compact scores, remapped to row ids, ascending,
     -1 for picks whose score is -inf."""
     lead = scores.shape[:-1]

@@ -98,16 +98,17 @@ def check_compiles_for_hopper(module, spec) -> None:
 
 
 TOPK_KERNELS = {  # name: (kernel, args, constexprs, num_warps), as select_topk / finish launch them
-    f"histogram_{bits}bit_pass{p}": ("_histogram_kernel", dict(bits_ptr=f"*i{bits}", hist_ptr="*i32", ties_ptr="*i32",
-                                                               width="i32", chunk="i32", k="i32"),
-                                     dict(P=p, NPASS=bits // 8, KEY_BITS=bits, SPLIT=4, BLOCK=4096), 8)
-    for bits in (16, 32) for p in range(bits // 8)
+    f"histogram_{bits}bit_pass{p}_tile{tile}": (
+        "_histogram_kernel", dict(bits_ptr=f"*i{bits}", hist_ptr="*i32", ties_ptr="*i32", width="i32", chunk="i32",
+                                  k="i32", SPLIT="i32"),
+        dict(P=p, NPASS=bits // 8, KEY_BITS=bits, BLOCK=tile), warps)
+    for bits in (16, 32) for p in range(bits // 8) for tile, warps in ((4096, 8), (1024, 4))
 } | {
-    f"compact_{bits}bit": ("_compact_kernel", dict(bits_ptr=f"*i{bits}", hist_ptr="*i32", ties_ptr="*i32",
-                                                   count_ptr="*i32", picks_ptr="*i32", width="i32", chunk="i32",
-                                                   k="i32"),
-                           dict(NPASS=bits // 8, KEY_BITS=bits, SPLIT=3, SPLIT_P2=4, BLOCK=4096), 8)
-    for bits in (16, 32)
+    f"compact_{bits}bit_tile{tile}": (
+        "_compact_kernel", dict(bits_ptr=f"*i{bits}", hist_ptr="*i32", ties_ptr="*i32", count_ptr="*i32",
+                                picks_ptr="*i32", width="i32", chunk="i32", k="i32", SPLIT="i32"),
+        dict(NPASS=bits // 8, KEY_BITS=bits, SPLIT_P2=4, BLOCK=tile), warps)
+    for bits in (16, 32) for tile, warps in ((4096, 8), (1024, 4))
 } | {
     f"finish_mode{mode}_k{kp}": ("_finish_kernel", dict(picks_ptr="*i32", values_ptr="*bf16", visible_ptr="*i64",
                                                         blocks_ptr="*i32", out_ptr="*i32", width="i32", k="i32",
