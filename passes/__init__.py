@@ -1,18 +1,22 @@
 """FX/Inductor passes of dsflash_compile and their manager (see `install`)."""
 
 from .manager import DsflashPassManager
+from .mhc_fusion import MhcFusionPass
 from .router_fusion import RouterFusionPass
 
 
 def install(text_config) -> DsflashPassManager:
     """Make Inductor run our passes (post-grad) for graphs compiled from now on; returns the manager,
-    whose `matches` counts the rewrites. Patterns use the config's router constants."""
+    whose `matches` counts the rewrites. Patterns use the config's router and mHC constants."""
     from torch._inductor import config as inductor_config
 
-    manager = DsflashPassManager([RouterFusionPass(text_config.num_experts_per_tok, text_config.norm_topk_prob,
-                                                   text_config.routed_scaling_factor)])
+    manager = DsflashPassManager([
+        RouterFusionPass(text_config.num_experts_per_tok, text_config.norm_topk_prob,
+                         text_config.routed_scaling_factor),
+        MhcFusionPass(text_config.rms_norm_eps, text_config.hc_eps, text_config.hc_sinkhorn_iters),
+    ])
     inductor_config.post_grad_custom_post_pass = manager
     return manager
 
 
-__all__ = ["DsflashPassManager", "RouterFusionPass", "install"]
+__all__ = ["DsflashPassManager", "MhcFusionPass", "RouterFusionPass", "install"]

@@ -1,0 +1,119 @@
+"""`dsflash::mhc_seam` and `dsflash::mhc_entry_seam`: one mHC seam (MODEL.md section 2) as one op, for the
+mHC fusion pass (passes/mhc_fusion.py).
+
+A seam sits between two sublayers. With X the streams [..., hc, D] it receives:
+
+    X'        = post(out, X, q, C)                  the previous sublayer's expansion (mhc_seam only)
+    (p, q, C) = mixes(X'; fn, scale, base)          24-wide GEMV, sigmoids, Sinkhorn (this seam's mixes)
+    normed    = rms_norm(pre(X', p_lagged); w)      the next sublayer's input (pre-mix of one seam earlier)
+
+`mhc_seam` returns (X', normed, p, q, C). `mhc_entry_seam` is the same without the expansion, for streams
+that do not come straight from a sublayer (block 0's embedding, the output of Engram): (normed, p, q, C).
+The reference is the model's own mhc.py functions and RMSNorm (one definition of the math); the Triton
+kernel (mhc_triton.py) is registered for CUDA.
+"""
+
+from types import SimpleNamespace
+
+import torch
+from torch import Tensor
+
+from dsflash_compile.layers import RMSNorm
+from dsflash_compile.mhc import hc_mixes, hc_post, hc_pre
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """The model's RMSNorm forward with a given weight (no module: the op receives the weight as a tensor)."""
+    return RMSNorm.forward(SimpleNamespace(weight=weight, eps=eps), x)
+
+
+def entry_seam_reference(streams, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters):
+    """(normed, pre, post, comb) of the streams as they are."""
+    pre, post, comb = hc_mixes(streams, fn, scale, base, norm_eps, hc_eps, iters)
+    return rms_norm(hc_pre(streams, pre_lagged), norm_weight, norm_eps), pre, post, comb
+
+
+def seam_reference(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters):
+    """(new streams, normed, pre, post, comb): the previous sublayer's expansion, then the entry seam."""
+    streams = hc_post(out, streams, post, comb)
+    return (streams, *entry_seam_reference(streams, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps,
+                                           iters))
+
+
+def check_seam_args(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight) -> None:
+    """Clear errors for shapes the seam cannot take (out/post/comb may be None: the entry seam)."""
+    if streams.dim() < 3:
+        raise ValueError(f"mhc seam: streams must be [..., hc, D], got shape {tuple(streams.shape)}")
+    *lead, hc, dim = streams.shape
+    lead = tuple(lead)
+    expected = {"pre_lagged": (pre_lagged, lead + (hc,)), "fn": (fn, ((2 + hc) * hc, hc * dim)), "scale": (scale, (3,)),
+                "base": (base, ((2 + hc) * hc,)), "norm_weight": (norm_weight, (dim,))}
+    if out is not None:
+        expected.update(out=(out, lead + (dim,)), post=(post, lead + (hc,)), comb=(comb, lead + (hc, hc)))
+    for name, (tensor, shape) in expected.items():
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"mhc seam: {name} has shape {tuple(tensor.shape)}; expected {shape} for streams "
+                             f"{tuple(streams.shape)}")
+
+
+@torch.library.custom_op("dsflash::mhc_seam", mutates_args=())
+def mhc_seam(out: Tensor, streams: Tensor, post: Tensor, comb: Tensor, pre_lagged: Tensor, fn: Tensor,
+             scale: Tensor, base: Tensor, norm_weight: Tensor, norm_eps: float, hc_eps: float,
+             iters: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """out [..., D] bf16 (the previous sublayer); streams [..., hc, D] bf16; post [..., hc], comb [..., hc, hc],
+    pre_lagged [..., hc] fp32; fn [(2+hc)hc, hc D], scale [3], base [(2+hc)hc] fp32; norm_weight [D] bf16.
+    Returns (new streams bf16, normed bf16 [..., D], pre, post fp32 [..., hc], comb fp32 [..., hc, hc])."""
+    check_seam_args(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight)
+    return tuple(t.contiguous() for t in seam_reference(out, streams, post, comb, pre_lagged, fn, scale, base,
+                                                        norm_weight, norm_eps, hc_eps, iters))
+
+
+@mhc_seam.register_fake
+def _(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters):
+    return (torch.empty_like(streams), torch.empty_like(out), *_mixes_like(streams))
+
+
+@torch.library.custom_op("dsflash::mhc_entry_seam", mutates_args=())
+def mhc_entry_seam(streams: Tensor, pre_lagged: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
+                   norm_weight: Tensor, norm_eps: float, hc_eps: float,
+                   iters: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """mhc_seam without the expansion: the streams as given. Returns (normed, pre, post, comb)."""
+    check_seam_args(None, streams, None, None, pre_lagged, fn, scale, base, norm_weight)
+    return tuple(t.contiguous() for t in entry_seam_reference(streams, pre_lagged, fn, scale, base, norm_weight,
+                                                              norm_eps, hc_eps, iters))
+
+
+@mhc_entry_seam.register_fake
+def _(streams, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters):
+    return (streams.new_empty(streams.shape[:-2] + streams.shape[-1:]), *_mixes_like(streams))
+
+
+def _mixes_like(streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Empty (pre, post, comb) fp32 for streams [..., hc, D]."""
+    lead, hc = streams.shape[:-2], streams.shape[-2]
+    return (streams.new_empty(lead + (hc,), dtype=torch.float32), streams.new_empty(lead + (hc,), dtype=torch.float32),
+            streams.new_empty(lead + (hc, hc), dtype=torch.float32))
+
+
+try:  # Triton is optional on CPU machines
+    from . import mhc_triton
+except ImportError:  # pragma: no cover - CPU machines without triton
+    mhc_triton = None
+
+if mhc_triton is not None:
+    @mhc_seam.register_kernel("cuda")
+    def _(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters):
+        check_seam_args(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight)
+        if not mhc_triton.kernel_fits(streams, fn):
+            return seam_reference(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight, norm_eps,
+                                  hc_eps, iters)
+        return mhc_triton.mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight,
+                                          norm_eps, hc_eps, iters)
+
+    @mhc_entry_seam.register_kernel("cuda")
+    def _(streams, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters):
+        check_seam_args(None, streams, None, None, pre_lagged, fn, scale, base, norm_weight)
+        if not mhc_triton.kernel_fits(streams, fn):
+            return entry_seam_reference(streams, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters)
+        return mhc_triton.mhc_seam_triton(None, streams, None, None, pre_lagged, fn, scale, base, norm_weight,
+                                          norm_eps, hc_eps, iters)

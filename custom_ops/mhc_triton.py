@@ -1,0 +1,173 @@
+"""Triton kernel of `dsflash::mhc_seam` / `dsflash::mhc_entry_seam` (see mhc.py for the math): one launch.
+
+Grid: (block of BLOCK_T tokens, chunk of BLOCK_D columns of D). The 24 x (hc D) mixes GEMV is split over D so
+that a single token still spreads the 2 MB fp32 `fn` (release dims) over the GPU; a program loads its fn
+tile once and, for each of its tokens: expands the streams (hc_post, stored bf16), takes its share of the
+24 mix dot products and of the two sums of squares (all hc D values for the mixes' RMS, the collapse for
+the RMSNorm), and collapses with the lagged pre-mix (stored bf16, not yet normalised). Each program writes
+its partials and bumps a per-block counter; the last program of a block adds the partials in chunk order
+(deterministic), runs the sigmoids and the 20 Sinkhorn rounds in registers, stores (pre, post, comb),
+normalises the block's collapsed rows in place and resets the counter for the next launch.
+
+Rounding points are the reference's: fp32 math, bf16 casts of the new streams and of the collapse.
+Any token count runs the same kernel: large counts use blocks of up to 16 tokens, which reuse the fn tile.
+Only this kernel writes the counters, and a launch leaves them at zero: one seam in flight per device.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, scale_ptr, base_ptr, weight_ptr,
+                 new_streams_ptr, normed_ptr, pre_out_ptr, post_out_ptr, comb_out_ptr, partial_ptr, counter_ptr,
+                 N, norm_eps, hc_eps, iters,
+                 HC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+                 PART: tl.constexpr, CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr, HAS_POST: tl.constexpr):
+    block = tl.program_id(0)
+    chunk = tl.program_id(1)
+    chunks = tl.num_programs(1)
+    MIX: tl.constexpr = (2 + HC) * HC
+    i = tl.arange(0, HC)
+    d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
+    in_d = d < D
+    col = tl.arange(0, PART)  # partial row: MIX mix dot products, the streams' and the collapse's sum of squares
+    fn = tl.load(fn_ptr + col[:, None, None] * (HC * D) + i[None, :, None] * D + d[None, None, :],
+                 mask=(col < MIX)[:, None, None] & in_d[None, None, :], other=0.0)
+    sd = i[:, None] * D + d[None, :]
+    for t in range(BLOCK_T):
+        row = (block * BLOCK_T + t).to(tl.int64)
+        if row < N:
+            x = tl.load(streams_ptr + row * HC * D + sd, mask=in_d[None, :], other=0.0).to(tl.float32)
+            if HAS_POST:  # Y_j = post_j * out + sum_i comb[i, j] X_i, rounded to bf16
+                o = tl.load(out_ptr + row * D + d, mask=in_d, other=0.0).to(tl.float32)
+                q = tl.load(post_ptr + row * HC + i)
+                c = tl.load(comb_ptr + row * HC * HC + i[:, None] * HC + i[None, :])
+                y = (q[:, None] * o[None, :] + tl.sum(c[:, :, None] * x[:, None, :], axis=0)).to(tl.bfloat16)
+                tl.store(new_streams_ptr + row * HC * D + sd, y, mask=in_d[None, :])
+                x = y.to(tl.float32)
+            mix = tl.sum(tl.sum(fn * x[None, :, :], axis=2), axis=1)
+            p = tl.load(pre_lag_ptr + row * HC + i)
+            collapsed = tl.sum(p[:, None] * x, axis=0).to(tl.bfloat16)
+            tl.store(normed_ptr + row * D + d, collapsed, mask=in_d)
+            cf = collapsed.to(tl.float32)
+            part = tl.where(col == MIX, tl.sum(tl.sum(x * x, axis=1), axis=0),
+                            tl.where(col == MIX + 1, tl.sum(cf * cf, axis=0), mix))
+            tl.store(partial_ptr + (row * chunks + chunk) * PART + col, part)
+
+    tl.debug_barrier()  # every thread's stores are issued before the release below
+    if tl.atomic_add(counter_ptr + block, 1, sem="acq_rel") == chunks - 1:
+        for t in range(BLOCK_T):
+            row = (block * BLOCK_T + t).to(tl.int64)
+            if row < N:
+                _finish_token(row, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr, pre_out_ptr,
+                              post_out_ptr, comb_out_ptr, norm_eps, hc_eps, iters, HC, D, PART, CHUNKS_PAD,
+                              NORM_BLOCK)
+        tl.atomic_xchg(counter_ptr + block, 0)
+
+
+@triton.jit
+def _finish_token(row, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr, pre_out_ptr, post_out_ptr,
+                  comb_out_ptr, norm_eps, hc_eps, iters, HC: tl.constexpr, D: tl.constexpr, PART: tl.constexpr,
+                  CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    """Sum one token's partials over the chunks, then mixes -> (pre, post, Sinkhorn comb) and the RMSNorm."""
+    MIX: tl.constexpr = (2 + HC) * HC
+    i = tl.arange(0, HC)
+    ch = tl.arange(0, CHUNKS_PAD)
+    rows = partial_ptr + (row * chunks + ch) * PART
+    live = ch < chunks
+    # .cg: bypass L1 (not coherent across SMs) to read what the other programs wrote
+    pre_dot = tl.sum(tl.load(rows[:, None] + i[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg"), 0)
+    post_dot = tl.sum(tl.load(rows[:, None] + HC + i[None, :], mask=live[:, None], other=0.0,
+                              cache_modifier=".cg"), 0)
+    comb_dot = tl.sum(tl.load(rows[:, None, None] + 2 * HC + i[None, :, None] * HC + i[None, None, :],
+                              mask=live[:, None, None], other=0.0, cache_modifier=".cg"), 0)
+    streams_ss = tl.sum(tl.load(rows + MIX, mask=live, other=0.0, cache_modifier=".cg"), 0)
+    collapse_ss = tl.sum(tl.load(rows + MIX + 1, mask=live, other=0.0, cache_modifier=".cg"), 0)
+
+    rms = tl.math.rsqrt(streams_ss / (HC * D) + norm_eps)
+    pre = tl.sigmoid(pre_dot * rms * tl.load(scale_ptr) + tl.load(base_ptr + i)) + hc_eps
+    post = 2 * tl.sigmoid(post_dot * rms * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + i))
+    comb = comb_dot * rms * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + i[:, None] * HC + i[None, :])
+    comb = tl.exp(comb - tl.max(comb, axis=1)[:, None])
+    comb = comb / tl.sum(comb, axis=1)[:, None] + hc_eps
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    tl.store(pre_out_ptr + row * HC + i, pre)
+    tl.store(post_out_ptr + row * HC + i, post)
+    tl.store(comb_out_ptr + row * HC * HC + i[:, None] * HC + i[None, :], comb)
+
+    rstd = tl.math.rsqrt(collapse_ss / D + norm_eps)
+    for d0 in range(0, D, NORM_BLOCK):
+        d = d0 + tl.arange(0, NORM_BLOCK)
+        x = tl.load(normed_ptr + row * D + d, mask=d < D, other=0.0, cache_modifier=".cg").to(tl.float32)
+        w = tl.load(weight_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+        tl.store(normed_ptr + row * D + d, (w * (x * rstd)).to(tl.bfloat16), mask=d < D)
+
+
+BLOCK_D = 64
+NORM_BLOCK = 1024
+_COUNTER_SLOTS = 4096
+_counters: dict = {}
+
+
+def kernel_fits(streams, fn) -> bool:
+    """The shapes and dtypes this kernel takes (else the op runs its reference): bf16 streams, hc a power of 2."""
+    hc = streams.shape[-2]
+    return streams.dtype == torch.bfloat16 and hc & (hc - 1) == 0 and fn.dtype == torch.float32
+
+
+def _tokens_per_program(tokens: int) -> int:
+    """1 for decode-sized calls (the most programs); up to 16 for prefill, where the fn tile is reused."""
+    return 1 if tokens <= 16 else min(16, triton.next_power_of_2(tokens) // 16)
+
+
+def _block_counters(device: torch.device, blocks: int) -> torch.Tensor:
+    """Zeroed int32 counters, kept per device (each launch leaves them at zero) so a call needs no memset."""
+    buf = _counters.get(device)
+    if buf is not None and buf.numel() >= blocks:
+        return buf
+    buf = torch.zeros(max(blocks, _COUNTER_SLOTS), dtype=torch.int32, device=device)
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():  # never keep a graph-pool buffer
+        _counters[device] = buf
+    return buf
+
+
+def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters):
+    """Both ops: with out/post/comb None (the entry seam) returns (normed, pre, post, comb), else
+    (new streams, normed, pre, post, comb); shapes as the ops' references."""
+    *lead, hc, dim = streams.shape
+    tokens = streams.numel() // (hc * dim)
+    flat = streams.reshape(tokens, hc, dim).contiguous()
+    has_post = out is not None
+    new_streams = torch.empty_like(flat) if has_post else flat
+    normed = flat.new_empty(tokens, dim)
+    pre_out = flat.new_empty(tokens, hc, dtype=torch.float32)
+    post_out = torch.empty_like(pre_out)
+    comb_out = flat.new_empty(tokens, hc, hc, dtype=torch.float32)
+    part = triton.next_power_of_2((2 + hc) * hc + 2)
+    chunks = triton.cdiv(dim, BLOCK_D)
+    block_t = _tokens_per_program(tokens)
+    blocks = triton.cdiv(tokens, block_t)
+    partial = flat.new_empty(tokens, chunks, part, dtype=torch.float32)
+    if tokens:
+        _seam_kernel[(blocks, chunks)](
+            out.reshape(tokens, dim).contiguous() if has_post else flat,
+            flat,
+            post.reshape(tokens, hc).contiguous() if has_post else pre_out,
+            comb.reshape(tokens, hc, hc).contiguous() if has_post else comb_out,
+            pre_lagged.reshape(tokens, hc).float().contiguous(), fn.contiguous(), scale.float().contiguous(),
+            base.float().contiguous(), norm_weight.contiguous(), new_streams, normed, pre_out, post_out, comb_out,
+            partial, _block_counters(flat.device, blocks), tokens, norm_eps, hc_eps, iters,
+            HC=hc, D=dim, BLOCK_D=BLOCK_D, BLOCK_T=block_t, PART=part,
+            CHUNKS_PAD=triton.next_power_of_2(chunks), NORM_BLOCK=min(NORM_BLOCK, triton.next_power_of_2(dim)),
+            HAS_POST=has_post, num_warps=4)
+    lead = tuple(lead)
+    mixes = (pre_out.view(lead + (hc,)), post_out.view(lead + (hc,)), comb_out.view(lead + (hc, hc)))
+    normed = normed.view(lead + (dim,))
+    if has_post:
+        return (new_streams.view(lead + (hc, dim)), normed, *mixes)
+    return (normed, *mixes)

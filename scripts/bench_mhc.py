@@ -1,0 +1,148 @@
+"""Benchmark of one mHC seam at the release dims (hc = 4, D = 5120) on one GPU:
+
+  eager      the model's functions unfused (hc_post, hc_mixes + Sinkhorn, hc_pre, RMSNorm): day-zero
+  compiled   the same, torch.compile without our passes (Inductor's own fusion)
+  fused      dsflash::mhc_seam (the Triton kernel, one launch)
+  pass       the same function compiled with the mHC fusion pass (what the model runs)
+
+    python scripts/bench_mhc.py      (writes benchmarks/results/mhc-<date>.json)
+
+Correctness first: the kernel against the reference at 1..300 tokens (max abs and relative errors of the new
+streams, the normed output and the fp32 mixes; the entry variant too; a repeated call gives identical bits;
+the normed output and mixes also against the reference applied to the kernel's own new streams), and the
+pass must fuse the seam compiled for CUDA. Timings are CUDA-graph replays (median; launches excluded) at
+1, 4, 16 and 64 tokens, plus the eager path with its launches. Targets (BENCHMARKS.md): fused >= 3x
+unfused at 1-16 tokens, <= 10 us at 1 token.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch._inductor import config as inductor_config
+
+from dsflash_compile.benchmarking import run_metadata, save_results, time_eager, time_graph
+from dsflash_compile.custom_ops.mhc import entry_seam_reference, seam_reference
+from dsflash_compile.layers import RMSNorm
+from dsflash_compile.mhc import hc_mixes, hc_post, hc_pre
+from dsflash_compile.passes import DsflashPassManager, MhcFusionPass
+
+HC, DIM, NORM_EPS, HC_EPS, ITERS = 4, 5120, 1e-20, 1e-6, 20
+
+
+def make_case(tokens: int, gen: torch.Generator) -> dict:
+    """Decode-shaped [tokens, 1, hc, D] inputs and the release's parameter dtypes, random and never zero."""
+    mix = (2 + HC) * HC
+    kw = dict(generator=gen, device="cuda")
+    return dict(out=torch.randn(tokens, 1, DIM, **kw).bfloat16(),
+                streams=torch.randn(tokens, 1, HC, DIM, **kw).bfloat16(),
+                post=2 * torch.rand(tokens, 1, HC, **kw), comb=torch.rand(tokens, 1, HC, HC, **kw),
+                pre_lagged=torch.rand(tokens, 1, HC, **kw) + 0.5, fn=torch.randn(mix, HC * DIM, **kw) * 0.01,
+                scale=torch.rand(3, **kw) + 0.5, base=torch.randn(mix, **kw) * 0.5,
+                norm_weight=(torch.rand(DIM, **kw) + 0.5).bfloat16())
+
+
+def errors(got, want) -> dict:
+    """Max absolute error and the same relative to the largest reference value, over the tensors."""
+    abs_err = max((g.float() - w.float()).abs().max().item() for g, w in zip(got, want))
+    return {"abs": abs_err, "rel": abs_err / max(w.float().abs().max().item() for w in want)}
+
+
+def fused(c: dict):
+    return torch.ops.dsflash.mhc_seam(c["out"], c["streams"], c["post"], c["comb"], c["pre_lagged"], c["fn"],
+                                      c["scale"], c["base"], c["norm_weight"], NORM_EPS, HC_EPS, ITERS)
+
+
+def seam_function(norm: RMSNorm):
+    """The seam as the model writes it (DeepseekV41Block.forward), for eager and torch.compile."""
+    def seam(out, streams, post, comb, pre_lagged, fn, scale, base):
+        new = hc_post(out, streams, post, comb)
+        pre, post, comb = hc_mixes(new, fn, scale, base, NORM_EPS, HC_EPS, ITERS)
+        return new, norm(hc_pre(new, pre_lagged)), pre, post, comb
+    return seam
+
+
+def unfused_args(c: dict) -> tuple:
+    return c["out"], c["streams"], c["post"], c["comb"], c["pre_lagged"], c["fn"], c["scale"], c["base"]
+
+
+def check(gen: torch.Generator) -> dict:
+    rows = []
+    for tokens in (1, 4, 16, 64, 300):
+        c = make_case(tokens, gen)
+        args = (c["out"], c["streams"], c["post"], c["comb"], c["pre_lagged"], c["fn"], c["scale"], c["base"],
+                c["norm_weight"], NORM_EPS, HC_EPS, ITERS)
+        got, again = fused(c), fused(c)
+        want = seam_reference(*args)
+        own = entry_seam_reference(got[0], *args[4:])  # the rest, from the kernel's own new streams
+        entry = torch.ops.dsflash.mhc_entry_seam(*args[1:2], *args[4:])
+        want_entry = entry_seam_reference(*args[1:2], *args[4:])
+        row = {"tokens": tokens, "repeatable": all(torch.equal(a, b) for a, b in zip(got, again)),
+               "streams": errors(got[:1], want[:1]), "normed": errors(got[1:2], own[:1]),
+               "mixes": errors(got[2:], own[1:]), "entry_normed": errors(entry[:1], want_entry[:1]),
+               "entry_mixes": errors(entry[1:], want_entry[1:]),
+               "normed_vs_reference": errors(got[1:2], want[1:2]), "mixes_vs_reference": errors(got[2:], want[2:])}
+        print("check", row)
+        rows.append(row)
+    # bf16 outputs: about one ulp of the largest value (2^-8 relative); fp32 mixes: summation order only
+    bad = [r for r in rows if not r["repeatable"] or max(r[k]["rel"] for k in ("streams", "normed", "entry_normed"))
+           > 2 ** -7 or max(r[k]["abs"] for k in ("mixes", "entry_mixes")) > 1e-5]
+    assert not bad, f"Triton seam disagrees with the reference: {bad}"
+    return {"kernel": rows}
+
+
+def compile_seam(norm: RMSNorm, with_pass: bool):
+    """The seam compiled (caches off, so the pass runs); returns (compiled fn, pass manager or None)."""
+    manager = DsflashPassManager([MhcFusionPass(NORM_EPS, HC_EPS, ITERS)]) if with_pass else None
+    inductor_config.post_grad_custom_post_pass = manager
+    return torch.compile(seam_function(norm), fullgraph=True), manager
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    result = run_metadata()
+    result["check"] = check(gen)
+    result["shapes"] = {"hc": HC, "dim": DIM, "sinkhorn_iters": ITERS}
+
+    rows = []
+    with torch.no_grad(), inductor_config.patch(force_disable_caches=True):
+        norm = RMSNorm(DIM, NORM_EPS).cuda()
+        for tokens in (1, 4, 16, 64):
+            c = make_case(tokens, gen)
+            norm.weight.data = c["norm_weight"]
+            eager = seam_function(norm)
+            torch._dynamo.reset()
+            compiled, _ = compile_seam(norm, with_pass=False)
+            compiled(*unfused_args(c))
+            torch._dynamo.reset()
+            with_pass, manager = compile_seam(norm, with_pass=True)
+            with_pass(*unfused_args(c))
+            inductor_config.post_grad_custom_post_pass = None
+            assert manager.matches["mhc_fusion"] == 1, f"the pass did not fuse the seam on CUDA: {manager.matches}"
+            row = {"tokens": tokens,
+                   "eager_launches_s": time_eager(lambda: eager(*unfused_args(c)), iters=20),
+                   "eager_graph_s": time_graph(lambda: eager(*unfused_args(c))),
+                   "compiled_graph_s": time_graph(lambda: compiled(*unfused_args(c))),
+                   "fused_graph_s": time_graph(lambda: fused(c), calls=50, replays=50),
+                   "pass_graph_s": time_graph(lambda: with_pass(*unfused_args(c)), calls=50, replays=50)}
+            row["fused_vs_eager"] = row["eager_graph_s"] / row["fused_graph_s"]
+            row["fused_vs_compiled"] = row["compiled_graph_s"] / row["fused_graph_s"]
+            print(row)
+            rows.append(row)
+    result["seam"] = rows
+
+    print(f"\n{'tokens':>6} {'eager+launch us':>15} {'eager us':>9} {'compiled us':>11} {'fused us':>9} "
+          f"{'pass us':>8} {'x eager':>8} {'x compiled':>10}")
+    for r in rows:
+        print(f"{r['tokens']:>6} {r['eager_launches_s'] * 1e6:15.1f} {r['eager_graph_s'] * 1e6:9.1f} "
+              f"{r['compiled_graph_s'] * 1e6:11.1f} {r['fused_graph_s'] * 1e6:9.2f} {r['pass_graph_s'] * 1e6:8.2f} "
+              f"{r['fused_vs_eager']:8.1f} {r['fused_vs_compiled']:10.1f}")
+    save_results(result, "mhc", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""The mHC seam ops (custom_ops/mhc.py), their Triton kernel under the interpreter (custom_ops/mhc_triton.py)
+and the fusion pass (passes/mhc_fusion.py) in compiled seams and in the tiny model's layer loop."""
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+from torch._inductor import config as inductor_config
+
+from dsflash_compile import DeepseekV41ForCausalLM, preset_config
+from dsflash_compile.custom_ops.mhc import entry_seam_reference, seam_reference
+from dsflash_compile.layers import RMSNorm
+from dsflash_compile.modeling_deepseek_v41 import DeepseekV41Block
+from dsflash_compile.mhc import hc_mixes, hc_post, hc_pre
+from dsflash_compile.passes import MhcFusionPass
+from dsflash_compile.passes.mhc_fusion import trace_like_post_grad
+from interp import interpreter_skip_reason, report, run_interpreted
+from test_topk import check_compiles_for_hopper
+
+NORM_EPS, HC_EPS, ITERS = 1e-20, 1e-6, 20  # the tiny preset's (and the release's)
+SEAM_OPS = ("dsflash.mhc_seam.default", "dsflash.mhc_entry_seam.default")
+
+
+def seam_args(lead, hc=4, dim=64, seed=0):
+    """(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight), random and never zero."""
+    g = torch.Generator().manual_seed(seed)
+    mix = (2 + hc) * hc
+    return (torch.randn(*lead, dim, generator=g).bfloat16(), torch.randn(*lead, hc, dim, generator=g).bfloat16(),
+            2 * torch.rand(*lead, hc, generator=g), torch.rand(*lead, hc, hc, generator=g),
+            torch.rand(*lead, hc, generator=g) + 0.5, torch.randn(mix, hc * dim, generator=g) * 0.05,
+            torch.rand(3, generator=g) + 0.5, torch.randn(mix, generator=g) * 0.5,
+            (torch.rand(dim, generator=g) + 0.5).bfloat16())
+
+
+# -- the ops ---------------------------------------------------------------------------------------
+
+def test_seam_ops_equal_the_model_functions():
+    """mhc_seam = hc_post, then hc_mixes, hc_pre and the model's RMSNorm module; mhc_entry_seam without hc_post."""
+    out, streams, post, comb, pre_lagged, fn, scale, base, weight = seam_args((2, 3))
+    norm = RMSNorm(weight.shape[0], NORM_EPS)
+    norm.weight.data = weight
+    new = hc_post(out, streams, post, comb)
+    want = (new, norm(hc_pre(new, pre_lagged)), *hc_mixes(new, fn, scale, base, NORM_EPS, HC_EPS, ITERS))
+    got = torch.ops.dsflash.mhc_seam(out, streams, post, comb, pre_lagged, fn, scale, base, weight, NORM_EPS,
+                                     HC_EPS, ITERS)
+    entry = torch.ops.dsflash.mhc_entry_seam(new, pre_lagged, fn, scale, base, weight, NORM_EPS, HC_EPS, ITERS)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert all(torch.equal(g, w) for g, w in zip(entry, want[1:]))
+
+
+def test_seam_ops_opcheck():
+    args = seam_args((3,))
+    torch.library.opcheck(torch.ops.dsflash.mhc_seam.default, (*args, NORM_EPS, HC_EPS, ITERS))
+    torch.library.opcheck(torch.ops.dsflash.mhc_entry_seam.default, (*args[1:2], *args[4:], NORM_EPS, HC_EPS, ITERS))
+
+
+def test_seam_op_names_a_wrong_shape():
+    out, streams, post, comb, pre_lagged, fn, scale, base, weight = seam_args((2,))
+    with pytest.raises(ValueError, match="fn has shape"):
+        torch.ops.dsflash.mhc_seam(out, streams, post, comb, pre_lagged, fn[:, :-1], scale, base, weight, NORM_EPS,
+                                   HC_EPS, ITERS)
+
+
+# -- the Triton kernel, under the interpreter ------------------------------------------------------
+
+KERNEL_CASES = {  # name: (leading dims, D); D = 96 leaves a partial chunk, 20 tokens use blocks of 2 tokens
+    "decode": ((1,), 64),
+    "batch_seq": ((2, 3), 96),
+    "prefill": ((20,), 64),
+}
+
+
+def bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest |got - want| in units of the last place of bf16 at want."""
+    _, exponent = torch.frexp(want.float())
+    return ((got.float() - want.float()).abs() / torch.exp2(exponent.float() - 8)).max().item()
+
+
+def interpreter_checks():
+    """Entry point of the subprocess: kernel vs reference. The new streams against the reference's; the
+    rest against the reference applied to the kernel's own new streams (so one truncated bf16 cast of the
+    interpreter does not move the mixes), and the entry variant directly. Twice: the counters reset."""
+    from dsflash_compile.custom_ops.mhc_triton import mhc_seam_triton
+
+    for name, (lead, dim) in KERNEL_CASES.items():
+        out, streams, post, comb, pre_lagged, *params = seam_args(lead, dim=dim)
+        got = mhc_seam_triton(out, streams, post, comb, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)
+        again = mhc_seam_triton(out, streams, post, comb, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)
+        want_new = seam_reference(out, streams, post, comb, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)[0]
+        want = entry_seam_reference(got[0], pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)
+        entry = mhc_seam_triton(None, streams, None, None, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)
+        want_entry = entry_seam_reference(streams, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)
+        report(dict(name=name, repeatable=all(torch.equal(a, b) for a, b in zip(got, again)),
+                    streams_ulps=bf16_ulps(got[0], want_new), normed_ulps=bf16_ulps(got[1], want[0]),
+                    mixes_err=max((g - w).abs().max().item() for g, w in zip(got[2:], want[1:])),
+                    entry_normed_ulps=bf16_ulps(entry[0], want_entry[0]),
+                    entry_mixes_err=max((g - w).abs().max().item() for g, w in zip(entry[1:], want_entry[1:]))))
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted("test_mhc_fusion", "interpreter_checks")
+
+
+@pytest.mark.skipif(interpreter_skip_reason() is not None, reason=str(interpreter_skip_reason()))
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_seam_kernel_matches_reference(interpreted, name):
+    """bf16 outputs within 3 ulps (the interpreter truncates where the GPU rounds, twice on the way to the
+    normed output; sums run in another order), fp32 mixes within 2e-6."""
+    r = interpreted[name]
+    assert r["repeatable"], r
+    assert max(r["streams_ulps"], r["normed_ulps"], r["entry_normed_ulps"]) <= 3, r
+    assert max(r["mixes_err"], r["entry_mixes_err"]) <= 2e-6, r
+
+
+KERNEL_ARGS = dict(out_ptr="*bf16", streams_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", pre_lag_ptr="*fp32",
+                   fn_ptr="*fp32", scale_ptr="*fp32", base_ptr="*fp32", weight_ptr="*bf16", new_streams_ptr="*bf16",
+                   normed_ptr="*bf16", pre_out_ptr="*fp32", post_out_ptr="*fp32", comb_out_ptr="*fp32",
+                   partial_ptr="*fp32", counter_ptr="*i32", N="i32", norm_eps="fp32", hc_eps="fp32", iters="i32")
+
+
+@pytest.mark.parametrize("has_post", [True, False])
+@pytest.mark.parametrize("block_t", [1, 16])
+def test_seam_kernel_compiles_for_hopper(has_post, block_t):
+    """Release dims (hc 4, D 5120), decode and prefill token blocks, both ops: sm_90 code, no spills."""
+    from dsflash_compile.custom_ops import mhc_triton
+
+    constexprs = dict(HC=4, D=5120, BLOCK_D=mhc_triton.BLOCK_D, BLOCK_T=block_t, PART=32, CHUNKS_PAD=128,
+                      NORM_BLOCK=mhc_triton.NORM_BLOCK, HAS_POST=has_post)
+    check_compiles_for_hopper(mhc_triton, ("_seam_kernel", KERNEL_ARGS, constexprs, 4))
+
+
+# -- the pass --------------------------------------------------------------------------------------
+
+class Seams:
+    """A post-grad pass that runs the mHC pass and counts the fused op calls it leaves in the graph."""
+
+    def __init__(self, norm_eps=NORM_EPS, hc_eps=HC_EPS, iters=ITERS):
+        self.fusion = MhcFusionPass(norm_eps, hc_eps, iters)
+        self.matches, self.ops = [], []
+
+    def __call__(self, graph):
+        self.matches.append(self.fusion.apply(graph))
+        self.ops.append({op: sum(str(n.target) == op for n in graph.nodes) for op in SEAM_OPS})
+
+
+@pytest.fixture
+def compiling():
+    """`compile_with(seams, fn)`: fn compiled with `seams` as the post-grad pass, for inference (no
+    intermediates saved for a backward) and with Inductor's caches off (a hit would skip the pass)."""
+    previous = inductor_config.post_grad_custom_post_pass
+    torch._dynamo.reset()
+
+    def compile_with(seams, fn):
+        inductor_config.post_grad_custom_post_pass = seams
+        return torch.compile(fn, fullgraph=True)
+
+    with torch.no_grad(), inductor_config.patch(force_disable_caches=True):
+        yield compile_with
+    inductor_config.post_grad_custom_post_pass = previous
+    torch._dynamo.reset()
+
+
+def one_seam(norm):
+    def seam(out, streams, post, comb, pre_lagged, fn, scale, base):
+        new = hc_post(out, streams, post, comb)
+        pre, post, comb = hc_mixes(new, fn, scale, base, NORM_EPS, HC_EPS, ITERS)
+        return new * 2, norm(hc_pre(new, pre_lagged)) * 2, pre * 2, post * 2, comb * 2
+    return seam
+
+
+def test_one_seam_becomes_one_op(compiling):
+    """A decode token [1, 1, hc, D], then 2 x 3 tokens (the recompile with dynamic batch and sequence), then
+    7 flattened tokens [7, hc, D]: one mhc_seam each time, nothing left over, the same values."""
+    norm = RMSNorm(64, NORM_EPS)
+    seams = Seams()
+    compiled = compiling(seams, one_seam(norm))
+    for lead in ((1, 1), (2, 3), (7,)):
+        args = seam_args(lead)
+        norm.weight.data = args[-1]
+        for g, w in zip(compiled(*args[:-1]), one_seam(norm)(*args[:-1])):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert seams.matches == [1, 1, 1] and seams.ops == [{SEAM_OPS[0]: 1, SEAM_OPS[1]: 0}] * 3
+
+
+@pytest.mark.parametrize("constants", [(1e-6, HC_EPS, ITERS), (NORM_EPS, 1e-5, ITERS)])
+def test_seam_with_other_constants_is_left_alone(constants):
+    """Eps constants are exact in the patterns: a pass built for other ones leaves the seam's graph (traced
+    as Inductor's post-grad graph looks) as it is, so it stays correct. (A pass for fewer Sinkhorn rounds
+    does match, taking the seam up to that round; the remaining rounds then run after the op, also right.)"""
+    graph = trace_like_post_grad(one_seam(RMSNorm(64, NORM_EPS)), seam_args((2, 3))[:-1]).graph
+    nodes = len(graph.nodes)
+    assert MhcFusionPass(*constants).apply(graph) == 0 and len(graph.nodes) == nodes
+
+
+class StandIn(nn.Module):
+    """Cheap stand-in for attention / MoE: the seams, not the sublayers, are under test. Called as the
+    block calls attention (x, ctx, layer cache, top-k) it returns (out, top-k), as it calls the MoE (x): out."""
+
+    def forward(self, x, *context):
+        out = (torch.tanh(x.float()) * 0.5).to(x.dtype)
+        return (out, None) if len(context) > 1 else out
+
+
+def test_every_seam_of_the_tiny_model_is_fused(compiling):
+    """The tiny model's layer loop (DeepseekV41Model.run: Engram where configured, then each block, then the
+    final collapse and norm; attention and MoE stood in for) at batch 2 x 3 tokens: 9 layers x 2 seams =
+    18 fused seams. Block 0's attention seam and the two after Engram (layers 1 and 2) are entry seams; the
+    other 15 also fuse the previous sublayer's hc_post. The hc_post in front of Engram and the final
+    collapse + norm stay Inductor's."""
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(preset_config("tiny")).eval().model
+    for block in model.layers:
+        block.attn, block.ffn = StandIn(), StandIn()
+    # the block's context arguments (attention context, layer cache) are None: only the stand-ins see them
+    context = [None] * sum(p.default is p.empty for p in inspect.signature(DeepseekV41Block.forward).parameters.values()
+                           if p.name not in ("self", "streams", "pre_mix"))
+
+    def layer_loop(ids, hash_ids):
+        streams = model.embed(ids).unsqueeze(2).repeat(1, 1, model.hc, 1)
+        pre_mix = torch.nn.functional.one_hot(torch.zeros_like(ids), model.hc).float()
+        for block in model.layers:
+            if block.engram is not None:
+                streams = block.engram(streams, hash_ids)
+            streams, pre_mix = block(streams, pre_mix, *context)[:2]
+        return model.norm(hc_pre(streams, pre_mix))
+
+    def inputs(batch, seq):
+        rows = min(block.engram.embed.weight.shape[0] for block in model.layers if block.engram is not None)
+        return torch.randint(0, 512, (batch, seq)), torch.randint(0, rows, (batch, seq, 6))
+
+    seams = Seams()
+    args = inputs(2, 3)
+    torch.testing.assert_close(compiling(seams, layer_loop)(*args), layer_loop(*args), rtol=2 ** -6, atol=2 ** -6)
+    assert seams.matches == [18]
+    assert seams.ops == [{SEAM_OPS[0]: 15, SEAM_OPS[1]: 3}]
