@@ -9,10 +9,10 @@
 
 Correctness first: the kernel against the reference at 1..300 tokens (max abs and relative errors of the new
 streams, the normed output and the fp32 mixes; the entry variant too; a repeated call gives identical bits;
-the normed output and mixes also against the reference applied to the kernel's own new streams), and the
-pass must fuse the seam compiled for CUDA. Timings are CUDA-graph replays (median; launches excluded) at
+the normed output and mixes also against the reference applied to the kernel's own new streams); and whether
+the pass fused the seam compiled for CUDA (`pass_matches`, 1 expected). Timings are CUDA-graph replays (median; launches excluded) at
 1, 4, 16 and 64 tokens, plus the eager path with its launches. Targets (BENCHMARKS.md): fused >= 3x
-unfused at 1-16 tokens, <= 10 us at 1 token.
+unfused at 1-16 tokens, <= 10 us at 1 token. A failing check or timing point is reported and the run goes on.
 """
 
 from __future__ import annotations
@@ -86,14 +86,28 @@ def check(gen: torch.Generator) -> dict:
         print("check", row)
         rows.append(row)
     # bf16 outputs: about one ulp of the largest value (2^-8 relative); fp32 mixes: summation order only
-    bad = [r for r in rows if not r["repeatable"] or max(r[k]["rel"] for k in ("streams", "normed", "entry_normed"))
-           > 2 ** -7 or max(r[k]["abs"] for k in ("mixes", "entry_mixes")) > 1e-5]
-    assert not bad, f"Triton seam disagrees with the reference: {bad}"
-    return {"kernel": rows}
+    bad = [r["tokens"] for r in rows if not r["repeatable"]
+           or max(r[k]["rel"] for k in ("streams", "normed", "entry_normed")) > 2 ** -7
+           or max(r[k]["abs"] for k in ("mixes", "entry_mixes")) > 1e-5]
+    if bad:
+        print(f"CHECK FAILED: the Triton seam disagrees with the reference at {bad} tokens (timings go on)")
+    return {"kernel": rows, "ok": not bad}
+
+
+def timed(row: dict, key: str, measure) -> None:
+    """row[key] = measure(), or the error as text: one failing point does not stop the run."""
+    try:
+        row[key] = measure()
+    except Exception as error:  # noqa: BLE001 - reported in the results, the run goes on
+        row[key] = None
+        row[key + "_error"] = f"{type(error).__name__}: {error}"[:500]
+        print(key, "failed:", row[key + "_error"])
 
 
 def compile_seam(norm: RMSNorm, with_pass: bool):
-    """The seam compiled (caches off, so the pass runs); returns (compiled fn, pass manager or None)."""
+    """The seam compiled afresh (dynamo reset: both variants share the seam's code object), with or without
+    the mHC pass; returns (compiled fn, pass manager or None). Compiles at the first call."""
+    torch._dynamo.reset()
     manager = DsflashPassManager([MhcFusionPass(NORM_EPS, HC_EPS, ITERS)]) if with_pass else None
     inductor_config.post_grad_custom_post_pass = manager
     return torch.compile(seam_function(norm), fullgraph=True), manager
@@ -115,32 +129,33 @@ def main() -> None:
             c = make_case(tokens, gen)
             norm.weight.data = c["norm_weight"]
             eager = seam_function(norm)
-            torch._dynamo.reset()
+            row = {"tokens": tokens}
+            timed(row, "eager_launches_s", lambda: time_eager(lambda: eager(*unfused_args(c)), iters=20))
+            timed(row, "eager_graph_s", lambda: time_graph(lambda: eager(*unfused_args(c))))
+            timed(row, "fused_graph_s", lambda: time_graph(lambda: fused(c), calls=50, replays=50))
             compiled, _ = compile_seam(norm, with_pass=False)
-            compiled(*unfused_args(c))
-            torch._dynamo.reset()
+            timed(row, "compiled_graph_s", lambda: time_graph(lambda: compiled(*unfused_args(c))))
             with_pass, manager = compile_seam(norm, with_pass=True)
-            with_pass(*unfused_args(c))
+            timed(row, "pass_graph_s", lambda: time_graph(lambda: with_pass(*unfused_args(c)), calls=50, replays=50))
+            row["pass_matches"] = manager.matches["mhc_fusion"]  # 1: the seam compiled for CUDA was fused
             inductor_config.post_grad_custom_post_pass = None
-            assert manager.matches["mhc_fusion"] == 1, f"the pass did not fuse the seam on CUDA: {manager.matches}"
-            row = {"tokens": tokens,
-                   "eager_launches_s": time_eager(lambda: eager(*unfused_args(c)), iters=20),
-                   "eager_graph_s": time_graph(lambda: eager(*unfused_args(c))),
-                   "compiled_graph_s": time_graph(lambda: compiled(*unfused_args(c))),
-                   "fused_graph_s": time_graph(lambda: fused(c), calls=50, replays=50),
-                   "pass_graph_s": time_graph(lambda: with_pass(*unfused_args(c)), calls=50, replays=50)}
-            row["fused_vs_eager"] = row["eager_graph_s"] / row["fused_graph_s"]
-            row["fused_vs_compiled"] = row["compiled_graph_s"] / row["fused_graph_s"]
+            if row["fused_graph_s"]:
+                row["fused_vs_eager"] = (row["eager_graph_s"] or float("nan")) / row["fused_graph_s"]
+                row["fused_vs_compiled"] = (row["compiled_graph_s"] or float("nan")) / row["fused_graph_s"]
             print(row)
             rows.append(row)
     result["seam"] = rows
 
+    def us(value):
+        return f"{value * 1e6:.2f}" if value else "-"
+
     print(f"\n{'tokens':>6} {'eager+launch us':>15} {'eager us':>9} {'compiled us':>11} {'fused us':>9} "
-          f"{'pass us':>8} {'x eager':>8} {'x compiled':>10}")
+          f"{'pass us':>8} {'matched':>7} {'x eager':>8} {'x compiled':>10}")
     for r in rows:
-        print(f"{r['tokens']:>6} {r['eager_launches_s'] * 1e6:15.1f} {r['eager_graph_s'] * 1e6:9.1f} "
-              f"{r['compiled_graph_s'] * 1e6:11.1f} {r['fused_graph_s'] * 1e6:9.2f} {r['pass_graph_s'] * 1e6:8.2f} "
-              f"{r['fused_vs_eager']:8.1f} {r['fused_vs_compiled']:10.1f}")
+        print(f"{r['tokens']:>6} {us(r['eager_launches_s']):>15} {us(r['eager_graph_s']):>9} "
+              f"{us(r['compiled_graph_s']):>11} {us(r['fused_graph_s']):>9} {us(r['pass_graph_s']):>8} "
+              f"{r['pass_matches']:>7} {r.get('fused_vs_eager', float('nan')):8.1f} "
+              f"{r.get('fused_vs_compiled', float('nan')):10.1f}")
     save_results(result, "mhc", args.out)
 
 
