@@ -13,7 +13,8 @@ def install(text_config) -> DsflashPassManager:
     manager = DsflashPassManager([
         RouterFusionPass(text_config.num_experts_per_tok, text_config.norm_topk_prob,
                          text_config.routed_scaling_factor),
-        MhcFusionPass(text_config.rms_norm_eps, text_config.hc_eps, text_config.hc_sinkhorn_iters),
+        MhcFusionPass(text_config.rms_norm_eps, text_config.hc_eps, text_config.hc_sinkhorn_iters,
+                      text_config.hc_mult),
     ])
     inductor_config.post_grad_custom_post_pass = manager
     return manager

@@ -49,7 +49,8 @@ class MhcFusionPass:
     name = "mhc_fusion"
 
     def __init__(self, norm_eps: float, hc_eps: float, iters: int, hc: int = 4, dim: int = 8):
-        self.options = {"norm_eps": norm_eps, "hc_eps": hc_eps, "iters": iters}
+        """The config's constants and stream count (hc); dim only sizes the traced examples."""
+        self.options = {"norm_eps": norm_eps, "hc_eps": hc_eps, "iters": iters, "hc": hc}
         self.seams = PatternMatcherPass(pass_name=self.name)
         self.entry_seams = PatternMatcherPass(pass_name=self.name + "_entry")
 
