@@ -14,6 +14,7 @@ if (_root / "custom_ops" / "__init__.py").is_file() and str(_root) not in __path
 
 from . import custom_ops  # noqa: E402,F401  (registers torch.ops.dsflash.*)
 from .cache import DeepseekV41Cache  # noqa: E402
+from .compiled import CompileOptions, compile  # noqa: E402
 from .configuration_deepseek_v41 import (  # noqa: E402
     DeepseekV41Config,
     DeepseekV41TextConfig,
@@ -25,5 +26,5 @@ from .registration import register_auto_classes  # noqa: E402
 
 register_auto_classes()
 
-__all__ = ["DeepseekV41Cache", "DeepseekV41Config", "DeepseekV41TextConfig", "DeepseekV41VisionConfig",
+__all__ = ["CompileOptions", "compile", "DeepseekV41Cache", "DeepseekV41Config", "DeepseekV41TextConfig", "DeepseekV41VisionConfig",
            "DeepseekV41ForCausalLM", "DeepseekV41Model", "PRESETS", "preset_config", "register_auto_classes"]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from . import custom_ops  # noqa: F401  (registers torch.ops.dsflash)
+from .cache import LayerCache
 from .configuration_deepseek_v41 import DeepseekV41TextConfig, LayerRole
 from .context import ForwardContext
 from .layers import Linear, QuantLinear, RMSNorm
@@ -36,14 +37,13 @@ class Compressor(nn.Module):
             self.wgate = Linear(config.hidden_size, config.head_dim, dtype=torch.float32)
         self.norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, state: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ratio == 1:
             return self.norm(self.wkv(x)), ctx.positions
-        return self._pool(x, ctx, layer)
+        return self._pool(x, ctx, state.pending_kv, state.pending_score)
 
-    def _pool(self, x, ctx, layer):
+    def _pool(self, x, ctx, pending_kv, pending_score):
         r, (batch, seq) = self.ratio, ctx.positions.shape
-        pending_kv, pending_score = ctx.cache.pending_kv[layer], ctx.cache.pending_score[layer]
         kv, score = self.wkv(x.float()), self.wgate(x.float())
         # Lay the row out from its first open group: slots [0, r) hold the pending group as cached, the
         # chunk's token at position p goes to slot p - first_group * r.
@@ -133,7 +133,10 @@ class Attention(nn.Module):
         self.compressor = Compressor(config, role.ratio) if role.is_kv_source else None
         self.indexer = Indexer(config, role) if role.is_index_source else None
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, state: LayerCache,
+                topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [B, S, D] -> (output [B, S, D], the top-k it attended: its own if it is an index source,
+        else `topk`, the latest index source's of its ratio)."""
         batch, seq, _ = x.shape
         role, cache = self.role, ctx.cache
         rot = ctx.rotations[role.rope_kind]
@@ -143,16 +146,17 @@ class Attention(nn.Module):
         kv = apply_rope(self.kv_norm(self.wkv(x)), rot)
         if self.quantize:
             kv = fp8_qdq(kv)  # the window K=V is FP8 over all dims, RoPE tail included
-        ring = cache.window[role.layer]
+        ring = state.window
 
         if role.ratio:
-            key_layer = role.kv_layer
+            keys = state.index_keys
             if self.compressor is not None:
-                wrote = self._compress(x, ctx)
-                key_layer = self._reference_key_layer(cache, wrote)
+                wrote = self._compress(x, ctx, state)
+                if self.emulate_stale_keys:
+                    keys = cache.index_keys[self._reference_key_layer(cache, wrote)]
             if self.indexer is not None:
-                ctx.topk[role.layer] = self.indexer(x, qr, ctx, cache.index_keys[key_layer])
-            compressed, cidx = cache.compressed[role.kv_layer][:batch], ctx.topk[role.topk_layer]
+                topk = self.indexer(x, qr, ctx, keys)
+            compressed, cidx = state.compressed[:batch], topk
         else:
             compressed, cidx = ring[:batch, :0], ctx.window_idx.new_zeros(batch, seq, 0)
         # sparse attention over the ring (+ this chunk's kv) and the top-k compressed rows, read from
@@ -165,29 +169,28 @@ class Attention(nn.Module):
 
         wo_a = self.wo_a.weight.view(self.groups, self.o_rank, -1)
         z = torch.einsum("bsgd,grd->bsgr", o.view(batch, seq, self.groups, -1), wo_a)
-        return self.wo_b(z.flatten(2))
+        return self.wo_b(z.flatten(2)), topk
 
     def _reference_key_layer(self, cache, wrote: torch.Tensor) -> int:
         """Which layer's index keys this KV source scores. Its own, unless the config emulates the
         reference's stale pointer: there a source whose group is still filling (no new row in this
-        forward) scores the keys of the last source that did write rows (see the config field)."""
-        if not self.emulate_stale_keys:
-            return self.role.layer
+        forward) scores the keys of the last source that did write rows (see the config field). A host
+        sync: eager only (compile() refuses the option)."""
         if bool(wrote.any()):
             cache.last_index_key_writer = self.role.layer
             return self.role.layer
         return cache.last_index_key_writer if cache.last_index_key_writer is not None else self.role.layer
 
-    def _compress(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def _compress(self, x: torch.Tensor, ctx: ForwardContext, state: LayerCache) -> torch.Tensor:
         """New compressed rows: index keys from the unrotated latent, then RoPE at the group's first
         position, FP4 quantize-dequantize, and both written to the cache."""
-        layer, ratio, cache = self.role.layer, self.role.ratio, ctx.cache
-        latent, row_ids = self.compressor(x, ctx, layer)
+        ratio, cache = self.role.ratio, ctx.cache
+        latent, row_ids = self.compressor(x, ctx, state)
         rot = rotation(row_ids.clamp_min(0) * ratio, ctx.inv_freq["compressed"])
         if self.indexer is not None:
-            ops.record_write_(cache.index_keys[layer], self.indexer.keys(latent, rot), row_ids, cache.index_format)
+            ops.record_write_(state.index_keys, self.indexer.keys(latent, rot), row_ids, cache.index_format)
         latent = apply_rope(latent, rot)
         if self.quantize:
             latent = fp4_qdq_e4m3(latent)
-        ops.record_write_(cache.compressed[layer], latent, row_ids, cache.compressed_format)
+        ops.record_write_(state.compressed, latent, row_ids, cache.compressed_format)
         return row_ids >= 0

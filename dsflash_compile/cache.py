@@ -18,6 +18,8 @@ output.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -51,6 +53,18 @@ def _storage(rows: tuple, dim: int, fmt: str, device) -> torch.Tensor:
     if fmt == "bf16":
         return torch.zeros(*rows, dim, dtype=torch.bfloat16, device=device)
     return torch.zeros(*rows, records.record_bytes(fmt, dim), dtype=torch.uint8, device=device)
+
+
+@dataclass
+class LayerCache:
+    """The cache tensors one layer reads and writes. Layers get these rather than looking tensors up by
+    layer id, so layers of the same role run the same code (one compiled graph serves them all)."""
+
+    window: torch.Tensor  # this layer's ring [Bmax, W, ...]
+    compressed: torch.Tensor | None = None  # compressed KV rows of the source it reads (ratio > 0)
+    index_keys: torch.Tensor | None = None  # index keys its indexer scores (index sources)
+    pending_kv: torch.Tensor | None = None  # its compressor's open group (ratio > 1 KV sources)
+    pending_score: torch.Tensor | None = None
 
 
 class CacheCapacityError(ValueError):
@@ -156,7 +170,18 @@ class DeepseekV41Cache(Cache):
         dim = self.config.index_head_dim if kind == "index" else self.config.head_dim
         return records.decode_reference(storage[layer], fmt, dim) if fmt != "bf16" else storage[layer]
 
+    def layer(self, role) -> LayerCache:
+        """What layer `role.layer` reads and writes (see LayerCache)."""
+        own = role.layer if role.is_kv_source else None
+        return LayerCache(window=self.window[role.layer],
+                          compressed=self.compressed[role.kv_layer] if role.ratio else None,
+                          index_keys=self.index_keys.get(role.kv_layer) if role.is_index_source else None,
+                          pending_kv=self.pending_kv.get(own), pending_score=self.pending_score.get(own))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the cache (compiled graphs mark them as fixed-address inputs)."""
+        return [*self.window.values(), *self.compressed.values(), *self.index_keys.values(),
+                *self.pending_kv.values(), *self.pending_score.values(), self.engram_history, self.lengths]
+
     def memory_bytes(self) -> int:
-        tensors = [*self.window.values(), *self.compressed.values(), *self.index_keys.values(),
-                   *self.pending_kv.values(), *self.pending_score.values(), self.engram_history, self.lengths]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.tensors())

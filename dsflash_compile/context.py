@@ -21,7 +21,7 @@ class ForwardContext:
     lengths_before: torch.Tensor  # [B] real tokens cached before this chunk
     window_idx: torch.Tensor  # [B, S, W] int32: < W ring slot, >= W row W+i of this chunk's kv; -1 = none
     window_slots: torch.Tensor  # [B, S] ring slot each new kv goes to; -1 = not written
-    columns_after: int  # host-side bound on any row's length after this chunk
+    columns_after: int  # host-side bound on any row's length after this chunk (sizes the score rows)
     inv_freq: dict = field(default_factory=dict)  # rope kind ('window' / 'compressed') -> fp32 [r/2]
     rotations: dict = field(default_factory=dict)  # rope kind -> complex [B, S, r/2] at `positions`
     topk: dict = field(default_factory=dict)  # index-source layer -> int32 [B, S, k]
@@ -40,16 +40,23 @@ class ForwardContext:
         return self.columns_after // ratio
 
 
-def build_context(cache: DeepseekV41Cache, attention_mask: torch.Tensor,
-                  window_floor: torch.Tensor | None = None) -> ForwardContext:
-    """attention_mask [B, S] (1 = real token) for the new columns only; padding must be on the left.
-    window_floor [B]: the lowest position a row's window attention may see (bounded replay clamps the
-    window of the trimmed / replayed tokens there); default 0."""
-    mask = attention_mask.to(torch.long)
-    batch, seq = mask.shape
-    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+def check_left_padding(attention_mask: torch.Tensor) -> None:
+    """Padding must be on the left of every row (a host sync: callers run it outside captured graphs)."""
+    if attention_mask.shape[1] > 1 and bool((attention_mask[:, 1:] < attention_mask[:, :-1]).any()):
         raise ValueError("attention_mask: padding must be on the left (a 0 follows a 1 in some row); "
                          "pad prompts on the left (tokenizer padding_side='left')")
+
+
+def build_context(cache: DeepseekV41Cache, attention_mask: torch.Tensor, columns_after: int,
+                  window_floor: torch.Tensor | None = None) -> ForwardContext:
+    """attention_mask [B, S] (1 = real token) for the new columns only; padding on the left (checked by
+    `check_left_padding`). columns_after: a host-side bound on every row's length after this chunk; the
+    eager path passes the exact count, compiled graphs pass the cache's max_length so shapes stay static
+    (rows beyond a query's visible count score -inf and are never picked, so the outputs are the same).
+    window_floor [B]: the lowest position a row's window attention may see (bounded replay clamps the
+    window of the trimmed / replayed tokens there); default 0. No host syncs."""
+    mask = attention_mask.to(torch.long)
+    batch, seq = mask.shape
     lengths = cache.lengths[:batch]
     positions = torch.where(mask.bool(), lengths.unsqueeze(1) + mask.cumsum(1) - 1, -1)
     count = mask.sum(1)
@@ -71,4 +78,4 @@ def build_context(cache: DeepseekV41Cache, attention_mask: torch.Tensor,
     last = (lengths + count - 1).unsqueeze(1)
     window_slots = torch.where((positions >= 0) & (positions > last - window), positions % window, -1)
     return ForwardContext(cache=cache, positions=positions, lengths_before=lengths.clone(), window_idx=window_idx,
-                          window_slots=window_slots, columns_after=cache.seen_columns + seq)
+                          window_slots=window_slots, columns_after=columns_after)

@@ -12,6 +12,7 @@ Three pieces, all independent of the model weights:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -242,6 +243,29 @@ def update_history(history: torch.Tensor, compressed_ids: torch.Tensor) -> torch
     return torch.cat([history, compressed_ids.to(history.dtype)], dim=1)[:, -k:] if k else history
 
 
+def padding_first(history: torch.Tensor, compressed_ids: torch.Tensor, padding: torch.Tensor):
+    """A chunk left-padded by `padding[b]` columns after cached tokens: move the padding in front of the
+    history, so each real token's look-backs reach the history and the updated history ends with real
+    tokens. Returns (history, compressed_ids) whose concatenation is [padding, history, real tokens];
+    real tokens keep their columns. Without padding this returns the inputs' values unchanged."""
+    k = history.shape[1]
+    if k == 0:
+        return history, compressed_ids
+    ext = torch.cat([history, compressed_ids.to(history.dtype)], dim=1)
+    col = torch.arange(ext.shape[1], device=ext.device)
+    pad = padding.unsqueeze(1)
+    ext = ext.gather(1, torch.where(col < pad, k + col, torch.where(col < pad + k, col - pad, col)))
+    return ext[:, :k], ext[:, k:]
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_constants(params: EngramHashParams, layer_index: int, device: torch.device):
+    """Multipliers, primes and offsets of one layer as int64 tensors on `device`, made once: a host-to-
+    device copy per forward would also be illegal inside a CUDA-graph capture."""
+    return tuple(torch.tensor(values, dtype=torch.int64, device=device) for values in (
+        params.multipliers[layer_index], params.flat_primes(layer_index), params.offsets[layer_index]))
+
+
 def engram_hash_ids(
     compressed_ids: torch.Tensor,
     history: torch.Tensor,
@@ -262,9 +286,7 @@ def engram_hash_ids(
     t = compressed_ids.shape[1]
     dev = compressed_ids.device
     ext = torch.cat([history[:, -k:].to(torch.int64), compressed_ids.to(torch.int64)], dim=1)
-    mult = torch.tensor(params.multipliers[layer_index], dtype=torch.int64, device=dev)
-    primes = torch.tensor(params.flat_primes(layer_index), dtype=torch.int64, device=dev)
-    offsets = torch.tensor(params.offsets[layer_index], dtype=torch.int64, device=dev)
+    mult, primes, offsets = _layer_constants(params, layer_index, dev)
 
     h = ext[:, k:] * mult[0]  # look-back 0 = the token itself
     per_ngram = []

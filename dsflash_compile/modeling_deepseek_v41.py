@@ -21,9 +21,9 @@ from transformers.utils import ModelOutput
 
 from . import engram_hash
 from .attention import Attention
-from .cache import DeepseekV41Cache
+from .cache import DeepseekV41Cache, LayerCache
 from .configuration_deepseek_v41 import DeepseekV41Config, DeepseekV41TextConfig, LayerRole
-from .context import ForwardContext, build_context
+from .context import ForwardContext, build_context, check_left_padding
 from .engram import Engram
 from .layers import RMSNorm
 from .mhc import hc_mixes, hc_post, hc_pre
@@ -71,15 +71,18 @@ class DeepseekV41Block(nn.Module):
         return hc_mixes(streams, getattr(self, f"hc_{seam}_fn"), getattr(self, f"hc_{seam}_scale"),
                         getattr(self, f"hc_{seam}_base"), self.norm_eps, self.hc_eps, self.iters)
 
-    def forward(self, streams: torch.Tensor, pre_mix: torch.Tensor, ctx: ForwardContext):
-        """streams [B, S, hc, D]; pre_mix [B, S, hc] from the previous block. Returns the new streams and
-        the pre-mix for the next block (lagged: each sublayer uses the pre computed one seam earlier)."""
+    def forward(self, streams: torch.Tensor, pre_mix: torch.Tensor, ctx: ForwardContext, state: LayerCache,
+                topk: torch.Tensor | None = None):
+        """streams [B, S, hc, D]; pre_mix [B, S, hc] from the previous block; state: this layer's cache
+        tensors; topk: the latest index source's top-k of this layer's ratio. Returns the new streams,
+        the pre-mix for the next block (lagged: each sublayer uses the pre computed one seam earlier)
+        and the top-k this layer attended."""
         attn_pre, attn_post, attn_comb = self.mixes(streams, "attn")
-        out = self.attn(self.attn_norm(hc_pre(streams, pre_mix)), ctx)
+        out, topk = self.attn(self.attn_norm(hc_pre(streams, pre_mix)), ctx, state, topk)
         streams = hc_post(out, streams, attn_post, attn_comb)
         ffn_pre, ffn_post, ffn_comb = self.mixes(streams, "ffn")
         out = self.ffn(self.ffn_norm(hc_pre(streams, attn_pre)))
-        return hc_post(out, streams, ffn_post, ffn_comb), ffn_pre
+        return hc_post(out, streams, ffn_post, ffn_comb), ffn_pre, topk
 
 
 class DeepseekV41PreTrainedModel(PreTrainedModel):
@@ -193,19 +196,34 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DeepseekV41Cache) -> torch.Tensor:
         """input_ids, attention_mask [B, S] (new columns). Returns the final-norm hidden [B, S, D] and
         advances the cache."""
-        ctx, streams, pre_mix, hash_ids = self.begin(input_ids, attention_mask, cache)
+        batch, seq = input_ids.shape
+        cache.check_fits(batch, seq)
+        check_left_padding(attention_mask)
+        hidden = self.run(input_ids, attention_mask, cache, cache.seen_columns + seq)
+        cache.seen_columns += seq
+        return hidden
+
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DeepseekV41Cache,
+            columns_after: int) -> torch.Tensor:
+        """The tensor work of a forward: no host syncs and no host-side cache state, so compiled graphs
+        capture exactly this (build_context explains `columns_after`). The caller checks the input and
+        advances `cache.seen_columns`."""
+        ctx, streams, pre_mix, hash_ids = self.begin(input_ids, attention_mask, cache, columns_after)
         for block in self.layers:
+            role = block.role
             if block.engram is not None:
-                streams = block.engram(streams, hash_ids[block.role.layer])
-            streams, pre_mix = block(streams, pre_mix, ctx)
+                streams = block.engram(streams, hash_ids[role.layer])
+            streams, pre_mix, topk = block(streams, pre_mix, ctx, cache.layer(role), ctx.topk.get(role.topk_layer))
+            if role.is_index_source:
+                ctx.topk[role.layer] = topk
         return self.end(ctx, streams, pre_mix)
 
-    def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DeepseekV41Cache):
+    def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DeepseekV41Cache,
+              columns_after: int):
         """Per-forward set-up: positions and window lists, RoPE rotations, Engram hash ids (per Engram
         layer) with the cache's n-gram history advanced, and the initial streams and one-hot pre-mix."""
         batch, seq = input_ids.shape
-        cache.check_fits(batch, seq)
-        ctx = build_context(cache, attention_mask)
+        ctx = build_context(cache, attention_mask, columns_after)
         ctx.inv_freq = {"window": self.window_inv_freq, "compressed": self.compressed_inv_freq}
         safe_pos = ctx.positions.clamp_min(0)
         ctx.rotations = {kind: rotation(safe_pos, f) for kind, f in ctx.inv_freq.items()}
@@ -214,7 +232,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         if self.engram_params is not None:
             self._check_token_map()
             compressed = torch.where(ctx.positions >= 0, self.engram_token_map[input_ids], cache.engram_pad_id)
-            history = cache.engram_history[:batch]
+            history, compressed = engram_hash.padding_first(cache.engram_history[:batch], compressed,
+                                                            (ctx.positions < 0).sum(1))
             for i, layer in enumerate(self.engram_params.layer_ids):
                 hash_ids[layer] = engram_hash.engram_hash_ids(compressed, history, self.engram_params, i)
             cache.engram_history[:batch] = engram_hash.update_history(history, compressed)
@@ -225,9 +244,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         return ctx, streams, pre_mix, hash_ids
 
     def end(self, ctx: ForwardContext, streams: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
-        """Advance the cache's lengths and return norm(pre(streams, last pre-mix))."""
+        """Advance the cache's per-row lengths and return norm(pre(streams, last pre-mix))."""
         ctx.cache.lengths[:ctx.batch] += (ctx.positions >= 0).sum(1)
-        ctx.cache.seen_columns += ctx.positions.shape[1]
         return self.norm(hc_pre(streams, pre_mix))
 
 
@@ -266,13 +284,24 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
             attention_mask = torch.ones_like(input_ids)
         elif attention_mask.shape[1] < seq:
             raise ValueError(f"attention_mask has {attention_mask.shape[1]} columns for {seq} new input ids")
-        hidden = self.model(input_ids, attention_mask[:, -seq:], cache)
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:]
-        logits = F.linear(hidden.float(), self.head.weight.float())
+        runner = getattr(self, "compiled_runner", None)
+        if runner is not None and cache is runner.cache and not output_hidden_states:
+            logits = runner(input_ids, attention_mask[:, -seq:], logits_to_keep)
+            hidden = None
+        else:
+            hidden = self.model(input_ids, attention_mask[:, -seq:], cache)
+            logits = self.logits(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         keep = use_cache is not False
         return DeepseekV41CausalLMOutput(logits=logits, hidden_states=hidden if output_hidden_states else None,
                                          **{CACHE_KWARG: cache if keep else None})
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of bf16 hidden states (the reference's fp32 head). On CUDA one bf16 GEMM with fp32
+        output: the same products (bf16 x bf16 is exact in fp32), without an fp32 copy of the head."""
+        if hidden.is_cuda:
+            return torch.mm(hidden.flatten(0, -2), self.head.weight.t(), out_dtype=torch.float32).unflatten(
+                0, hidden.shape[:-1])
+        return F.linear(hidden.float(), self.head.weight.float())
 
     # -- generate() glue ---------------------------------------------------------------------------
     @classmethod
@@ -283,7 +312,9 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
                                       max_cache_length, *args, **kwargs):
         if model_kwargs.get(CACHE_KWARG) is not None or generation_config.use_cache is False:
             return
-        model_kwargs[CACHE_KWARG] = self.new_cache(batch_size, max_cache_length)
+        runner = getattr(self, "compiled_runner", None)
+        model_kwargs[CACHE_KWARG] = runner.fresh_cache(batch_size, max_cache_length) if runner is not None \
+            else self.new_cache(batch_size, max_cache_length)
 
     def _prepare_attention_mask_for_generation(self, inputs_tensor, generation_config, model_kwargs):
         """Without an explicit mask, only a leading run of pad ids is padding: the release treats the pad

@@ -2,6 +2,12 @@
 routed SwiGLU experts scaled by their normalised weights, plus one shared expert.
 
 The router (`route`) stays a plain function so the compiler's gating pass can match and fuse it.
+
+Two ways to run the routed experts, with the same math and the same summation order per token:
+  - the reference loop (one expert at a time over its tokens): needs the host to know which experts are
+    used (a sync), so it cannot live in a captured CUDA graph;
+  - grouped (after `stack_experts()`): (token, slot) pairs sorted by expert, one grouped GEMM per
+    projection over the stacked weights; no host syncs and static shapes, so it compiles to one graph.
 """
 
 import torch
@@ -10,6 +16,7 @@ from torch import nn
 
 from .configuration_deepseek_v41 import DeepseekV41TextConfig
 from .layers import QuantLinear
+from .quant import fp8_qdq
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, topk: int, normalize: bool,
@@ -67,13 +74,57 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(Expert(config, "mxfp4") for _ in range(config.n_routed_experts))
         self.shared_experts = Expert(config, "fp8")
 
+        self.grouped = False  # set by stack_experts()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, x = x.shape, x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(x)
+        y = self._routed_grouped(x, weights, ids) if self.grouped else self._routed_loop(x, weights, ids)
+        y += self.shared_experts(x)
+        return y.to(x.dtype).view(shape)
+
+    def _routed_loop(self, x, weights, ids) -> torch.Tensor:
         y = torch.zeros_like(x, dtype=torch.float32)
         # Token-by-expert loop in ascending expert id (the reference's summation order).
         for e in ids.unique().tolist():
             token, slot = torch.where(ids == e)
             y[token] += self.experts[e](x[token], weights[token, slot, None])
-        y += self.shared_experts(x)
-        return y.to(x.dtype).view(shape)
+        return y
+
+    def stack_experts(self) -> None:
+        """Hold each routed projection of all experts in one [E, out, in] tensor; every expert's weight
+        becomes a view of its slice (no extra memory; names and checkpoints unchanged). Call it after
+        the model is on its device: moving the model later copies the views apart (still correct)."""
+        for name in ("w1", "w2", "w3"):
+            stacked = torch.stack([getattr(e, name).weight.detach() for e in self.experts])
+            for e, weight in zip(self.experts, stacked):
+                getattr(e, name).weight = nn.Parameter(weight, requires_grad=False)
+            self.register_buffer(f"{name}_stacked", stacked, persistent=False)  # not a checkpoint tensor
+        self.grouped = True
+
+    def _routed_grouped(self, x, weights, ids) -> torch.Tensor:
+        """The routed experts as grouped GEMMs over (token, slot) pairs sorted by expert."""
+        tokens, k = ids.shape
+        expert = ids.flatten()
+        order = expert.argsort(stable=True)  # pair p = token * k + slot, grouped by expert
+        counts = torch.zeros(len(self.experts), dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, expert, torch.ones_like(expert, dtype=torch.int32))
+        offsets = counts.cumsum(0, dtype=torch.int32)
+        first = self.experts[0]
+        xs = (fp8_qdq(x) if first.w1.quantize_input else x)[order // k]
+        gate = torch._grouped_mm(xs, self.w1_stacked.transpose(1, 2), offs=offsets).float()
+        up = torch._grouped_mm(xs, self.w3_stacked.transpose(1, 2), offs=offsets).float()
+        if first.limit > 0:
+            gate, up = gate.clamp(max=first.limit), up.clamp(-first.limit, first.limit)
+        h = (weights.flatten()[order].unsqueeze(1) * (F.silu(gate) * up)).to(x.dtype)
+        out = torch._grouped_mm(fp8_qdq(h) if first.w2.quantize_input else h,
+                                self.w2_stacked.transpose(1, 2), offs=offsets)
+        # Back to each token's slots in ascending expert id, summed one by one (the loop's order).
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel(), device=x.device)
+        slots = ids.argsort(dim=1) + k * torch.arange(tokens, device=x.device).unsqueeze(1)
+        picked = out[rank[slots]]  # [tokens, k, D]
+        y = picked[:, 0].float()
+        for j in range(1, k):
+            y = y + picked[:, j].float()
+        return y

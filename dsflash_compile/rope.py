@@ -26,23 +26,29 @@ def inverse_frequencies(rope_dim: int, theta: float, yarn: dict | None = None) -
     return freqs
 
 
-def rotation(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """complex64 [..., rope_dim / 2]: e^(i * position * f). Negative positions (padding) give any value."""
-    angles = positions.float().unsqueeze(-1) * inv_freq
-    return torch.polar(torch.ones_like(angles), angles)
+def rotation(positions: torch.Tensor, inverse_freq: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., rope_dim / 2, 2]: (cos, sin) of position * f, taken from `torch.polar` (the reference's
+    values, to the bit). Real pairs rather than a complex tensor, so compiled graphs stay real-valued
+    (Inductor does not generate code for complex arithmetic). Negative positions (padding) give any value."""
+    angles = positions.float().unsqueeze(-1) * inverse_freq
+    return torch.view_as_real(torch.polar(torch.ones_like(angles), angles))
 
 
 def apply_rope(x: torch.Tensor, rot: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the trailing 2 * rot.shape[-1] dims of x ([..., T, d] or [..., T, heads, d]) in fp32.
+    """Rotate the trailing 2 * rot.shape[-2] dims of x ([..., T, d] or [..., T, heads, d]) in fp32.
 
-    `rot` is [..., T, r/2]; `inverse` applies the conjugate rotation (how the attention output drops the
-    query's rotation, since V = K carries it). Returns x's dtype; the leading dims are untouched.
+    `rot` is [..., T, r/2, 2] from `rotation`; each pair (x0, x1) becomes the complex product
+    (x0 + i x1)(cos + i sin), written out in real arithmetic; `inverse` applies the conjugate rotation
+    (how the attention output drops the query's rotation, since V = K carries it). Returns x's dtype;
+    the leading dims are untouched.
     """
-    r = 2 * rot.shape[-1]
-    if x.dim() == rot.dim() + 1:  # a heads dim sits between T and d
-        rot = rot.unsqueeze(-2)
+    r = 2 * rot.shape[-2]
+    if x.dim() == rot.dim():  # a heads dim sits between T and d
+        rot = rot.unsqueeze(-3)
+    cos, sin = rot[..., 0], rot[..., 1]
     if inverse:
-        rot = rot.conj()
-    tail = torch.view_as_complex(x[..., -r:].float().unflatten(-1, (-1, 2)).contiguous())
-    tail = torch.view_as_real(tail * rot).flatten(-2).to(x.dtype)
+        sin = -sin
+    pairs = x[..., -r:].float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    tail = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2).to(x.dtype)
     return torch.cat([x[..., :-r], tail], dim=-1)

@@ -190,6 +190,7 @@ def time_layer(batch: int, context: int, seq: int, gen) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="contexts 8K/128K, batches 1/64")
+    parser.add_argument("--contexts", type=int, nargs="+", help="contexts to time (default 8K 128K 512K)")
     parser.add_argument("--prefill", type=int, default=4096, help="query tokens of the prefill chunk")
     parser.add_argument("--budget", type=float, default=260, help="seconds after which timing points are skipped")
     parser.add_argument("--out", default="benchmarks/results")
@@ -201,7 +202,7 @@ def main() -> None:
     failed = [c["name"] for c in result["checks"] if not c["pass"]]
 
     rows, topk_rows, topk_done = [], [], set()
-    contexts = (8192, 131072) if args.quick else (8192, 131072, 524288)
+    contexts = args.contexts or ((8192, 131072) if args.quick else (8192, 131072, 524288))
     points = [(b, 1) for b in ((1, 64) if args.quick else (1, 8, 64))] + [(1, args.prefill)]
     for context in contexts:
         for batch, seq in points:

@@ -115,7 +115,7 @@ def teacher_forced(model, ids: torch.Tensor, cache, phase: str, step: int | None
     dbg = fixture()["debug"]
     sl = columns if step is None else slice(step, step + 1)
     inner = model.model
-    ctx, streams, pre_mix, hash_ids = inner.begin(ids, torch.ones_like(ids), cache)
+    ctx, streams, pre_mix, hash_ids = inner.begin(ids, torch.ones_like(ids), cache, cache.seen_columns + ids.shape[1])
     outs, engram_outs = {}, {}
     for block in inner.layers:
         layer = block.role.layer
@@ -125,6 +125,10 @@ def teacher_forced(model, ids: torch.Tensor, cache, phase: str, step: int | None
         if block.engram is not None:
             engram_outs[layer] = block.engram(streams, hash_ids[layer])
             streams = dbg[f"{phase}.engram_out.{layer}"][:, sl].to(ids.device)
-        outs[layer], pre_mix = block(streams, pre_mix, ctx)
+        outs[layer], pre_mix, topk = block(streams, pre_mix, ctx, cache.layer(block.role),
+                                           ctx.topk.get(block.role.topk_layer))
+        if block.role.is_index_source:
+            ctx.topk[layer] = topk
     inner.end(ctx, outs[layer], pre_mix)
+    cache.seen_columns += ids.shape[1]
     return {"blocks": outs, "engram": engram_outs, "ctx": ctx}

@@ -90,6 +90,20 @@ def _cache_kw():
     return CACHE_KWARG
 
 
+def test_left_padded_chunk_after_cached_tokens(tiny):
+    """A later chunk may be left-padded (the compiled runner pads chunks to length buckets): the padding
+    columns are inert, Engram's n-gram look-backs skip them and reach the cached history."""
+    ids = prompts([40])[0][None].repeat(2, 1)
+    with torch.no_grad():
+        want = tiny(ids).logits[:, -1]
+        cache = tiny.new_cache(2, 64)
+        tiny(ids[:, :32], cache=cache)
+        chunk = torch.nn.functional.pad(ids[:, 32:], (8, 0), value=2)
+        mask = torch.nn.functional.pad(torch.ones(2, 8, dtype=torch.long), (8, 0))
+        got = tiny(chunk, mask, cache=cache).logits[:, -1]
+    assert torch.equal(got, want)
+
+
 def test_no_cache_forward_equals_cached(tiny):
     """A forward without a cache (temporary one) equals the cached prefill; use_cache=False returns none."""
     ids = prompts([30])[0][None]
@@ -257,7 +271,7 @@ def test_window_floor_hides_positions_below_it(tiny):
     cache = tiny.new_cache(2, 64)
     with torch.no_grad():
         tiny(prompts([40])[0][None].repeat(2, 1), cache=cache)  # 40 cached positions per row
-    ctx = build_context(cache, torch.ones(2, 8, dtype=torch.long), window_floor=torch.tensor([0, 35]))
+    ctx = build_context(cache, torch.ones(2, 8, dtype=torch.long), 48, window_floor=torch.tensor([0, 35]))
     window = cache.window_size
     for b, floor in enumerate((0, 35)):
         for t in range(8):

@@ -1,0 +1,184 @@
+"""`dsflash_compile.compile(model)`: the compiled fast path, behind the same model and `generate()`.
+
+    model = dsflash_compile.compile(model, max_batch=8, max_length=4096)
+    model.generate(input_ids, max_new_tokens=256)        # compiled graphs, transparently
+
+What it sets up (SYSTEM.md, the compiler):
+  - our FX passes in Inductor (`passes.install`) and the routed experts stacked for grouped GEMMs (no
+    host syncs in the MoE);
+  - regional compilation: every decoder block is compiled (fullgraph, static shapes). Blocks get their
+    cache tensors as arguments (cache.LayerCache), so all layers of one role share one compiled graph
+    per shape: compile time grows with the number of roles (about six), not of layers (40);
+  - one static cache (max_batch x max_length) with fixed tensor addresses, reset in place by every
+    generate() call;
+  - decode (one new column per row): the whole step (set-up, 40 compiled blocks, head) captured as ONE
+    CUDA graph per batch bucket, so a generated token is one graph replay; rows are padded to the bucket
+    with inert all-padding rows. (mode="reduce-overhead" would capture each compiled region as its own
+    graph; capturing the step ourselves gives the single replay.)
+  - prefill chunks run the compiled blocks without graphs, per (batch bucket, length bucket): a chunk is
+    left-padded to its bucket (padding columns are inert) and longer prompts run in chunks of the largest
+    bucket, so a new prompt length never compiles anew.
+Inside, shapes are static: score rows span the cache's max_length (context.build_context says why that
+changes no output).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch._inductor import config as inductor_config
+
+from . import passes
+from .cache import CacheCapacityError
+from .context import check_left_padding
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    max_batch: int = 8
+    max_length: int = 4096
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # capped at max_batch (which is added)
+    prefill_buckets: tuple[int, ...] = (16, 64, 256, 1024, 4096)  # chunk lengths; longer prompts are chunked
+    passes: bool = True  # our FX passes (mHC seam and router fusion)
+    cuda_graphs: bool = True  # decode as mode="reduce-overhead" (CUDA only)
+    backend: str = "inductor"  # torch.compile backend ("eager" / "aot_eager": quick graph checks in tests)
+
+    def __post_init__(self):
+        if self.max_batch < 1 or self.max_length < 1:
+            raise ValueError(f"CompileOptions: max_batch ({self.max_batch}) and max_length ({self.max_length}) "
+                             "must be >= 1")
+        for name in ("batch_buckets", "prefill_buckets"):
+            buckets = getattr(self, name)
+            if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+                raise ValueError(f"CompileOptions.{name}={buckets}: expected increasing positive sizes")
+
+
+def _bucket(buckets: list[int], size: int) -> int:
+    return buckets[bisect.bisect_left(buckets, size)]
+
+
+class CompiledRunner:
+    """Runs forwards on its own cache through compiled graphs; `DeepseekV41ForCausalLM.forward` calls it
+    for that cache (any other cache runs eagerly)."""
+
+    def __init__(self, model, options: CompileOptions):
+        self.model, self.options = model, options
+        text = model.model.text_config
+        self.pass_manager = passes.install(text) if options.passes else None
+        if not options.passes:
+            inductor_config.post_grad_custom_post_pass = None  # a manager installed earlier would still run
+        # Round where the model rounds (its bf16 casts are the reference's rounding points); by default
+        # Inductor keeps fused intermediates in fp32, which moves FP8/FP4 quantization steps.
+        inductor_config.emulate_precision_casts = True
+        for layer in model.model.layers:
+            if not layer.ffn.grouped:
+                layer.ffn.stack_experts()
+        self.cache = model.new_cache(options.max_batch, options.max_length)
+        self.batch_buckets = sorted({b for b in options.batch_buckets if b < options.max_batch} | {options.max_batch})
+        self.prefill_buckets = sorted({min(s, options.max_length) for s in options.prefill_buckets})
+        # every block shares one code object: its cache holds (roles ~6) x (shapes) graphs
+        graphs = 8 * len(self.batch_buckets) * (len(self.prefill_buckets) + 1)
+        for limit in ("cache_size_limit", "accumulated_cache_size_limit"):
+            setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), graphs))
+        if text.emulate_reference_index_key_pointer:
+            raise ValueError("compile(): DeepseekV41TextConfig.emulate_reference_index_key_pointer needs a host "
+                             "sync per layer (it emulates a reference bug); turn it off to compile")
+        for block in model.model.layers:
+            block.compile(backend=options.backend, fullgraph=True, dynamic=False)
+        self.cuda_graphs = options.cuda_graphs and model.device.type == "cuda"
+        self.graphs: dict[int, tuple] = {}  # batch bucket -> (graph, static ids, static mask, static logits)
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+
+    def _decode_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.model.run(input_ids, attention_mask, self.cache, self.cache.max_length)
+        return self.model.logits(hidden)
+
+    def _decode_graph(self, rows: int) -> tuple:
+        """The decode step's CUDA graph for `rows` rows, captured on first use. The warm-up runs (which
+        compile the blocks) change the cache, so its tensors are saved before and restored after."""
+        if rows not in self.graphs:
+            ids = torch.zeros(rows, 1, dtype=torch.long, device=self.model.device)
+            mask = torch.ones_like(ids)
+            saved = [t.clone() for t in self.cache.tensors()]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._decode_step(ids, mask)
+            torch.cuda.current_stream().wait_stream(side)
+            for t, s in zip(self.cache.tensors(), saved):
+                t.copy_(s)
+            del saved
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self._decode_step(ids, mask)
+            self.graphs[rows] = (graph, ids, mask, logits)
+        return self.graphs[rows]
+
+    def fresh_cache(self, batch: int, max_length: int):
+        """The runner's cache, emptied, for a generate() call of `batch` rows up to `max_length` columns."""
+        if batch > self.options.max_batch or max_length > self.options.max_length:
+            raise CacheCapacityError(
+                f"generate() needs batch {batch} x length {max_length}, but the model was compiled with "
+                f"max_batch={self.options.max_batch}, max_length={self.options.max_length}")
+        self.cache.reset()
+        return self.cache
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int = 0):
+        """input_ids, attention_mask [B, S]: the new columns for the cache's first B rows. Returns fp32
+        logits of the last `logits_to_keep` columns (all with 0)."""
+        batch, seq = input_ids.shape
+        self.cache.check_fits(batch, seq)
+        rows = _bucket(self.batch_buckets, batch) - batch
+        input_ids, attention_mask = F.pad(input_ids, (0, 0, 0, rows)), F.pad(attention_mask, (0, 0, 0, rows))
+        if seq == 1 and self.cuda_graphs:
+            graph, ids, mask, out = self._decode_graph(input_ids.shape[0])
+            ids.copy_(input_ids)
+            mask.copy_(attention_mask)
+            graph.replay()
+            logits = out[:batch].clone()  # the graph's output buffer is rewritten by the next replay
+        elif seq == 1:
+            logits = self._decode_step(input_ids, attention_mask)[:batch]
+        else:
+            check_left_padding(attention_mask)
+            hidden = self._prefill_chunks(input_ids, attention_mask, logits_to_keep or seq)
+            logits = self.model.logits(hidden[:batch])
+        self.cache.seen_columns += seq
+        return logits[:, -logits_to_keep:] if logits_to_keep else logits
+
+    def _prefill_chunks(self, input_ids, attention_mask, keep: int) -> torch.Tensor:
+        """Run the columns in chunks of the largest bucket, each left-padded to its bucket; returns the
+        hidden states of the last `keep` columns."""
+        largest, seq, kept = self.prefill_buckets[-1], input_ids.shape[1], []
+        for start in range(0, seq, largest):
+            ids, mask = input_ids[:, start:start + largest], attention_mask[:, start:start + largest]
+            pad = _bucket(self.prefill_buckets, ids.shape[1]) - ids.shape[1]
+            hidden = self.model.model.run(F.pad(ids, (pad, 0)), F.pad(mask, (pad, 0)), self.cache,
+                                          self.cache.max_length)[:, pad:]
+            if start + ids.shape[1] > seq - keep:
+                kept.append(hidden.clone())
+        return torch.cat(kept, dim=1)[:, -keep:]
+
+    def warm_up(self, batch_sizes=None, prefill_lengths=None) -> None:
+        """Compile the blocks and capture the decode graphs for these batch sizes and prompt lengths now,
+        on throwaway inputs; the cache is emptied afterwards."""
+        device = self.model.device
+        for batch in batch_sizes or self.batch_buckets:
+            for length in prefill_lengths or self.prefill_buckets:
+                self.cache.reset()
+                ids = torch.zeros(batch, length, dtype=torch.long, device=device)
+                self(ids, torch.ones_like(ids), 1)
+                self(ids[:, :1], torch.ones_like(ids[:, :1]), 1)
+        self.cache.reset()
+
+
+def compile(model, *, max_batch: int = 8, max_length: int = 4096, **options):  # noqa: A001 (torch.compile's name)
+    """Compile `model` (a DeepseekV41ForCausalLM) in place for decode and prefill; returns the model.
+    Options: see CompileOptions. `model.compiled_runner` holds the graphs, the cache and the passes'
+    match counts (`compiled_runner.pass_manager.matches`)."""
+    model.compiled_runner = CompiledRunner(model, CompileOptions(max_batch=max_batch, max_length=max_length,
+                                                                 **options))
+    return model

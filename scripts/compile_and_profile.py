@@ -1,0 +1,242 @@
+"""Compile a preset with dsflash_compile.compile and profile its decode step against the eager day-zero path.
+
+    python scripts/compile_and_profile.py --preset flash-40l-e8 --batch 1 64 --context 4096
+
+Reports, per batch size: decode step time of day-zero (eager, reference ops, bf16 caches, reference MoE
+loop, no graphs), compiled without our passes and compiled with them (CUDA-graph replays); kernels per
+decode step (eager vs compiled, from torch.profiler); cold and warm compile time (warm = the same
+compile after torch._dynamo.reset(), served by Inductor's FX graph cache); graph breaks, graphs and
+recompiles (torch._dynamo counters); pattern-match counts per pass; the top kernels by time; and the
+physical floor of the step (bytes that must move over the measured copy bandwidth, or FLOPs over the
+measured bf16 matmul rate, whichever is larger). Writes a Chrome trace and a JSON summary under
+benchmarks/results/. The cache is filled with `--context` random rows per row (the step's cost does
+not depend on what the rows hold).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="dsflash-inductor-"))  # a cold cache
+
+import torch  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+
+import dsflash_compile  # noqa: E402
+from dsflash_compile import DeepseekV41ForCausalLM, preset_config  # noqa: E402
+from dsflash_compile.benchmarking import copy_bandwidth, run_metadata, save_results  # noqa: E402
+from dsflash_compile.custom_ops import records  # noqa: E402
+from dsflash_compile.custom_ops.dispatch import reference_kernels  # noqa: E402
+
+
+def fill_cache(cache, batch: int, context: int, gen: torch.Generator) -> None:
+    """Every row of the first `batch` holds `context` tokens of random (finite, on-grid) records."""
+    def fill(storage: dict, fmt: str, dim: int, rows: int):
+        for t in storage.values():
+            values = torch.randn(batch, rows, dim, generator=gen, device=t.device).bfloat16()
+            t[:batch, :rows] = values if fmt == "bf16" else records.encode_reference(values, fmt)
+
+    text = cache.config
+    fill(cache.window, cache.window_format, text.head_dim, cache.window_size)
+    for layer, t in cache.compressed.items():
+        ratio = text.layer_roles[layer].ratio
+        fill({layer: t}, cache.compressed_format, text.head_dim, context // ratio)
+        fill({layer: cache.index_keys[layer]}, cache.index_format, text.index_head_dim, context // ratio)
+    cache.lengths[:batch] = context
+    cache.seen_columns = context
+
+
+def step_time(step, steps: int) -> float:
+    """Median seconds per decode step over `steps` consecutive steps (host work included)."""
+    step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def profile_step(step, trace_path: str | None = None, top: int = 0) -> dict:
+    """Kernels launched by one step and (optionally) the top kernels by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    result = {"kernels": len(kernels), "device_us": sum(e.device_time for e in kernels)}
+    if top:
+        by_name: dict[str, list] = {}
+        for e in kernels:
+            by_name.setdefault(e.name, []).append(e.device_time)
+        ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+        result["top"] = [{"name": n[:120], "calls": len(t), "total_us": round(sum(t), 1)} for n, t in ranked]
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+    return result
+
+
+def matmul_rate() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a @ a
+    start.record()
+    for _ in range(10):
+        a @ a
+    end.record()
+    end.synchronize()
+    return 10 * 2 * 8192 ** 3 / (start.elapsed_time(end) / 1e3)
+
+
+def floor(model, batch: int, context: int, bandwidth: float, flops_rate: float) -> dict:
+    """Bytes that must move in one decode step (weights once: everything but the embedding and Engram
+    tables (one row each per token) and the routed experts no token picked; caches once: each layer's
+    window + top-k compressed rows + the index keys its indexer scores) and its FLOPs."""
+    text = model.model.text_config
+    experts_used = min(text.n_routed_experts, batch * text.num_experts_per_tok)
+    weight_bytes = flops = 0
+    for name, p in model.named_parameters():
+        size = p.numel() * p.element_size()
+        if ".embed." in name or name.startswith("model.embed"):
+            continue
+        if ".ffn.experts." in name:
+            size *= experts_used / text.n_routed_experts
+            flops += 2 * batch * text.num_experts_per_tok / text.n_routed_experts * p.numel()
+        else:
+            flops += 2 * batch * p.numel()
+        weight_bytes += size
+    rec = {"window": records.record_bytes("fp8", text.head_dim), "compressed": records.record_bytes("nvfp4", text.head_dim),
+           "index": records.record_bytes("mxfp4", text.index_head_dim)}
+    cache_bytes = attn_flops = 0
+    for role in text.layer_roles:
+        keys = text.sliding_window
+        cache_bytes += text.sliding_window * rec["window"]
+        if role.ratio:
+            rows = context // role.ratio
+            picked = min(text.index_topk, rows)
+            keys += picked
+            cache_bytes += picked * rec["compressed"]
+            if role.is_index_source:
+                scored = min(rows, text.candidate_topk_blocks * text.candidate_block_size) if role.uses_candidates \
+                    else rows
+                cache_bytes += scored * rec["index"]
+                attn_flops += 2 * text.index_n_heads * text.index_head_dim * scored
+        attn_flops += 4 * text.num_attention_heads * text.head_dim * keys
+    total_bytes = weight_bytes + batch * cache_bytes
+    total_flops = flops + batch * attn_flops
+    return {"weight_bytes": weight_bytes, "cache_bytes": batch * cache_bytes, "flops": total_flops,
+            "bandwidth": bandwidth, "matmul_flops_per_s": flops_rate,
+            "floor_s": max(total_bytes / bandwidth, total_flops / flops_rate)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="flash-40l-e8")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--variants", default="day-zero,no-passes,passes")
+    parser.add_argument("--layers", type=int, help="override num_hidden_layers (keeps the preset's schedule prefix)")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    variants = args.variants.split(",")
+
+    overrides = {}
+    if args.layers:
+        base = preset_config(args.preset).text_config
+        overrides = {"num_hidden_layers": args.layers, "compress_ratios": base.compress_ratios[:args.layers]}
+    config = preset_config(args.preset, **overrides)
+    start = time.perf_counter()
+    with torch.device("cuda"):
+        model = DeepseekV41ForCausalLM(config).eval()
+    result = {**run_metadata(), "preset": args.preset, "overrides": overrides, "context": args.context,
+              "build_s": time.perf_counter() - start, "batches": {}}
+    bandwidth, rate = copy_bandwidth(), matmul_rate()
+    max_batch, max_length = max(args.batch), args.context + 4 * args.steps + 64
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    torch.set_grad_enabled(False)
+
+    inputs = {}
+    for batch in args.batch:
+        ids = torch.randint(0, config.text_config.vocab_size, (batch, 1), device="cuda", generator=gen)
+        inputs[batch] = (ids, torch.ones_like(ids))
+    rows = {batch: result["batches"].setdefault(str(batch), {}) for batch in args.batch}
+
+    if "day-zero" in variants:
+        for layer in model.model.layers:
+            layer.ffn.grouped = False  # the reference MoE loop (compile() stacks the experts later)
+        for batch, (ids, mask) in inputs.items():
+            cache = model.new_cache(batch, max_length, window_format="bf16", compressed_format="bf16",
+                                    index_format="bf16")
+            fill_cache(cache, batch, args.context, gen)
+            with reference_kernels():
+                def eager_step():
+                    return model(ids, mask, cache=cache, logits_to_keep=1).logits
+                rows[batch]["day_zero_s"] = step_time(eager_step, max(3, args.steps // 4))
+                rows[batch]["day_zero_profile"] = profile_step(eager_step)
+            print(f"day-zero batch {batch}: {rows[batch]['day_zero_s'] * 1e6:.0f} us per step", flush=True)
+            del cache
+
+    for variant in [v for v in ("no-passes", "passes", "warm") if v in variants or (v == "warm" and "passes" in variants)]:
+        key = variant.replace("-", "_")
+        torch._dynamo.reset()
+        counters.clear()
+        model.compiled_runner = None
+        dsflash_compile.compile(model, max_batch=max_batch, max_length=max_length, passes=variant != "no-passes",
+                                batch_buckets=tuple(args.batch))
+        runner = model.compiled_runner
+        for batch, (ids, mask) in inputs.items():
+            row = rows[batch]
+            runner.cache.reset()
+            fill_cache(runner.cache, batch, args.context, gen)
+
+            def compiled_step():
+                return runner(ids, mask, 1)
+
+            start = time.perf_counter()
+            for _ in range(3):  # compile, record the CUDA graph, first replay
+                compiled_step()
+            torch.cuda.synchronize()
+            row[f"{key}_compile_s"] = time.perf_counter() - start
+            print(f"{variant} batch {batch}: first three calls (compile + capture) {row[f'{key}_compile_s']:.1f} s",
+                  flush=True)
+            if variant == "warm":
+                continue
+            graphs = counters["stats"]["unique_graphs"]
+            row[f"{key}_s"] = step_time(compiled_step, args.steps)
+            trace = os.path.join(args.out, f"decode-trace-{args.preset}-b{batch}.json") if variant == "passes" else None
+            row[f"{key}_profile"] = profile_step(compiled_step, trace, top=15 if variant == "passes" else 0)
+            row[f"{key}_recompiles_after_warmup"] = counters["stats"]["unique_graphs"] - graphs
+            row[f"{key}_graph_breaks"] = sum(counters["graph_break"].values())
+            if runner.pass_manager is not None:
+                row["pass_matches"] = dict(runner.pass_manager.matches)
+
+    for batch, row in rows.items():
+        row["floor"] = floor(model, batch, args.context, bandwidth, rate)
+        fl = row["floor"]["floor_s"]
+        summary = {k: round(v * 1e6, 1) for k, v in row.items() if k.endswith("_s") and "compile" not in k}
+        print(f"batch {batch}: step us {summary}  floor {fl * 1e6:.1f} us  "
+              f"compile s { {k: round(v, 1) for k, v in row.items() if 'compile_s' in k} }")
+        for k in ("day_zero_profile", "no_passes_profile", "passes_profile"):
+            if k in row:
+                print(f"  {k}: {row[k]['kernels']} kernels, {row[k]['device_us']:.0f} us device time")
+        print(f"  pass matches {row.get('pass_matches')}, graph breaks {row.get('passes_graph_breaks')}, "
+              f"recompiles after warm-up {row.get('passes_recompiles_after_warmup')}")
+        for t in row.get("passes_profile", {}).get("top", []):
+            print(f"    {t['total_us']:9.1f} us {t['calls']:5d}x {t['name']}")
+    save_results(result, f"compile-profile-{args.preset}", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""dsflash_compile.compile on CPU: generate() through the compiled runner equals the eager model, blocks of
+one role share one graph, and nothing recompiles after warm-up (torch._dynamo counters).
+
+Most tests use the "eager" backend (Dynamo capture with fullgraph, no code generation) so they check the
+graphs and guards in seconds; one test runs Inductor with our passes on the tiny model.
+"""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor import config as inductor_config
+
+import dsflash_compile
+from dsflash_compile import DeepseekV41ForCausalLM, preset_config
+from dsflash_compile.cache import CacheCapacityError
+
+
+@pytest.fixture
+def fresh_dynamo():
+    previous = inductor_config.post_grad_custom_post_pass
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    inductor_config.post_grad_custom_post_pass = previous
+    torch._dynamo.reset()
+
+
+def tiny_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return DeepseekV41ForCausalLM(preset_config("tiny", **overrides)).eval()
+
+
+def prompts(batch, length, seed=1):
+    return torch.randint(3, 500, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def distinct_roles(model) -> int:
+    """Roles as the compiled block sees them (layer ids excluded: blocks get their tensors as arguments)."""
+    return len({(r.ratio, r.is_kv_source, r.is_index_source, r.is_candidate_source, r.uses_candidates)
+                for r in model.model.text_config.layer_roles})
+
+
+@torch.no_grad()
+def test_compiled_generate_equals_eager_and_never_recompiles(fresh_dynamo):
+    model = tiny_model()
+    ids = prompts(4, 20)
+    want = model.generate(ids, max_new_tokens=12, do_sample=False)
+    dsflash_compile.compile(model, max_batch=4, max_length=256, batch_buckets=(4,), prefill_buckets=(32,),
+                            backend="eager", passes=False)
+    got = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(got, want)  # a full batch bucket: the same shapes, so the same numbers
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 2 * distinct_roles(model)  # one per role for the prefill bucket and for decode
+    assert not counters["graph_break"]
+
+    # A long generation, and a batch of 3 inside the bucket of 4 (padded with inert rows): no new graph.
+    long = model.generate(ids[:3, :8], max_new_tokens=240, min_new_tokens=240, do_sample=False)
+    assert long.shape == (3, 248)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@torch.no_grad()
+def test_padded_batch_rows_are_inert(fresh_dynamo):
+    """Rows padded up to the bucket change nothing but GEMM shapes: logits equal within fp32 rounding."""
+    model = tiny_model()
+    ids = prompts(3, 10)
+    want = model(ids).logits
+    dsflash_compile.compile(model, max_batch=4, max_length=64, batch_buckets=(4,), prefill_buckets=(16,),
+                            backend="eager", passes=False)
+    got = model(ids, cache=model.compiled_runner.fresh_cache(3, 64)).logits
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+@torch.no_grad()
+def test_long_prompt_runs_in_chunks_of_the_largest_bucket(fresh_dynamo):
+    model = tiny_model()
+    ids = prompts(2, 40)
+    cache = model.new_cache(2, 64)
+    want = model(ids, cache=cache).logits[:, -1:]
+    dsflash_compile.compile(model, max_batch=2, max_length=64, batch_buckets=(2,), prefill_buckets=(16,),
+                            backend="eager", passes=False)
+    runner_cache = model.compiled_runner.fresh_cache(2, 64)
+    got = model(ids, cache=runner_cache, logits_to_keep=1).logits
+    assert runner_cache.get_seq_length() == 40 and runner_cache.lengths[:2].tolist() == [40, 40]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+@torch.no_grad()
+def test_inductor_with_passes_matches_eager(fresh_dynamo):
+    """The real thing on CPU: Inductor code generation with our passes (fused router and mHC seams)."""
+    model = tiny_model()
+    ids = prompts(2, 12)
+    want = model(ids).logits
+    with inductor_config.patch(force_disable_caches=True):  # so the passes run (and count) here
+        dsflash_compile.compile(model, max_batch=2, max_length=64, batch_buckets=(2,), prefill_buckets=(16,))
+        got = model(ids, cache=model.compiled_runner.fresh_cache(2, 64)).logits
+    matches = model.compiled_runner.pass_manager.matches
+    assert matches["router_fusion"] == distinct_roles(model)  # one graph per role, one router each
+    assert matches["mhc_fusion"] == 2 * distinct_roles(model)  # both seams of every block graph
+    # Inductor may reassociate fp32 sums (a last-bit change can move an FP8 step), so not bits; in
+    # practice on this CPU the logits agree to ~1e-6.
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
+
+
+def test_compile_refuses_what_it_cannot_capture(fresh_dynamo):
+    with pytest.raises(ValueError, match="emulate_reference_index_key_pointer"):
+        dsflash_compile.compile(tiny_model(emulate_reference_index_key_pointer=True), backend="eager")
+    with pytest.raises(ValueError, match="batch_buckets"):
+        dsflash_compile.compile(tiny_model(), batch_buckets=(4, 2), backend="eager")
+    model = dsflash_compile.compile(tiny_model(), max_batch=2, max_length=32, backend="eager", passes=False)
+    with pytest.raises(CacheCapacityError, match="max_batch=2"):
+        model.generate(prompts(3, 8), max_new_tokens=2, do_sample=False)
