@@ -186,6 +186,7 @@ def main() -> None:
                 rows[batch]["day_zero_s"] = step_time(eager_step, max(3, args.steps // 4))
                 rows[batch]["day_zero_profile"] = profile_step(eager_step)
             print(f"day-zero batch {batch}: {rows[batch]['day_zero_s'] * 1e6:.0f} us per step", flush=True)
+            save_results(result, f"compile-profile-{args.preset}", args.out)
             del cache
 
     for variant in [v for v in ("no-passes", "passes", "warm") if v in variants or (v == "warm" and "passes" in variants)]:
@@ -221,6 +222,9 @@ def main() -> None:
             row[f"{key}_graph_breaks"] = sum(counters["graph_break"].values())
             if runner.pass_manager is not None:
                 row["pass_matches"] = dict(runner.pass_manager.matches)
+            print(f"{variant} batch {batch}: {row[f'{key}_s'] * 1e6:.0f} us per step, "
+                  f"{row[f'{key}_profile']['kernels']} kernels", flush=True)
+            save_results(result, f"compile-profile-{args.preset}", args.out)  # partial results survive a timeout
 
     for batch, row in rows.items():
         row["floor"] = floor(model, batch, args.context, bandwidth, rate)

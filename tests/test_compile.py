@@ -111,3 +111,22 @@ def test_compile_refuses_what_it_cannot_capture(fresh_dynamo):
     model = dsflash_compile.compile(tiny_model(), max_batch=2, max_length=32, backend="eager", passes=False)
     with pytest.raises(CacheCapacityError, match="max_batch=2"):
         model.generate(prompts(3, 8), max_new_tokens=2, do_sample=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="decode CUDA graphs need a GPU")
+@torch.no_grad()
+def test_cuda_graph_decode_follows_eager(fresh_dynamo):
+    """On a GPU: teacher-forced decode through the captured graph stays within Inductor's rounding of the
+    eager model (same record formats on both sides), and one graph per batch bucket is captured."""
+    model = tiny_model().cuda()
+    ids = prompts(2, 28).cuda()
+    eager_cache = model.new_cache(2, 64)
+    want = [model(ids[:, :20], cache=eager_cache, logits_to_keep=1).logits]
+    want += [model(ids[:, t:t + 1], cache=eager_cache).logits for t in range(20, 28)]
+    dsflash_compile.compile(model, max_batch=2, max_length=64, batch_buckets=(2,), prefill_buckets=(32,))
+    cache = model.compiled_runner.fresh_cache(2, 64)
+    got = [model(ids[:, :20], cache=cache, logits_to_keep=1).logits]
+    got += [model(ids[:, t:t + 1], cache=cache).logits for t in range(20, 28)]
+    assert list(model.compiled_runner.graphs) == [2]
+    for g, w in zip(got, want):
+        assert (g - w).abs().max() <= 0.05 * w.abs().max()
