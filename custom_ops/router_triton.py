@@ -1,0 +1,179 @@
+"""Triton kernel of `dsflash::fused_router` (see router.py and `moe.route` for the math): one launch.
+
+Decode is the regime that matters: 1-64 tokens against a 384 x 5120 bf16 gate (3.9 MB), a memory-bound
+GEMV that needs the whole GPU to stream the gate in ~1 us. One program per (block of 16 tokens, block of
+16 experts, split of D) reads a 16-expert slice of the gate once per token block; at one token that is
+24 expert blocks x ~10 splits of D, about two programs per SM of an H200 (splitting the experts alone
+would leave 24 programs each streaming 160 KB; at 64 tokens the 4 token blocks re-read the gate from L2).
+The top-k then needs every expert's score, so two counters chain the reductions inside the same launch
+(no second kernel):
+
+  1. the last split of a (token block, expert block) to finish adds the splits' fp32 partial logits in a
+     fixed order (deterministic: the same bits whichever program finishes last), applies sqrt-softplus and
+     stores the block's scores;
+  2. the last expert block of a token block to finish loads the block's [16, E] scores, adds the bias and
+     takes the top-k by k rounds of one int64 max: the biased score's order-preserving int32 bits above
+     E_PAD - 1 - expert, so one reduction picks the largest score and, among equal scores, the lowest
+     expert id. torch.topk leaves the order of exact ties unspecified (on CPU it picked ids 6, 5, 4 of 8
+     equal scores), so exact ties are the one place the ids may differ from the reference. The picked
+     unbiased scores are gathered back from the scores just stored, then normalised and scaled.
+
+Each launch leaves its counters at zero (the persistent per-device buffer of mhc_triton, so a call needs
+no memset and the kernel is CUDA-graph safe; scratch buffers have shapes fixed by the token count; more
+than ~2600 tokens take several launches, see fused_router_triton). Only one
+router or mHC seam may run at a time on a device (one stream).
+
+Numerics: bf16 x bf16 products are exact in fp32 and accumulate in fp32 (tensor cores); fp32 activations
+take an IEEE fp32 dot (not TF32). softplus is torch's: the identity above 20, else log1p(exp(x)), with
+log1p(e) as log(1 + e) * e / ((1 + e) - 1) (accurate to a few ulps without libdevice, which the CPU
+interpreter lacks). sqrt and the normalising division are correctly rounded, as torch's.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_triton import _dot
+from .mhc_triton import _COUNTER_SLOTS, _block_counters
+
+BLOCK_T = 16  # tokens per program: the smallest tl.dot tile, so decode batches up to 64 get 1-4 token blocks
+BLOCK_E = 16  # experts per program: the gate is split finely enough to spread one token's GEMV
+BLOCK_K = 128
+# Two programs per SM of an H200 (132 SMs), all resident at once (~205 registers a thread at 4 warps, most of
+# them the top-k's keys, leave room for two); the D splits make up what tokens and experts do not.
+TARGET_PROGRAMS = 264
+MAX_EXPERTS_P2 = 512  # the top-k holds [16, E_PAD] int64 keys in registers: 64 per thread at 4 warps
+
+
+@triton.jit
+def _sqrt_softplus(x):
+    """sqrt(softplus(x)) as torch computes it (threshold 20), fp32."""
+    e = tl.exp(x)
+    u = 1.0 + e
+    # log1p(e) = log(u) * e / (u - 1): the rounding error of u cancels in the ratio (Goldberg's trick)
+    log1p = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
+    return tl.sqrt_rn(tl.where(x > 20.0, x, log1p))
+
+
+@triton.jit
+def _router_kernel(x_ptr, w_ptr, bias_ptr, partial_ptr, scores_ptr, counter_ptr, weights_ptr, ids_ptr,
+                   N, D, E, k_blocks_per_split, scale,
+                   TOPK: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORMALIZE: tl.constexpr,
+                   X_FP32: tl.constexpr, FP32_DOT: tl.constexpr):
+    token_block = tl.program_id(0)
+    expert_block = tl.program_id(1)
+    split = tl.program_id(2)
+    expert_blocks = tl.num_programs(1)
+    splits = tl.num_programs(2)
+    t = token_block * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = expert_block * BLOCK_E + tl.arange(0, BLOCK_E)
+    t_in, e_in = t < N, e < E
+    x_rows = x_ptr + t[:, None].to(tl.int64) * D
+    w_rows = w_ptr + e[:, None].to(tl.int64) * D
+
+    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    for i in range(k_blocks_per_split):
+        d = (split * k_blocks_per_split + i) * BLOCK_K + tl.arange(0, BLOCK_K)
+        d_in = d < D
+        x = tl.load(x_rows + d[None, :], mask=t_in[:, None] & d_in[None, :], other=0.0)
+        w = tl.load(w_rows + d[None, :], mask=e_in[:, None] & d_in[None, :], other=0.0)
+        if X_FP32:
+            acc += tl.dot(x, tl.trans(w).to(tl.float32), input_precision="ieee")
+        else:
+            acc += _dot(x, tl.trans(w), FP32_DOT)
+    tile_in = t_in[:, None] & e_in[None, :]
+    tl.store(partial_ptr + (t[:, None] * splits + split) * E + e[None, :], acc, mask=tile_in)
+
+    tl.debug_barrier()  # every thread's stores are issued before the release below
+    tile_counter = counter_ptr + token_block * expert_blocks + expert_block
+    if tl.atomic_add(tile_counter, 1, sem="acq_rel") == splits - 1:
+        s = tl.arange(0, SPLITS_PAD)
+        # .cg: bypass L1 (not coherent across SMs) to read what the other programs wrote
+        parts = tl.load(partial_ptr + (t[:, None, None] * splits + s[None, :, None]) * E + e[None, None, :],
+                        mask=tile_in[:, None, :] & (s < splits)[None, :, None], other=0.0, cache_modifier=".cg")
+        tl.store(scores_ptr + t[:, None] * E + e[None, :], _sqrt_softplus(tl.sum(parts, axis=1)), mask=tile_in)
+        tl.atomic_xchg(tile_counter, 0)
+        tl.debug_barrier()
+        block_counter = counter_ptr + tl.num_programs(0) * expert_blocks + token_block
+        if tl.atomic_add(block_counter, 1, sem="acq_rel") == expert_blocks - 1:
+            _top_k(t, bias_ptr, scores_ptr, weights_ptr, ids_ptr, N, E, scale, TOPK, K_PAD, E_PAD, NORMALIZE)
+            tl.atomic_xchg(block_counter, 0)
+
+
+@triton.jit
+def _top_k(t, bias_ptr, scores_ptr, weights_ptr, ids_ptr, N, E, scale, TOPK: tl.constexpr, K_PAD: tl.constexpr,
+           E_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
+    """Tokens t: top-k experts of score + bias (ties to the lowest id), their unbiased scores normalised and
+    scaled; stores weights and ids."""
+    ex = tl.arange(0, E_PAD)
+    ex_in = ex < E
+    t_in = t < N
+    scores = tl.load(scores_ptr + t[:, None] * E + ex[None, :], mask=t_in[:, None] & ex_in[None, :], other=0.0,
+                     cache_modifier=".cg")
+    biased = tl.where(ex_in[None, :], scores + tl.load(bias_ptr + ex, mask=ex_in, other=0.0)[None, :], float("-inf"))
+    bits = biased.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits, so int order = float order
+    keys = (ordered.to(tl.int64) << 32) | (E_PAD - 1 - ex)[None, :]
+    j = tl.arange(0, K_PAD)
+    ids = tl.zeros((t.shape[0], K_PAD), dtype=tl.int32)
+    for r in tl.static_range(TOPK):
+        best = tl.max(keys, axis=1)
+        ids = tl.where(j[None, :] == r, (E_PAD - 1 - (best & (E_PAD - 1))).to(tl.int32)[:, None], ids)
+        keys = tl.where(keys == best[:, None], -2 ** 63, keys)  # below every key: never picked again
+    out_in = t_in[:, None] & (j < TOPK)[None, :]
+    weights = tl.load(scores_ptr + t[:, None] * E + ids, mask=out_in, other=0.0, cache_modifier=".cg")
+    if NORMALIZE and TOPK > 1:
+        weights = tl.div_rn(weights, tl.sum(weights, axis=1)[:, None] + 1e-20)
+    out = t[:, None] * TOPK + j[None, :]
+    tl.store(weights_ptr + out, weights * scale, mask=out_in)
+    tl.store(ids_ptr + out, ids.to(tl.int64), mask=out_in)
+
+
+def kernel_fits(x, weight, bias, topk) -> bool:
+    """The inputs this kernel takes (else the op runs its reference): x bf16 or fp32 [N, D], a bf16 gate of at
+    most MAX_EXPERTS_P2 experts (the top-k's registers), an fp32 bias, 1 <= topk <= E."""
+    experts = weight.shape[0]
+    return (x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32) and weight.dtype == torch.bfloat16
+            and bias.dtype == torch.float32 and triton.next_power_of_2(experts) <= MAX_EXPERTS_P2
+            and 1 <= topk <= experts)
+
+
+def default_splits(tiles: int, k_blocks: int) -> int:
+    """D splits that bring (token block, expert block) tiles up to about TARGET_PROGRAMS programs."""
+    return max(1, min(k_blocks, TARGET_PROGRAMS // tiles))
+
+
+def fused_router_triton(x, weight, bias, topk, normalize, scale, splits=None, launch_tokens=None):
+    """(weights fp32 [N, topk], ids int64 [N, topk]) as the reference. splits: D splits (None: default_splits);
+    launch_tokens: tokens per launch (None: as many as one launch's counters allow, below)."""
+    tokens, experts = x.shape[0], weight.shape[0]
+    x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
+    weights = x.new_empty(tokens, topk, dtype=torch.float32)
+    ids = x.new_empty(tokens, topk, dtype=torch.int64)
+    # A launch takes expert blocks + 1 counters per token block. Staying within the persistent buffer's
+    # _COUNTER_SLOTS (2608 tokens at 384 experts) means it is never replaced, which would leave the graphs
+    # captured with it pointing at freed memory; longer prefill chunks take several launches.
+    chunk = launch_tokens or BLOCK_T * (_COUNTER_SLOTS // (triton.cdiv(experts, BLOCK_E) + 1))
+    for start in range(0, tokens, chunk):
+        rows = slice(start, start + chunk)
+        _launch(x[rows], weight, bias, weights[rows], ids[rows], topk, normalize, scale, splits)
+    return weights, ids
+
+
+def _launch(x, weight, bias, weights, ids, topk, normalize, scale, splits):
+    """One kernel launch for the tokens of x, into weights and ids (contiguous, tokens first)."""
+    tokens, dim = x.shape
+    experts = weight.shape[0]
+    token_blocks, expert_blocks, k_blocks = (triton.cdiv(tokens, BLOCK_T), triton.cdiv(experts, BLOCK_E),
+                                             triton.cdiv(dim, BLOCK_K))
+    k_per_split = triton.cdiv(k_blocks, splits or default_splits(token_blocks * expert_blocks, k_blocks))
+    splits = triton.cdiv(k_blocks, k_per_split)  # no split left without columns
+    partial = x.new_empty(tokens, splits, experts, dtype=torch.float32)
+    scores = x.new_empty(tokens, experts, dtype=torch.float32)
+    _router_kernel[(token_blocks, expert_blocks, splits)](
+        x, weight, bias, partial, scores, _block_counters(x.device, (expert_blocks + 1) * token_blocks), weights,
+        ids, tokens, dim, experts, k_per_split, scale,
+        TOPK=topk, K_PAD=triton.next_power_of_2(topk), E_PAD=triton.next_power_of_2(experts),
+        SPLITS_PAD=triton.next_power_of_2(splits), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K,
+        NORMALIZE=normalize, X_FP32=x.dtype == torch.float32, FP32_DOT=x.device.type != "cuda", num_warps=4)
