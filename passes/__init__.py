@@ -17,6 +17,11 @@ def install(text_config) -> DsflashPassManager:
                       text_config.hc_mult),
     ])
     inductor_config.post_grad_custom_post_pass = manager
+    # On CUDA, Inductor's own post-grad passes rewrite a written-out softmax into its online-softmax prim
+    # before custom passes run; that turned the Sinkhorn's first softmax into something the mHC pattern
+    # does not know (the H200 run matched 0 seams while CPU graphs matched all). The seam op replaces
+    # that softmax anyway.
+    inductor_config.online_softmax = False
     return manager
 
 
