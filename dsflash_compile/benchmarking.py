@@ -64,6 +64,27 @@ def time_eager(fn, iters: int = 10) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
+def timed(row: dict, key: str, measure) -> None:
+    """row[key] = measure(), or the error as text: one failing point does not stop the run."""
+    try:
+        row[key] = measure()
+    except Exception as error:  # noqa: BLE001 - reported in the results, the run goes on
+        row[key] = None
+        row[key + "_error"] = f"{type(error).__name__}: {error}"[:500]
+        print(key, "failed:", row[key + "_error"])
+
+
+def fused_speedups(row: dict) -> None:
+    """Add fused_vs_eager / fused_vs_compiled to a row timed as eager_graph_s, compiled_graph_s, fused_graph_s."""
+    if row.get("fused_graph_s"):
+        row["fused_vs_eager"] = (row.get("eager_graph_s") or float("nan")) / row["fused_graph_s"]
+        row["fused_vs_compiled"] = (row.get("compiled_graph_s") or float("nan")) / row["fused_graph_s"]
+
+
+def microseconds(seconds: float | None) -> str:
+    return f"{seconds * 1e6:.2f}" if seconds else "-"
+
+
 def run_metadata() -> dict:
     import triton
 

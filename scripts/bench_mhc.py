@@ -22,7 +22,7 @@ import argparse
 import torch
 from torch._inductor import config as inductor_config
 
-from dsflash_compile.benchmarking import run_metadata, save_results, time_eager, time_graph
+from dsflash_compile.benchmarking import fused_speedups, microseconds, run_metadata, save_results, time_eager, time_graph, timed
 from dsflash_compile.custom_ops.mhc import entry_seam_reference, seam_reference
 from dsflash_compile.layers import RMSNorm
 from dsflash_compile.mhc import hc_mixes, hc_post, hc_pre
@@ -94,16 +94,6 @@ def check(gen: torch.Generator) -> dict:
     return {"kernel": rows, "ok": not bad}
 
 
-def timed(row: dict, key: str, measure) -> None:
-    """row[key] = measure(), or the error as text: one failing point does not stop the run."""
-    try:
-        row[key] = measure()
-    except Exception as error:  # noqa: BLE001 - reported in the results, the run goes on
-        row[key] = None
-        row[key + "_error"] = f"{type(error).__name__}: {error}"[:500]
-        print(key, "failed:", row[key + "_error"])
-
-
 def compile_seam(norm: RMSNorm, with_pass: bool):
     """The seam compiled afresh (dynamo reset: both variants share the seam's code object), with or without
     the mHC pass; returns (compiled fn, pass manager or None). Compiles at the first call."""
@@ -139,21 +129,17 @@ def main() -> None:
             timed(row, "pass_graph_s", lambda: time_graph(lambda: with_pass(*unfused_args(c)), calls=50, replays=50))
             row["pass_matches"] = manager.matches["mhc_fusion"]  # 1: the seam compiled for CUDA was fused
             inductor_config.post_grad_custom_post_pass = None
-            if row["fused_graph_s"]:
-                row["fused_vs_eager"] = (row["eager_graph_s"] or float("nan")) / row["fused_graph_s"]
-                row["fused_vs_compiled"] = (row["compiled_graph_s"] or float("nan")) / row["fused_graph_s"]
+            fused_speedups(row)
             print(row)
             rows.append(row)
     result["seam"] = rows
 
-    def us(value):
-        return f"{value * 1e6:.2f}" if value else "-"
-
     print(f"\n{'tokens':>6} {'eager+launch us':>15} {'eager us':>9} {'compiled us':>11} {'fused us':>9} "
           f"{'pass us':>8} {'matched':>7} {'x eager':>8} {'x compiled':>10}")
     for r in rows:
-        print(f"{r['tokens']:>6} {us(r['eager_launches_s']):>15} {us(r['eager_graph_s']):>9} "
-              f"{us(r['compiled_graph_s']):>11} {us(r['fused_graph_s']):>9} {us(r['pass_graph_s']):>8} "
+        print(f"{r['tokens']:>6} {microseconds(r['eager_launches_s']):>15} {microseconds(r['eager_graph_s']):>9} "
+              f"{microseconds(r['compiled_graph_s']):>11} {microseconds(r['fused_graph_s']):>9} "
+              f"{microseconds(r['pass_graph_s']):>8} "
               f"{r['pass_matches']:>7} {r.get('fused_vs_eager', float('nan')):8.1f} "
               f"{r.get('fused_vs_compiled', float('nan')):10.1f}")
     save_results(result, "mhc", args.out)

@@ -20,8 +20,7 @@ import argparse
 import torch
 from torch._inductor import config as inductor_config
 
-from bench_mhc import timed  # run as a script, scripts/ is on sys.path
-from dsflash_compile.benchmarking import run_metadata, save_results, time_graph
+from dsflash_compile.benchmarking import fused_speedups, microseconds, run_metadata, save_results, time_graph, timed
 from dsflash_compile.moe import route
 
 DIM, EXPERTS, TOPK, NORMALIZE, SCALE = 5120, 384, 6, True, 1.5
@@ -86,20 +85,16 @@ def main() -> None:
             timed(row, "fused_graph_s", lambda: time_graph(lambda: fused(*case), calls=50, replays=50))
             if row["fused_graph_s"]:
                 row["fused_gate_GBps"] = gate_bytes / row["fused_graph_s"] / 1e9
-                row["fused_vs_eager"] = (row["eager_graph_s"] or float("nan")) / row["fused_graph_s"]
-                row["fused_vs_compiled"] = (row["compiled_graph_s"] or float("nan")) / row["fused_graph_s"]
+            fused_speedups(row)
             print(row)
             rows.append(row)
     result["router"] = rows
 
-    def us(value):
-        return f"{value * 1e6:.2f}" if value else "-"
-
     print(f"\n{'tokens':>6} {'eager us':>9} {'compiled us':>11} {'fused us':>9} {'gate GB/s':>9} {'x eager':>8} "
           f"{'x compiled':>10}")
     for r in rows:
-        print(f"{r['tokens']:>6} {us(r['eager_graph_s']):>9} {us(r['compiled_graph_s']):>11} "
-              f"{us(r['fused_graph_s']):>9} {r.get('fused_gate_GBps', float('nan')):9.0f} "
+        print(f"{r['tokens']:>6} {microseconds(r['eager_graph_s']):>9} {microseconds(r['compiled_graph_s']):>11} "
+              f"{microseconds(r['fused_graph_s']):>9} {r.get('fused_gate_GBps', float('nan')):9.0f} "
               f"{r.get('fused_vs_eager', float('nan')):8.1f} {r.get('fused_vs_compiled', float('nan')):10.1f}")
     save_results(result, "router", args.out)
 
