@@ -11,7 +11,8 @@ normalises the block's collapsed rows in place and resets the counter for the ne
 
 Rounding points are the reference's: fp32 math, bf16 casts of the new streams and of the collapse.
 Any token count runs the same kernel: large counts use blocks of up to 16 tokens, which reuse the fn tile.
-Only this kernel writes the counters, and a launch leaves them at zero: one seam in flight per device.
+The counters are shared with the router kernel (router_triton.py) and a launch leaves them at zero: one
+seam or router in flight per device.
 """
 
 import torch
@@ -112,6 +113,7 @@ BLOCK_D = 64
 NORM_BLOCK = 1024
 _COUNTER_SLOTS = 4096
 _counters: dict = {}
+_outgrown: list = []  # smaller buffers replaced by larger ones, never freed
 
 
 def kernel_fits(streams, fn) -> bool:
@@ -132,6 +134,8 @@ def _block_counters(device: torch.device, blocks: int) -> torch.Tensor:
         return buf
     buf = torch.zeros(max(blocks, _COUNTER_SLOTS), dtype=torch.int32, device=device)
     if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():  # never keep a graph-pool buffer
+        if device in _counters:  # graphs captured earlier still point at the old buffer: keep it alive
+            _outgrown.append(_counters[device])
         _counters[device] = buf
     return buf
 

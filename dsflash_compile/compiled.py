@@ -67,6 +67,9 @@ class CompiledRunner:
     def __init__(self, model, options: CompileOptions):
         self.model, self.options = model, options
         text = model.model.text_config
+        if text.emulate_reference_index_key_pointer:
+            raise ValueError("compile(): DeepseekV41TextConfig.emulate_reference_index_key_pointer needs a host "
+                             "sync per layer (it emulates a reference bug); turn it off to compile")
         self.pass_manager = passes.install(text) if options.passes else None
         if not options.passes:
             inductor_config.post_grad_custom_post_pass = None  # a manager installed earlier would still run
@@ -83,9 +86,6 @@ class CompiledRunner:
         graphs = 8 * len(self.batch_buckets) * (len(self.prefill_buckets) + 1)
         for limit in ("cache_size_limit", "accumulated_cache_size_limit"):
             setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), graphs))
-        if text.emulate_reference_index_key_pointer:
-            raise ValueError("compile(): DeepseekV41TextConfig.emulate_reference_index_key_pointer needs a host "
-                             "sync per layer (it emulates a reference bug); turn it off to compile")
         for block in model.model.layers:
             block.compile(backend=options.backend, fullgraph=True, dynamic=False)
         self.cuda_graphs = options.cuda_graphs and model.device.type == "cuda"
@@ -133,7 +133,8 @@ class CompiledRunner:
         batch, seq = input_ids.shape
         self.cache.check_fits(batch, seq)
         rows = _bucket(self.batch_buckets, batch) - batch
-        input_ids, attention_mask = F.pad(input_ids, (0, 0, 0, rows)), F.pad(attention_mask, (0, 0, 0, rows))
+        if rows:
+            input_ids, attention_mask = F.pad(input_ids, (0, 0, 0, rows)), F.pad(attention_mask, (0, 0, 0, rows))
         if seq == 1 and self.cuda_graphs:
             graph, ids, mask, out = self._decode_graph(input_ids.shape[0])
             ids.copy_(input_ids)
@@ -159,19 +160,20 @@ class CompiledRunner:
             hidden = self.model.model.run(F.pad(ids, (pad, 0)), F.pad(mask, (pad, 0)), self.cache,
                                           self.cache.max_length)[:, pad:]
             if start + ids.shape[1] > seq - keep:
-                kept.append(hidden.clone())
+                kept.append(hidden)
         return torch.cat(kept, dim=1)[:, -keep:]
 
     def warm_up(self, batch_sizes=None, prefill_lengths=None) -> None:
         """Compile the blocks and capture the decode graphs for these batch sizes and prompt lengths now,
         on throwaway inputs; the cache is emptied afterwards."""
-        device = self.model.device
+        lengths = prefill_lengths or self.prefill_buckets
         for batch in batch_sizes or self.batch_buckets:
-            for length in prefill_lengths or self.prefill_buckets:
+            ids = torch.zeros(batch, max(lengths), dtype=torch.long, device=self.model.device)
+            for length in lengths:
                 self.cache.reset()
-                ids = torch.zeros(batch, length, dtype=torch.long, device=device)
-                self(ids, torch.ones_like(ids), 1)
-                self(ids[:, :1], torch.ones_like(ids[:, :1]), 1)
+                self(ids[:, :length], torch.ones_like(ids[:, :length]), 1)
+            self.cache.reset()
+            self(ids[:, :1], torch.ones_like(ids[:, :1]), 1)  # one decode step: compiles / captures its graph
         self.cache.reset()
 
 

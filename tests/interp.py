@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy
+import pytest
 
 
 def interpreter_skip_reason() -> str | None:
@@ -23,6 +24,12 @@ def interpreter_skip_reason() -> str | None:
         return (f"triton's interpreter fails with numpy {numpy.__version__} >= 2.4 (int() of a 1-element "
                 "array in triton/runtime/interpreter.py); install numpy<2.4 to run these")
     return None
+
+
+def requires_interpreter(test):
+    """Skip `test` where the interpreter cannot run (see interpreter_skip_reason)."""
+    reason = interpreter_skip_reason()
+    return pytest.mark.skipif(reason is not None, reason=str(reason))(test)
 
 
 def report(result: dict) -> None:

@@ -13,7 +13,7 @@ import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
 from dsflash_compile.custom_ops import records
 from dsflash_compile.custom_ops.attention import attention_reference
 from dsflash_compile.rope import inverse_frequencies
-from interp import interpreter_skip_reason, report, run_interpreted
+from interp import report, run_interpreted, requires_interpreter
 
 ops = torch.ops.dsflash
 OP_ARGS = ("q", "ring", "chunk_kv", "widx", "compressed", "cidx", "sink", "positions", "inv_freq", "scale",
@@ -344,7 +344,7 @@ def interpreted():
     return run_interpreted("test_attention", "interpreter_checks")
 
 
-@pytest.mark.skipif(interpreter_skip_reason() is not None, reason=str(interpreter_skip_reason()))
+@requires_interpreter
 @pytest.mark.parametrize("name", list(interpreter_cases()))
 def test_triton_matches_reference_interpreted(interpreted, name):
     """The Triton kernel under the CPU interpreter vs the reference: within 2^-6 max|o| (~2 bf16 ulps of the

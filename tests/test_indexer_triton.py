@@ -7,12 +7,11 @@ import pytest
 import torch
 
 import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
-from interp import interpreter_skip_reason, report, run_interpreted
+from interp import report, run_interpreted, requires_interpreter
 from test_topk import check_compiles_for_hopper
 
 ops = torch.ops.dsflash
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-requires_interpreter = pytest.mark.skipif(interpreter_skip_reason() is not None, reason=str(interpreter_skip_reason()))
 
 # name: (batch, seq, heads, dim, rows, blocks kept, block size, key format), column tiles per program
 CANDIDATE_CASES = {

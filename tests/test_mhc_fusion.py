@@ -15,7 +15,7 @@ from dsflash_compile.modeling_deepseek_v41 import DeepseekV41Block
 from dsflash_compile.mhc import hc_mixes, hc_post, hc_pre
 from dsflash_compile.passes import MhcFusionPass
 from dsflash_compile.passes.mhc_fusion import trace_like_post_grad
-from interp import interpreter_skip_reason, report, run_interpreted
+from interp import report, run_interpreted, requires_interpreter
 from test_topk import check_compiles_for_hopper
 
 NORM_EPS, HC_EPS, ITERS = 1e-20, 1e-6, 20  # the tiny preset's (and the release's)
@@ -103,7 +103,7 @@ def interpreted():
     return run_interpreted("test_mhc_fusion", "interpreter_checks")
 
 
-@pytest.mark.skipif(interpreter_skip_reason() is not None, reason=str(interpreter_skip_reason()))
+@requires_interpreter
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
 def test_seam_kernel_matches_reference(interpreted, name):
     """bf16 outputs within 3 ulps (the interpreter truncates where the GPU rounds, twice on the way to the

@@ -10,7 +10,7 @@ import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
 from dsflash_compile import quant
 from dsflash_compile.custom_ops import records
 from dsflash_compile.custom_ops.records import FORMATS, decode_reference, encode_reference, record_bytes
-from interp import report, run_interpreted
+from interp import report, requires_interpreter, run_interpreted
 
 ops = torch.ops.dsflash
 BLOCK = {"bf16": 32, "fp8": 32, "nvfp4": 16, "mxfp4": 32}  # bf16: the group size used to build test rows
@@ -356,12 +356,12 @@ def interpreter_checks() -> None:
     report({"name": "write", "cases": len(cases)})
 
 
+@requires_interpreter
 def test_triton_write_matches_reference_interpreted():
     """The Triton kernel, run by Triton's CPU interpreter, writes the reference's bytes.
 
     It runs in a subprocess with TRITON_INTERPRET=1 set from the start (interp.py says why).
     """
-    pytest.importorskip("triton")
     assert run_interpreted("test_records", "interpreter_checks", timeout=300)["write"]["cases"] > 0
 
 

@@ -8,11 +8,10 @@ import torch
 
 import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
 from dsflash_compile.moe import route
-from interp import interpreter_skip_reason, report, run_interpreted
+from interp import report, run_interpreted, requires_interpreter
 from test_topk import check_compiles_for_hopper
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-requires_interpreter = pytest.mark.skipif(interpreter_skip_reason() is not None, reason=str(interpreter_skip_reason()))
 
 SCALE = 1.5
 # name: (experts, hidden, tokens, topk, normalize, activation dtype, D splits, tokens per launch (None: defaults))

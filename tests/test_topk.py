@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
-from interp import interpreter_skip_reason, report, run_interpreted
+from interp import report, run_interpreted, requires_interpreter
 
 ops = torch.ops.dsflash
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -64,7 +64,7 @@ def interpreted():
     return run_interpreted("test_topk", "interpreter_checks")
 
 
-@pytest.mark.skipif(interpreter_skip_reason() is not None, reason=str(interpreter_skip_reason()))
+@requires_interpreter
 @pytest.mark.parametrize("name", list(CASES))
 def test_topk_kernel_matches_reference(interpreted, name):
     """The same k indices as top_k_stable (ties to the lower index, -0 == +0, all -inf rows), and the op's
