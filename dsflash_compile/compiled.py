@@ -72,7 +72,7 @@ class CompiledRunner:
                              "sync per layer (it emulates a reference bug); turn it off to compile")
         self.pass_manager = passes.install(text) if options.passes else None
         if not options.passes:
-            inductor_config.post_grad_custom_post_pass = None  # a manager installed earlier would still run
+            passes.use(None)  # a manager installed earlier would still run
         # Round where the model rounds (its bf16 casts are the reference's rounding points); by default
         # Inductor keeps fused intermediates in fp32, which moves FP8/FP4 quantization steps.
         inductor_config.emulate_precision_casts = True

@@ -1,28 +1,34 @@
 """FX/Inductor passes of dsflash_compile and their manager (see `install`)."""
 
+from torch._inductor import config as inductor_config
+
 from .manager import DsflashPassManager
 from .mhc_fusion import MhcFusionPass
 from .router_fusion import RouterFusionPass
 
 
+def use(manager: DsflashPassManager | None) -> None:
+    """Make Inductor run `manager` as its post-grad custom pass for graphs compiled from now on (None: no
+    custom pass, Inductor's defaults)."""
+    inductor_config.post_grad_custom_post_pass = manager
+    # On CUDA, Inductor's own post-grad passes rewrite a written-out softmax into its online-softmax prim
+    # before custom passes run; that turns the Sinkhorn's first softmax into something the mHC pattern
+    # does not know (the H200 matched 0 seams while CPU graphs matched all). The seam op replaces that
+    # softmax anyway.
+    inductor_config.online_softmax = manager is None
+
+
 def install(text_config) -> DsflashPassManager:
     """Make Inductor run our passes (post-grad) for graphs compiled from now on; returns the manager,
     whose `matches` counts the rewrites. Patterns use the config's router and mHC constants."""
-    from torch._inductor import config as inductor_config
-
     manager = DsflashPassManager([
         RouterFusionPass(text_config.num_experts_per_tok, text_config.norm_topk_prob,
                          text_config.routed_scaling_factor),
         MhcFusionPass(text_config.rms_norm_eps, text_config.hc_eps, text_config.hc_sinkhorn_iters,
                       text_config.hc_mult),
     ])
-    inductor_config.post_grad_custom_post_pass = manager
-    # On CUDA, Inductor's own post-grad passes rewrite a written-out softmax into its online-softmax prim
-    # before custom passes run; that turned the Sinkhorn's first softmax into something the mHC pattern
-    # does not know (the H200 run matched 0 seams while CPU graphs matched all). The seam op replaces
-    # that softmax anyway.
-    inductor_config.online_softmax = False
+    use(manager)
     return manager
 
 
-__all__ = ["DsflashPassManager", "MhcFusionPass", "RouterFusionPass", "install"]
+__all__ = ["DsflashPassManager", "MhcFusionPass", "RouterFusionPass", "install", "use"]

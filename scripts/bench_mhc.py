@@ -26,6 +26,7 @@ from dsflash_compile.benchmarking import fused_speedups, microseconds, run_metad
 from dsflash_compile.custom_ops.mhc import entry_seam_reference, seam_reference
 from dsflash_compile.layers import RMSNorm
 from dsflash_compile.mhc import hc_mixes, hc_post, hc_pre
+from dsflash_compile import passes
 from dsflash_compile.passes import DsflashPassManager, MhcFusionPass
 
 HC, DIM, NORM_EPS, HC_EPS, ITERS = 4, 5120, 1e-20, 1e-6, 20
@@ -99,7 +100,7 @@ def compile_seam(norm: RMSNorm, with_pass: bool):
     the mHC pass; returns (compiled fn, pass manager or None). Compiles at the first call."""
     torch._dynamo.reset()
     manager = DsflashPassManager([MhcFusionPass(NORM_EPS, HC_EPS, ITERS)]) if with_pass else None
-    inductor_config.post_grad_custom_post_pass = manager
+    passes.use(manager)
     return torch.compile(seam_function(norm), fullgraph=True), manager
 
 
@@ -128,7 +129,7 @@ def main() -> None:
             with_pass, manager = compile_seam(norm, with_pass=True)
             timed(row, "pass_graph_s", lambda: time_graph(lambda: with_pass(*unfused_args(c)), calls=50, replays=50))
             row["pass_matches"] = manager.matches["mhc_fusion"]  # 1: the seam compiled for CUDA was fused
-            inductor_config.post_grad_custom_post_pass = None
+            passes.use(None)
             fused_speedups(row)
             print(row)
             rows.append(row)

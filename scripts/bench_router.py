@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from torch._inductor import config as inductor_config
 
 from dsflash_compile.benchmarking import fused_speedups, microseconds, run_metadata, save_results, time_graph, timed
+from dsflash_compile import passes
 from dsflash_compile.moe import route
 
 DIM, EXPERTS, TOPK, NORMALIZE, SCALE = 5120, 384, 6, True, 1.5
@@ -73,7 +73,7 @@ def main() -> None:
 
     gate_bytes = EXPERTS * DIM * 2
     rows = []
-    inductor_config.post_grad_custom_post_pass = None  # Inductor alone: none of our passes
+    passes.use(None)  # Inductor alone: none of our passes
     torch._dynamo.reset()
     compiled = torch.compile(unfused, dynamic=False, fullgraph=True)
     with torch.no_grad():

@@ -17,11 +17,13 @@ from dsflash_compile.cache import CacheCapacityError
 
 @pytest.fixture
 def fresh_dynamo():
-    previous = inductor_config.post_grad_custom_post_pass
+    """Inductor settings compile() changes are restored afterwards."""
     torch._dynamo.reset()
     counters.clear()
-    yield
-    inductor_config.post_grad_custom_post_pass = previous
+    with inductor_config.patch(post_grad_custom_post_pass=inductor_config.post_grad_custom_post_pass,
+                               online_softmax=inductor_config.online_softmax,
+                               emulate_precision_casts=inductor_config.emulate_precision_casts):
+        yield
     torch._dynamo.reset()
 
 

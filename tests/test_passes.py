@@ -13,11 +13,13 @@ def installed():
     """Install the passes for the tiny preset's router (top-2, normalised, x1.5); restore afterwards.
     Inductor's caches are off here: a cache hit would serve the rewritten graph without running (and
     so without counting) the passes."""
-    previous = inductor_config.post_grad_custom_post_pass
     torch._dynamo.reset()
-    with inductor_config.patch(force_disable_caches=True):
-        yield passes.install(preset_config("tiny").text_config)
-    inductor_config.post_grad_custom_post_pass = previous
+    with inductor_config.patch(force_disable_caches=True, online_softmax=True,
+                               post_grad_custom_post_pass=inductor_config.post_grad_custom_post_pass):
+        manager = passes.install(preset_config("tiny").text_config)
+        # on CUDA Inductor's online-softmax rewrite would run before our passes and hide the Sinkhorn
+        assert inductor_config.post_grad_custom_post_pass is manager and not inductor_config.online_softmax
+        yield manager
     torch._dynamo.reset()
 
 
