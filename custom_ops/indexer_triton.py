@@ -13,7 +13,27 @@ is the tile's heads (padded to 16, tl.dot's minimum; padded heads have q = w = 0
              in prefill: the key tile is loaded once for 4 tokens). A key tile at or past the largest
              visible count of the tile's queries is not read, only written as -inf.
   candidate  grid (query token, run of tiles of BLOCK_C candidate columns): gathers the key rows its
-             columns name; scores [tokens, nb * bs] instead of [tokens, context].
+             columns name; scores [tokens, nb * bs] instead of [tokens, context]. The decode path.
+  union      the prefill path of candidate_scores (>= UNION_MIN_TOKENS tokens per sequence). Grid (group
+             of TQ consecutive tokens of one sequence, part of the group's block-id range). Neighbouring
+             tokens share most of their candidate blocks (layer 20's top-2048 of close queries), so the
+             per-token kernel decoded the same MXFP4 rows TQ times and ran M = 32 dots. Here a program
+             merges the TQ ascending block lists on the fly into their union, NU blocks (NU x bs key
+             rows) per step, decodes those rows once and scores them for all TQ tokens in one
+             tensor-core dot of M = TQ x heads (128 at the release), then writes each token's scores
+             to the columns where its own list holds those blocks (a block a token lacks is computed
+             and not stored). Work per group ~ |union|, between one token's list (identical lists) and
+             TQ lists (disjoint: then no worse in decodes than the per-token kernel, only TQ x the
+             tensor-core work, which is not the limit). The merge step: load the next NU entries of
+             every list from its cursor ([TQ, NU]); the NU smallest distinct values among them are the
+             union's next NU (a list's later entries are larger than its first NU); ranks of distinct
+             values by [TQ*NU, TQ*NU] comparisons; cursors advance past the last value taken; a token's
+             column for union block u is its cursor + the position of u among its loaded entries. The
+             range is split between programs at the group's first token's list (parts x its entries),
+             so a program's cursors start at a lower bound found while it checks the lists. The lists
+             must be what candidate_blocks publishes (strictly ascending ids, then -1s); every program
+             checks its group's lists and, if one is not, scores that group column by column like the
+             per-token kernel (same results, no host sync). Columns of -1 blocks are written -inf.
   block max  grid (query token, tile of blocks): max over each block of bs scores, +inf for the block
              of the newest visible row; the top-k of candidate_blocks then runs on these (topk_triton).
 """
@@ -30,6 +50,11 @@ BLOCK_N = 64  # dense: keys per tile
 BLOCK_B = 128  # block max: blocks per program
 DENSE_TOKENS = 4  # dense prefill: query tokens sharing a key tile
 FORMATS = ("bf16", "mxfp4")
+UNION_TOKENS = 4  # union path: query tokens per group (M = 4 x 32 heads = 128, two Hopper wgmma tiles of 64)
+UNION_BLOCKS = 8  # union path: union blocks per step (N = 8 x 8 rows = 64)
+UNION_MIN_TOKENS = UNION_TOKENS  # fewer tokens per sequence (decode, short speculative chunks): the
+# per-token kernel (it has more programs per token, and a group would be mostly padding on the M side)
+SCAN = 512  # union path: list entries per step of the check
 
 
 @triton.jit
@@ -101,6 +126,20 @@ def _dense_scores_kernel(q_ptr, w_ptr, keys_ptr, visible_ptr, out_ptr, S, num_ro
 
 
 @triton.jit
+def _candidate_tile(q, w, keys_base, keys_sr, blocks_row, out_row, visible, c, NB, BS: tl.constexpr,
+                    D: tl.constexpr, HP: tl.constexpr, MXFP4: tl.constexpr, FP32_DOT: tl.constexpr):
+    """One token's candidate columns c (the per-token kernels' tile): gather, score, store."""
+    in_range = c < NB * BS
+    block = tl.load(blocks_row + c // BS, mask=in_range, other=-1)
+    row = block * BS + c % BS
+    ok = (block >= 0) & (row < visible)
+    k = _load_keys(keys_base, row, keys_sr, ok, D, MXFP4)
+    score = tl.reshape(_index_scores(q, w, k, 1, HP, FP32_DOT), (c.shape[0],))
+    score = tl.where(ok, score, float("-inf"))
+    tl.store(out_row + c, score.to(tl.bfloat16), mask=in_range)
+
+
+@triton.jit
 def _candidate_scores_kernel(q_ptr, w_ptr, keys_ptr, blocks_ptr, visible_ptr, out_ptr, S, NB, tiles_per_program,
                              keys_sb, keys_sr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                              BLOCK_C: tl.constexpr, MXFP4: tl.constexpr, FP32_DOT: tl.constexpr):
@@ -110,16 +149,105 @@ def _candidate_scores_kernel(q_ptr, w_ptr, keys_ptr, blocks_ptr, visible_ptr, ou
     q, w = _load_queries(q_ptr, w_ptr, tok, 1, H, HP, D, 1)
     visible = tl.load(visible_ptr + tok)
     keys_base = keys_ptr + b.to(tl.int64) * keys_sb
+    out_row = out_ptr + tok.to(tl.int64) * NB * BS
     for i in range(0, tiles_per_program):
         c = (part * tiles_per_program + i) * BLOCK_C + tl.arange(0, BLOCK_C)
-        in_range = c < NB * BS
-        block = tl.load(blocks_ptr + tok.to(tl.int64) * NB + c // BS, mask=in_range, other=-1)
-        row = block * BS + c % BS
-        ok = (block >= 0) & (row < visible)
-        k = _load_keys(keys_base, row, keys_sr, ok, D, MXFP4)
-        score = tl.reshape(_index_scores(q, w, k, 1, HP, FP32_DOT), (BLOCK_C,))
-        score = tl.where(ok, score, float("-inf"))
-        tl.store(out_ptr + tok.to(tl.int64) * NB * BS + c, score.to(tl.bfloat16), mask=in_range)
+        _candidate_tile(q, w, keys_base, keys_sr, blocks_ptr + tok.to(tl.int64) * NB, out_row, visible, c, NB, BS, D,
+                        HP, MXFP4, FP32_DOT)
+
+
+@triton.jit
+def _candidate_union_kernel(q_ptr, w_ptr, keys_ptr, blocks_ptr, visible_ptr, out_ptr, S, NB, parts, keys_sb,
+                            keys_sr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                            TQ: tl.constexpr, NU: tl.constexpr, SCAN: tl.constexpr, BLOCK_C: tl.constexpr,
+                            MXFP4: tl.constexpr, FP32_DOT: tl.constexpr):
+    BIG: tl.constexpr = 2147483647  # no block (-1 entries, past the list or past this program's range)
+    N: tl.constexpr = NU * BS
+    group = tl.program_id(0)
+    part = tl.program_id(1)
+    groups_per_seq = tl.cdiv(S, TQ)
+    b = group // groups_per_seq
+    t0 = (group % groups_per_seq) * TQ
+    tq = tl.arange(0, TQ)
+    live_t = t0 + tq < S
+    tok = b * S + t0 + tq
+    visible = tl.load(visible_ptr + tok, mask=live_t, other=0)
+    lists = blocks_ptr + tok.to(tl.int64) * NB  # [TQ]
+    out_rows = out_ptr + tok.to(tl.int64) * NB * BS
+    keys_base = keys_ptr + b.to(tl.int64) * keys_sb
+    # this program's block ids [lo, hi): split at entries part * W, (part + 1) * W of the first token's list
+    W = tl.cdiv(NB, parts)
+    lo_pos = part * W
+    hi_pos = lo_pos + W
+    lead = blocks_ptr + (b * S + t0).to(tl.int64) * NB
+    lo = tl.load(lead + lo_pos, mask=lo_pos < NB, other=-1)
+    lo = tl.where(part == 0, 0, tl.where(lo >= 0, lo, BIG))
+    hi = tl.load(lead + hi_pos, mask=hi_pos < NB, other=-1)
+    hi = tl.where(hi >= 0, hi, BIG)
+    # check the lists (strictly ascending ids, then only negatives); cursors at the lower bound of lo
+    bad = tl.zeros((TQ,), tl.int32)
+    cur = tl.zeros((TQ,), tl.int32)
+    n_valid = tl.zeros((TQ,), tl.int32)
+    e_i = tl.arange(0, SCAN)
+    for c0 in range(0, NB, SCAN):
+        pos = c0 + e_i
+        m = live_t[:, None] & (pos < NB)[None, :]
+        e = tl.load(lists[:, None] + pos[None, :], mask=m, other=-1)
+        prev = tl.load(lists[:, None] + pos[None, :] - 1, mask=m & (pos >= 1)[None, :], other=-1)
+        wrong = (e >= 0) & (pos >= 1)[None, :] & ((prev < 0) | (prev >= e))
+        bad += tl.sum(wrong.to(tl.int32), axis=1)
+        cur += tl.sum(((e >= 0) & (e < lo)).to(tl.int32), axis=1)
+        n_valid += tl.sum((e >= 0).to(tl.int32), axis=1)
+    if tl.sum(bad) > 0:  # not candidate_blocks' layout: this program's columns one token at a time
+        for i in tl.static_range(TQ):
+            if t0 + i < S:
+                qi, wi = _load_queries(q_ptr, w_ptr, b * S + t0 + i, 1, H, HP, D, 1)
+                vis_i = tl.load(visible_ptr + b * S + t0 + i)
+                row_i = (b * S + t0 + i).to(tl.int64)
+                for c1 in range(lo_pos * BS, tl.minimum(hi_pos, NB) * BS, BLOCK_C):
+                    c = c1 + tl.arange(0, BLOCK_C)
+                    c = tl.where(c < hi_pos * BS, c, NB * BS)  # (past this program's share: not stored)
+                    _candidate_tile(qi, wi, keys_base, keys_sr, blocks_ptr + row_i * NB, out_ptr + row_i * NB * BS,
+                                    vis_i, c, NB, BS, D, HP, MXFP4, FP32_DOT)
+    else:
+        q, w = _load_queries(q_ptr, w_ptr, b * S + t0, S - t0, H, HP, D, TQ)
+        reach = tl.max(visible)  # rows at or past it are not visible to any token of the group
+        i_u = tl.arange(0, NU)
+        flat_t = tl.arange(0, TQ * NU) // NU
+        n = tl.arange(0, N)
+        more = tl.full((), 1, tl.int32)
+        while more > 0:
+            v = tl.load(lists[:, None] + cur[:, None] + i_u[None, :],
+                        mask=live_t[:, None] & ((cur[:, None] + i_u[None, :]) < NB), other=-1)
+            v = tl.where((v >= 0) & (v < hi), v, BIG)  # [TQ, NU], ascending per token
+            flat = tl.reshape(v, (TQ * NU,))
+            same = flat[:, None] == flat[None, :]
+            dup = tl.sum((same & (flat_t[None, :] < flat_t[:, None])).to(tl.int32), axis=1) > 0
+            first = (~dup) & (flat < BIG)  # one element per distinct value
+            rank = tl.sum(((flat[None, :] < flat[:, None]) & first[None, :]).to(tl.int32), axis=1)
+            take = first & (rank < NU)
+            n_u = tl.sum(take.to(tl.int32))
+            u = tl.max(tl.where(take[None, :] & (rank[None, :] == i_u[:, None]), flat[None, :], -1), axis=1)  # [NU]
+            last = tl.max(u)
+            if n_u > 0:
+                hit = (v[:, None, :] == u[None, :, None]) & (u >= 0)[None, :, None]  # [TQ, NU (union), NU (list)]
+                present = tl.max(hit.to(tl.int32), axis=2)
+                col = cur[:, None] + tl.sum(tl.where(hit, i_u[None, None, :], 0), axis=2)  # [TQ, NU]
+                row = tl.reshape(tl.broadcast_to(u[:, None], (NU, BS)), (N,)) * BS + n % BS
+                k = _load_keys(keys_base, row, keys_sr, (row >= 0) & (row < reach), D, MXFP4)
+                score = _index_scores(q, w, k, TQ, HP, FP32_DOT)  # [TQ, N]
+                score = tl.where(row[None, :] < visible[:, None], score, float("-inf"))
+                col_n = tl.reshape(tl.broadcast_to(col[:, :, None], (TQ, NU, BS)), (TQ, N)) * BS + (n % BS)[None, :]
+                keep = tl.reshape(tl.broadcast_to(present[:, :, None], (TQ, NU, BS)), (TQ, N)) > 0
+                tl.store(out_rows[:, None] + col_n, score.to(tl.bfloat16), mask=keep & live_t[:, None])
+            cur += tl.sum(((v <= last) & (v < BIG)).to(tl.int32), axis=1)
+            more = (n_u == NU).to(tl.int32)
+        if part == parts - 1:  # the columns of -1 blocks (after each list's valid entries)
+            start = tl.min(tl.where(live_t, n_valid, NB)) * BS
+            for c1 in range(start, NB * BS, BLOCK_C * 8):
+                c = c1 + tl.arange(0, BLOCK_C * 8)
+                tl.store(out_rows[:, None] + c[None, :], tl.full((TQ, BLOCK_C * 8), float("-inf"), tl.float32).to(tl.bfloat16),
+                         mask=live_t[:, None] & (c[None, :] >= n_valid[:, None] * BS) & (c < NB * BS)[None, :])
 
 
 @triton.jit
@@ -183,15 +311,34 @@ def indexer_scores_triton(q, weights, keys, visible, num_rows, fmt, tokens_per_t
     return out
 
 
-def candidate_scores_triton(q, weights, keys, blocks, block_size, visible, fmt, tiles_per_program=None):
+def union_fits(seq: int, block_size: int) -> bool:
+    """The prefill path's choice (shapes only): a full group of tokens per sequence, and power-of-two
+    blocks (the union tile is NU x block_size key rows)."""
+    return seq >= UNION_MIN_TOKENS and block_size & (block_size - 1) == 0
+
+
+def candidate_scores_triton(q, weights, keys, blocks, block_size, visible, fmt, tiles_per_program=None,
+                            union=None, tokens_per_group=UNION_TOKENS, union_blocks=UNION_BLOCKS, parts=None):
     """`dsflash::candidate_scores` on the GPU: q [B, S, H, D] bf16; weights [B, S, H] bf16; keys [B', R, D]
     bf16 or mxfp4 records [B', R, D/2 + D/32]; blocks [B, S, nb] int (-1 none); visible [B, S]. Returns
-    bf16 [B, S, nb * block_size]. tiles_per_program overrides the column tiles per program."""
+    bf16 [B, S, nb * block_size]. union: force (True) or refuse (False) the prefill path (None: union_fits);
+    tiles_per_program (per-token path), tokens_per_group, union_blocks and parts (union path: programs
+    per group) override the defaults."""
     _check_scoring_inputs("candidate_scores_triton", q, weights, keys, fmt)
     batch, seq, heads, dim = q.shape
     nb = blocks.shape[-1]
     out = q.new_empty(batch, seq, nb * block_size)
     if out.numel() == 0:
+        return out
+    if union or (union is None and union_fits(seq, block_size)):
+        groups = batch * triton.cdiv(seq, tokens_per_group)
+        parts = parts or max(1, min(triton.cdiv(2 * _num_sms(q.device), groups), nb // (4 * union_blocks)))
+        hp = _padded_heads(heads)
+        _candidate_union_kernel[(groups, parts)](
+            q.contiguous(), weights.contiguous(), keys, blocks.contiguous(), visible.contiguous(), out, seq, nb, parts,
+            keys.stride(0), keys.stride(1), H=heads, HP=hp, D=dim, BS=block_size, TQ=tokens_per_group, NU=union_blocks,
+            SCAN=SCAN, BLOCK_C=BLOCK_C, MXFP4=fmt == "mxfp4", FP32_DOT=q.device.type != "cuda",
+            num_warps=8 if tokens_per_group * hp >= 128 else 4)
         return out
     tiles = triton.cdiv(nb * block_size, BLOCK_C)
     per = tiles_per_program or _tiles_per_program(batch * seq, tiles, q.device)

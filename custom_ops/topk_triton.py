@@ -15,6 +15,21 @@ maps them to the op's output. torch.topk sorts far more than it needs to; this r
 A long row is split over several programs (SPLIT, from the shapes only) that merge their histograms
 with atomics, so one 1M-entry row still fills the GPU. Buffer sizes depend on shapes only and nothing is
 read back to the host: CUDA-graph safe.
+
+Row-wise path (many rows: prefill chunks, 4096 x 16K..512K; 64 x 512K). The radix passes above cost
+about 95 instructions per entry and pass in tl.histogram (8 ballots and a popcount per bin a thread
+owns), and with one row per program nothing is gained from their atomics. Instead one program takes one
+CHUNK (16384) entries of one row into registers and finds the chunk's k-th largest key T by bisection
+on its bits (16 or 32 steps of compare + block sum, ~2 instructions per entry and step, no re-read),
+then writes its k best in index order: every entry above T and the first k - #above entries equal to T
+(exclusive cumsums, no atomics). A row of at most CHUNK entries is done in one pass over memory; a wider
+row leaves k candidates per chunk (key, index) in chunk order, so a candidate's position orders like its
+index, and the same kernel ranks the candidates again until one chunk remains (512K entries: 32 x 512
+= 16K candidates, 2 launches; the global top k with ties to the lower index is always among the chunks'
+own top k under the same order). A chunk with fewer than k entries pads its slots with key 0, below every
+real key, never picked. Picks come out ascending; the finishing kernel maps them as before. Chosen when
+rows x chunks fills the GPU (>= one program per SM) and k <= CHUNK / 2 (each stage must shrink the row);
+the radix split path stays for few rows (decode), where it spreads one row over many programs.
 """
 
 import torch
@@ -26,6 +41,8 @@ from .attention_triton import _num_sms
 BLOCK = 4096  # entries per tile of a pass
 SMALL_BLOCK = 1024  # the tile when all rows together are small (decode): more programs per row
 PROGRAMS_PER_SM = 4
+CHUNK = 16384  # row-wise path: entries of a row one program ranks in registers
+CHUNK_WARPS = 16  # (32 keys per thread at CHUNK)
 _KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 KEY_DTYPES = tuple(_KEY_BITS)  # score dtypes the kernels rank
 _BITS_VIEW = {16: torch.int16, 32: torch.int32}
@@ -130,6 +147,52 @@ def _compact_kernel(bits_ptr, hist_ptr, ties_ptr, count_ptr, picks_ptr, width, c
 
 
 @triton.jit
+def _chunk_select_kernel(keys_ptr, index_ptr, out_keys_ptr, out_index_ptr, width, k, out_width,
+                         FIRST: tl.constexpr, LAST: tl.constexpr, KEY_BITS: tl.constexpr, CHUNK: tl.constexpr,
+                         K_P2: tl.constexpr):
+    """Row-wise path, one (row, chunk of CHUNK entries) per program. FIRST: the entries are score bits
+    (index = position); else unsigned keys (int32 bits) and their indices from the previous stage. Writes
+    the chunk's k best in index order: LAST: the indices to out_index [rows, k]; else (key, index) pairs to
+    slots chunk * k .. of out_keys / out_index [rows, out_width], padded with key 0."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    pos = chunk * CHUNK + tl.arange(0, CHUNK)
+    live = pos < width
+    src = row.to(tl.int64) * width + pos
+    if FIRST:
+        key = _ordered(tl.load(keys_ptr + src, mask=live, other=0).to(tl.int32), KEY_BITS)
+        if KEY_BITS == 32:  # signed order -> unsigned order; every live key is >= 1, dead ones 0
+            u = (key ^ -2147483648).to(tl.uint32, bitcast=True)
+        else:
+            u = (key + 32768).to(tl.uint32)
+        idx = pos
+    else:
+        u = tl.load(keys_ptr + src, mask=live, other=0).to(tl.uint32, bitcast=True)
+        idx = tl.load(index_ptr + src, mask=live, other=0)
+    u = tl.where(live, u, 0)
+    # bisection: the largest T with #(u >= T) >= k, one bit at a time (T = 0 if the chunk has < k live)
+    t = tl.zeros((), tl.uint32)
+    for b in tl.static_range(KEY_BITS):
+        cand = t | (1 << (KEY_BITS - 1 - b))
+        t = tl.where(tl.sum((u >= cand).to(tl.int32)) >= k, cand, t)
+    above = (u > t).to(tl.int32)
+    tie = (live & (u == t)).to(tl.int32)
+    need = k - tl.sum(above)
+    take = above | (tie & ((tl.cumsum(tie) - tie) < need).to(tl.int32))
+    slot = tl.cumsum(take) - 1  # index order
+    if LAST:
+        tl.store(out_index_ptr + row.to(tl.int64) * k + slot, idx, mask=take > 0)
+    else:
+        base = row.to(tl.int64) * out_width + chunk * k
+        tl.store(out_index_ptr + base + slot, idx, mask=take > 0)
+        tl.store(out_keys_ptr + base + slot, u.to(tl.int32, bitcast=True), mask=take > 0)
+        s = tl.arange(0, K_P2)
+        pad = (s >= tl.sum(take)) & (s < k)
+        tl.store(out_keys_ptr + base + s, tl.zeros((K_P2,), tl.int32), mask=pad)
+        tl.store(out_index_ptr + base + s, tl.zeros((K_P2,), tl.int32), mask=pad)
+
+
+@triton.jit
 def _finish_kernel(picks_ptr, values_ptr, visible_ptr, blocks_ptr, out_ptr, width, k, NB, BS,
                    MODE: tl.constexpr, K_P2: tl.constexpr):
     """Sort a row's picks ascending and map them: VISIBLE: picks >= visible -> -1; FINITE: picks whose
@@ -156,9 +219,43 @@ def _finish_kernel(picks_ptr, values_ptr, visible_ptr, blocks_ptr, out_ptr, widt
     tl.store(out_ptr + row.to(tl.int64) * k + i, pick, mask=present)
 
 
-def select_topk(scores: torch.Tensor, k: int, split: int | None = None, block: int | None = None) -> torch.Tensor:
+def rowwise_fits(rows: int, width: int, k: int, device, chunk: int = CHUNK) -> bool:
+    """The row-wise path's choice (shapes only): each stage must shrink the row (2k <= chunk), and the
+    programs (rows x chunks) fill the GPU at least once; fewer rows go to the radix split path."""
+    return 2 * k <= chunk and rows * triton.cdiv(width, chunk) >= _num_sms(device)
+
+
+def select_rowwise(scores: torch.Tensor, k: int, chunk: int = CHUNK, num_warps: int | None = None) -> torch.Tensor:
+    """The row-wise path (see the module docstring): indices int32 [rows, k] ascending, the same picks as
+    select_topk. Stages while a row is wider than one chunk; buffers from the shapes only."""
+    rows, width = scores.shape
+    key_bits = _KEY_BITS[scores.dtype]
+    if 2 * k > chunk:
+        raise ValueError(f"select_rowwise: k = {k} must be at most chunk / 2 = {chunk // 2}")
+    warps = num_warps or (CHUNK_WARPS if chunk >= CHUNK else 4)
+    keys, index = scores.contiguous().view(_BITS_VIEW[key_bits]), None
+    first = True
+    picks = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
+    k_p2 = triton.next_power_of_2(k)
+    while True:
+        chunks = triton.cdiv(width, chunk)
+        last = chunks == 1
+        out_width = chunks * k
+        out_keys = picks if last else torch.empty(rows, out_width, dtype=torch.int32, device=scores.device)
+        out_index = picks if last else torch.empty(rows, out_width, dtype=torch.int32, device=scores.device)
+        _chunk_select_kernel[(rows, chunks)](keys, keys if index is None else index, out_keys, out_index, width, k,
+                                             out_width, FIRST=first, LAST=last, KEY_BITS=key_bits if first else 32,
+                                             CHUNK=chunk, K_P2=k_p2, num_warps=warps)
+        if last:
+            return picks
+        keys, index, width, first = out_keys, out_index, out_width, False
+
+
+def select_topk(scores: torch.Tensor, k: int, split: int | None = None, block: int | None = None,
+                chunk: int | None = None) -> torch.Tensor:
     """Indices int32 [rows, k] (in no order) of the k largest of each row of scores [rows, width] (bf16,
-    fp16 or fp32), ties to the lower index. split/block override the programs per row and the tile."""
+    fp16 or fp32), ties to the lower index. split/block force the radix path with those programs per row
+    and tile; chunk forces the row-wise path with that chunk; neither: chosen by rowwise_fits."""
     rows, width = scores.shape
     if scores.dtype not in _KEY_BITS:
         raise TypeError(f"select_topk: scores must be bf16, fp16 or fp32, got {scores.dtype}")
@@ -166,6 +263,8 @@ def select_topk(scores: torch.Tensor, k: int, split: int | None = None, block: i
         raise ValueError(f"select_topk: k = {k} must be in [1, {width}] (the row width)")
     if width >= 1 << 31:
         raise ValueError(f"select_topk: {width} entries per row exceed 2^31")
+    if chunk is not None or (split is None and block is None and rowwise_fits(rows, width, k, scores.device)):
+        return select_rowwise(scores, k, chunk or CHUNK)
     key_bits = _KEY_BITS[scores.dtype]
     npass = key_bits // 8
     programs = PROGRAMS_PER_SM * _num_sms(scores.device)  # enough to fill the GPU a few times over
@@ -211,30 +310,30 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def topk_indices_triton(scores, k, visible, split=None, block=None):
+def topk_indices_triton(scores, k, visible, split=None, block=None, chunk=None):
     """`dsflash::topk_indices` on the GPU: int32 [..., k] ascending, -1 for picks j >= visible."""
     lead = scores.shape[:-1]
     if k == 0 or lead.numel() == 0:
         return torch.full((*lead, k), -1, dtype=torch.int32, device=scores.device)
-    picks = select_topk(_rows(scores), k, split, block)
+    picks = select_topk(_rows(scores), k, split, block, chunk)
     return finish(picks, VISIBLE, visible=visible.reshape(-1)).view(*lead, k)
 
 
-def top_blocks_triton(block_scores, k, split=None, block=None):
+def top_blocks_triton(block_scores, k, split=None, block=None, chunk=None):
     """The k best blocks of block_scores [..., nblocks] (+inf pinned), ascending, -1 for -inf picks."""
     lead = block_scores.shape[:-1]
     if k == 0 or lead.numel() == 0:
         return torch.full((*lead, k), -1, dtype=torch.int32, device=block_scores.device)
     values = _rows(block_scores).contiguous()
-    return finish(select_topk(values, k, split, block), FINITE, values=values).view(*lead, k)
+    return finish(select_topk(values, k, split, block, chunk), FINITE, values=values).view(*lead, k)
 
 
-def candidate_topk_triton(scores, blocks, block_size, k, split=None, block=None):
+def candidate_topk_triton(scores, blocks, block_size, k, split=None, block=None, chunk=None):
     """`dsflash::candidate_topk` on the GPU: top-k of the compact scores, remapped to row ids, ascending,
     -1 for picks whose score is -inf."""
     lead = scores.shape[:-1]
     if k == 0 or lead.numel() == 0:
         return torch.full((*lead, k), -1, dtype=torch.int32, device=scores.device)
     values = _rows(scores).contiguous()
-    picks = select_topk(values, k, split, block)
+    picks = select_topk(values, k, split, block, chunk)
     return finish(picks, CANDIDATE_ROWS, values=values, blocks=_rows(blocks), block_size=block_size).view(*lead, k)

@@ -6,8 +6,12 @@
              rows only (Triton, MXFP4 key records) + candidate_topk (radix select, remap to row ids)
   source     the candidate source (layer 20) with the dsflash ops: dense indexer_scores (Triton, MXFP4
              records in place) + candidate_blocks + topk_indices (for reference; no target)
-  top-k      topk_indices (radix select) vs torch.topk (k = 512) on each shape's dense [rows, context]
-             scores and on the candidate path's [rows, 16384]
+  top-k      topk_indices vs torch.topk (k = 512) on each shape's dense [rows, context] scores and on the
+             candidate path's [rows, 16384]; the path the op picks (row-wise for many rows, radix split
+             for few) and, for comparison, the radix path forced
+  prefill    candidate_scores of the prefill chunk on the path the op picks (union of neighbours' blocks,
+             tensor-core M = 4 tokens x 32 heads) and on the per-token path forced, with the share of the
+             union that one token uses (1 = identical lists)
 
     python scripts/bench_indexer.py [--quick]     (writes benchmarks/results/indexer-<date>.json)
 
@@ -17,6 +21,12 @@ and the script exits 1 if a check failed. Shapes are the release's: 32 index hea
 candidates 2048 blocks of 8, a ratio-1 layer (one key row per context token). Decode: batch 1/8/64,
 contexts 8K/128K/512K; prefill: one 4K-token chunk (queries at the end of the context, causal). The
 day-zero path is timed eagerly (it is the eager path), the ops in CUDA graphs.
+
+Candidate lists: decode rows get independent random blocks. A prefill chunk's neighbouring tokens get
+what layer 20 publishes for close queries: each token's top-2048 of a block score shared by the chunk
+plus a per-token part (--spread, relative to the shared part; most blocks shared, not all), so the
+union path sees realistic overlap; `--spread 0` is not used (identical lists would flatter it), and
+`--random-prefill` gives every token independent blocks (the union path's worst case).
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import torch
 
 from dsflash_compile.benchmarking import run_metadata, save_results, time_eager, time_graph
 from dsflash_compile.custom_ops import records
+from dsflash_compile.custom_ops import indexer_triton, topk_triton
 from dsflash_compile.custom_ops.indexer import (candidate_blocks_reference, candidate_rows,
                                                 candidate_scores_reference, candidate_topk_reference,
                                                 indexer_scores_reference)
@@ -38,9 +49,11 @@ HEADS, DIM, TOPK, BLOCKS, BLOCK = 32, 128, 512, 2048, 8
 ops = torch.ops.dsflash
 
 
-def make_case(batch: int, context: int, seq: int, gen: torch.Generator) -> dict:
+def make_case(batch: int, context: int, seq: int, gen: torch.Generator, spread: float | None = None) -> dict:
     """One layer step: `seq` query tokens per row at the end of a `context`-row cache, keys on the MXFP4
-    grid (the records, and the same keys as bf16 rows for the day-zero path), random candidate blocks."""
+    grid (the records, and the same keys as bf16 rows for the day-zero path), candidate blocks: random per
+    token (spread None) or neighbours' overlapping lists (top blocks of shared + spread x per-token
+    scores; see the module docstring)."""
     q = torch.randn(batch, seq, HEADS, DIM, generator=gen, device="cuda").bfloat16()
     weights = (torch.randn(batch, seq, HEADS, generator=gen, device="cuda") * (HEADS * DIM) ** -0.5).bfloat16()
     keys_mxfp4 = torch.stack([records.encode_reference(torch.randn(context, DIM, generator=gen, device="cuda"), "mxfp4")
@@ -48,7 +61,13 @@ def make_case(batch: int, context: int, seq: int, gen: torch.Generator) -> dict:
     keys_bf16 = records.decode_reference(keys_mxfp4, "mxfp4", DIM)
     visible = torch.full((batch, seq), context, device="cuda") - torch.arange(seq, device="cuda").flip(0)
     n_blocks = -(-context // BLOCK)
-    blocks = torch.rand(batch, seq, n_blocks, generator=gen, device="cuda").topk(min(BLOCKS, n_blocks), -1).indices
+    if spread is None:
+        block_score = torch.rand(batch, seq, n_blocks, generator=gen, device="cuda")
+    else:
+        block_score = torch.randn(batch, 1, n_blocks, generator=gen, device="cuda") + spread * torch.randn(
+            batch, seq, n_blocks, generator=gen, device="cuda")
+    blocks = block_score.topk(min(BLOCKS, n_blocks), -1).indices
+    del block_score
     return dict(q=q, weights=weights, keys_bf16=keys_bf16, keys_mxfp4=keys_mxfp4, visible=visible,
                 blocks=blocks.sort(-1).values.to(torch.int32), context=context)
 
@@ -67,6 +86,17 @@ def day_zero_path(case, query_chunk: int = 128) -> torch.Tensor:
         scores = scores.masked_fill(~mask[..., :-1], -torch.inf)
         picks.append(scores.topk(min(TOPK, context), dim=-1).indices.sort(-1).values)
     return torch.cat(picks, dim=1)
+
+
+def union_share(case) -> float:
+    """Mean over groups of 4 neighbouring tokens: blocks in one token's list / blocks in the group's union."""
+    blocks = case["blocks"].long()
+    batch, seq, nb = blocks.shape
+    groups = blocks[:, :seq // 4 * 4].reshape(batch, seq // 4, 4 * nb)
+    n_blocks = -(-case["context"] // BLOCK)
+    seen = torch.zeros(*groups.shape[:-1], n_blocks + 1, device=blocks.device)
+    seen.scatter_(-1, torch.where(groups >= 0, groups, n_blocks), 1.0)
+    return ((blocks >= 0).sum(-1).float().mean() / seen[..., :n_blocks].sum(-1).mean()).item()
 
 
 def candidate_path(case) -> torch.Tensor:
@@ -125,12 +155,15 @@ def checks(gen) -> list[dict]:
     print("correctness (Triton op vs reference):", flush=True)
     results = []
     # decode at the end of the context; a prefill chunk whose queries see 0 .. all rows (skipped key tiles)
-    for batch, seq, context, ramp in ((2, 3, 40000, False), (1, 64, 20000, True)):
-        case = make_case(batch, context, seq, gen)
+    # decode-like (per-token path); prefill chunks (union path): random lists with ramped visibility,
+    # neighbours' overlapping lists
+    for batch, seq, context, ramp, spread in ((2, 3, 40000, False, None), (1, 64, 20000, True, None),
+                                              (2, 37, 30000, False, 0.3)):
+        case = make_case(batch, context, seq, gen, spread)
         if ramp:
             case["visible"] = torch.linspace(0, context, seq, device="cuda").long().view(1, seq)
         q, w, vis, blocks, keys = case["q"], case["weights"], case["visible"], case["blocks"], case["keys_mxfp4"]
-        shape = f"B{batch} S{seq} ctx{context}"
+        shape = f"B{batch} S{seq} ctx{context}" + ("" if spread is None else " overlapping")
         dense_ref = indexer_scores_reference(q, w, case["keys_bf16"], vis, context)
         cand_ref = candidate_scores_reference(q, w, keys, blocks, BLOCK, vis, "mxfp4")
         results += [
@@ -150,7 +183,7 @@ def checks(gen) -> list[dict]:
         ]
         if not ramp:  # (with queries that see nothing, both paths pick arbitrary -1 rows)
             results.append(guarded(f"layer picks agree {shape}", lambda: layer_agreement(case, shape)))
-    for rows, width in ((1, 1 << 20), (4096, 16384)):
+    for rows, width in ((1, 1 << 20), (4096, 16384), (64, 1 << 19)):  # radix, row-wise 1 and 2 stages
         scores = torch.randn(1, rows, width, generator=gen, device="cuda").bfloat16()  # bf16: many exact ties
         vis = torch.full((1, rows), width, device="cuda")
         name = f"topk_indices {rows}x{width}"
@@ -168,15 +201,33 @@ def time_topk(rows: int, width: int, gen) -> dict:
     calls, replays = (2, 5) if rows * width > 1 << 28 else (10, 20)
     torch_s = time_graph(lambda: scores.topk(TOPK, dim=-1), calls=calls, replays=replays)
     ours_s = time_graph(lambda: ops.topk_indices(scores, TOPK, vis), calls=calls, replays=replays)
-    row = {"rows": rows, "width": width, "torch_topk_s": torch_s, "topk_indices_s": ours_s, "speedup": torch_s / ours_s}
+    path = "rowwise" if topk_triton.rowwise_fits(rows, width, TOPK, scores.device) else "radix"
+    row = {"rows": rows, "width": width, "torch_topk_s": torch_s, "topk_indices_s": ours_s, "speedup": torch_s / ours_s,
+           "path": path}
+    if path == "rowwise":  # the radix path on the same shape, for comparison
+        row["radix_s"] = time_graph(lambda: topk_triton.topk_indices_triton(scores, TOPK, vis, block=topk_triton.BLOCK),
+                                    calls=calls, replays=replays)
     print(f"  top-k {rows:>4} x {width:>7}: torch.topk {torch_s * 1e3:8.3f} ms, topk_indices {ours_s * 1e3:8.3f} ms "
-          f"({row['speedup']:5.1f}x)", flush=True)
+          f"({row['speedup']:5.1f}x, {path})" + (f", radix forced {row['radix_s'] * 1e3:8.3f} ms" if "radix_s" in row
+                                                 else ""), flush=True)
     return row
 
 
-def time_layer(batch: int, context: int, seq: int, gen) -> dict:
-    case = make_case(batch, context, seq, gen)
+def time_prefill_scores(case) -> dict:
+    """candidate_scores alone on the prefill chunk: the path the op picks vs the per-token path forced."""
+    args = (case["q"], case["weights"], case["keys_mxfp4"], case["blocks"], BLOCK, case["visible"], "mxfp4")
+    picked = "union" if indexer_triton.union_fits(case["q"].shape[1], BLOCK) else "per-token"
+    op_s = time_graph(lambda: ops.candidate_scores(*args), calls=2, replays=5)
+    per_token_s = time_graph(lambda: indexer_triton.candidate_scores_triton(*args, union=False), calls=2, replays=5)
+    share = union_share(case)
+    print(f"    candidate_scores: op ({picked}) {op_s * 1e3:8.3f} ms, per-token path {per_token_s * 1e3:8.3f} ms "
+          f"({per_token_s / op_s:5.1f}x); one token's list = {share:.0%} of its group's union", flush=True)
+    return {"path": picked, "candidate_scores_s": op_s, "per_token_scores_s": per_token_s, "union_share": share}
+
+
+def time_layer(batch: int, context: int, seq: int, gen, spread: float | None = None) -> dict:
     prefill = seq > 1
+    case = make_case(batch, context, seq, gen, spread if seq >= 4 else None)
     day_zero_s = time_eager(lambda: day_zero_path(case), iters=2 if prefill else 10)
     cand_s = time_graph(lambda: candidate_path(case), calls=2 if prefill else 10, replays=5 if prefill else 20)
     source_s = time_graph(lambda: source_path(case), calls=1 if prefill else 10, replays=3 if prefill else 20)
@@ -184,12 +235,18 @@ def time_layer(batch: int, context: int, seq: int, gen) -> dict:
            "speedup": day_zero_s / cand_s, "source_layer_s": source_s}
     print(f"ctx {context:>7} B {batch:>2} S {seq:>4}: day-zero {day_zero_s * 1e3:9.3f} ms, candidate "
           f"{cand_s * 1e3:8.3f} ms ({row['speedup']:6.1f}x), source layer {source_s * 1e3:8.3f} ms", flush=True)
+    if seq >= 4:
+        row.update(time_prefill_scores(case))
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="contexts 8K/128K, batches 1/64")
+    parser.add_argument("--quick", action="store_true", help="contexts 8K/128K, batches 1/8/64")
+    parser.add_argument("--spread", type=float, default=0.3,
+                        help="prefill lists: per-token part of the block score relative to the shared part")
+    parser.add_argument("--random-prefill", action="store_true", help="prefill lists independent per token")
+    parser.add_argument("--no-decode", action="store_true", help="time the prefill chunk only")
     parser.add_argument("--contexts", type=int, nargs="+", help="contexts to time (default 8K 128K 512K)")
     parser.add_argument("--prefill", type=int, default=4096, help="query tokens of the prefill chunk")
     parser.add_argument("--budget", type=float, default=260, help="seconds after which timing points are skipped")
@@ -203,14 +260,16 @@ def main() -> None:
 
     rows, topk_rows, topk_done = [], [], set()
     contexts = args.contexts or ((8192, 131072) if args.quick else (8192, 131072, 524288))
-    points = [(b, 1) for b in ((1, 64) if args.quick else (1, 8, 64))] + [(1, args.prefill)]
+    points = [] if args.no_decode else [(b, 1) for b in (1, 8, 64)]
+    points.append((1, args.prefill))
+    spread = None if args.random_prefill else args.spread
     for context in contexts:
         for batch, seq in points:
             if time.time() - started > args.budget:
                 print(f"ctx {context} B {batch} S {seq}: skipped (past the {args.budget} s budget)")
                 rows.append({"context": context, "batch": batch, "seq": seq, "skipped": "time budget"})
                 continue
-            rows.append(guarded(f"layer ctx {context} B {batch} S {seq}", lambda: time_layer(batch, context, seq, gen)))
+            rows.append(guarded(f"layer ctx {context} B {batch} S {seq}", lambda: time_layer(batch, context, seq, gen, spread)))
             torch.cuda.empty_cache()
             for shape in ((batch * seq, context), (batch * seq, BLOCKS * BLOCK)):
                 if shape not in topk_done and shape[1] >= TOPK and time.time() - started <= args.budget:
@@ -240,6 +299,7 @@ def main() -> None:
               f"{r['speedup']:6.1f}")
     failed += [r["name"] for r in rows + topk_rows if "error" in r]
     result["prefill_tokens"] = args.prefill
+    result["prefill_lists"] = "random" if args.random_prefill else f"overlapping, spread {args.spread}"
     result["wall_s"] = time.time() - started
     save_results(result, "indexer", args.out)
     print(f"checks: {'ALL PASS' if not failed else 'FAILED: ' + ', '.join(failed)}; {result['wall_s']:.0f} s")

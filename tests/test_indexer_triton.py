@@ -19,6 +19,23 @@ CANDIDATE_CASES = {
     "mxfp4": ((2, 3, 8, 64, 40, 4, 4, "mxfp4"), None),
     "release_heads_tile_runs": ((1, 2, 32, 128, 150, 14, 8, "mxfp4"), 2),
 }
+# name: (batch, seq, heads, dim, rows, blocks kept, block size, key format), overrides of the union path
+# (tokens per group, union blocks per step, programs per group), how the lists are made: "overlap"
+# (neighbours share most blocks, as layer 20 publishes them), "random" (independent), "unsorted" /
+# "duplicate" / "gap" (not candidate_blocks' layout: the group falls back to columns one token at a time)
+UNION_CASES = {
+    "overlap_mxfp4": ((2, 7, 8, 64, 120, 9, 4, "mxfp4"), dict(tokens_per_group=4, union_blocks=4, parts=1), "overlap"),
+    "overlap_bf16_parts": ((1, 9, 8, 64, 160, 12, 4, "bf16"), dict(tokens_per_group=4, union_blocks=4, parts=3),
+                           "overlap"),
+    "random_mxfp4_parts": ((1, 8, 8, 64, 96, 6, 8, "mxfp4"), dict(tokens_per_group=2, union_blocks=2, parts=2),
+                           "random"),
+    "release_heads_defaults": ((1, 6, 32, 128, 160, 12, 8, "mxfp4"), dict(), "overlap"),
+    "unsorted_fallback": ((1, 8, 8, 64, 120, 9, 4, "mxfp4"), dict(tokens_per_group=4, union_blocks=4, parts=2),
+                          "unsorted"),
+    "duplicate_fallback": ((1, 5, 8, 64, 120, 9, 4, "bf16"), dict(tokens_per_group=4, union_blocks=4, parts=1),
+                           "duplicate"),
+    "gap_fallback": ((1, 4, 8, 64, 120, 9, 4, "mxfp4"), dict(tokens_per_group=4, union_blocks=4, parts=1), "gap"),
+}
 # name: (batch, seq, heads, dim, key rows stored, num_rows, key format), query tokens per tile, key tiles
 # per program (None: the defaults)
 DENSE_CASES = {
@@ -52,6 +69,35 @@ def make_candidate_case(batch, seq, heads, dim, rows, kept, block_size, fmt, see
     blocks = blocks.view(batch, seq, kept).to(torch.int32)
     blocks[0, 0, -1] = -1  # a query that kept fewer blocks
     visible = torch.randint(rows // 2, rows + 1, (batch, seq), generator=g)
+    return q, weights, keys, blocks, block_size, visible, fmt
+
+
+def overlapping_blocks(batch, seq, n_blocks, kept, g, spread=0.3):
+    """Candidate lists as layer 20 publishes them for neighbouring queries: each token's top `kept` of a
+    block score shared by the sequence plus a small per-token part (most blocks shared, not all), ascending,
+    int32; the first token of each sequence keeps fewer (-1 tail)."""
+    base = torch.randn(batch, 1, n_blocks, generator=g)
+    score = base + spread * torch.randn(batch, seq, n_blocks, generator=g)
+    blocks = score.topk(kept, -1).indices.sort(-1).values.to(torch.int32)
+    blocks[:, 0, -2:] = -1
+    return blocks
+
+
+def make_union_case(batch, seq, heads, dim, rows, kept, block_size, fmt, lists, seed=0):
+    """make_candidate_case with lists made as UNION_CASES says, and visibility ramping over the chunk."""
+    q, weights, keys, blocks, _, _, _ = make_candidate_case(batch, seq, heads, dim, rows, kept, block_size, fmt, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    n_blocks = -(-rows // block_size)
+    if lists != "random":
+        blocks = overlapping_blocks(batch, seq, n_blocks, kept, g)
+    if lists == "unsorted":
+        blocks[0, 1] = blocks[0, 1].flip(-1)
+    elif lists == "duplicate":
+        blocks[0, 2, 3] = blocks[0, 2, 2]
+    elif lists == "gap":
+        blocks[0, 3, 2] = -1
+    visible = (rows - seq + 1 + torch.arange(seq)).repeat(batch, 1)  # causal chunk at the end of the context
+    visible[0, 0] = rows // 3
     return q, weights, keys, blocks, block_size, visible, fmt
 
 
@@ -103,6 +149,22 @@ def interpreter_checks():
                                candidate_topk_reference(ref, blocks, block_size, k))
             report(dict(name=f"candidate_topk_{name}_k{k}", same=same))
 
+    for name, (shape, overrides, lists) in UNION_CASES.items():
+        args = make_union_case(*shape, lists)
+        ref = candidate_scores_reference(*args)
+        out = candidate_scores_triton(*args, union=True, **overrides)
+        finite = ref.isfinite()
+        scale = ref[finite].float().abs().max().item()
+        per_token = candidate_scores_triton(*args, union=False)
+        report(dict(name="union_" + name, same_masked=bool(torch.equal(finite, out.isfinite())),
+                    max_err=(out[finite].float() - ref[finite].float()).abs().max().item(), scale=scale,
+                    same_as_per_token=bool(torch.equal(out, per_token))))
+        # top-k of the same scores on the row-wise path (chunk 32: three stages for k 5)
+        blocks, block_size = args[3], args[4]
+        same = torch.equal(candidate_topk_triton(ref, blocks, block_size, 5, chunk=32),
+                           candidate_topk_reference(ref, blocks, block_size, 5))
+        report(dict(name=f"candidate_topk_rowwise_{name}", same=same))
+
     for name, (shape, tokens_per_tile, tiles_per_program) in DENSE_CASES.items():
         args, keys_bf16 = make_dense_case(*shape)
         q, weights, _, visible, num_rows, _ = args
@@ -129,6 +191,26 @@ def test_candidate_scores_kernel_matches_reference(interpreted, name):
     result = interpreted["candidate_" + name]
     assert result["same_masked"], result
     assert result["max_err"] <= 4 * 2 ** -8 * result["scale"], result
+
+
+@requires_interpreter
+@pytest.mark.parametrize("name", list(UNION_CASES))
+def test_candidate_scores_union_path_matches_reference(interpreted, name):
+    """The prefill (union) path: the same -inf pattern as the reference (rows past each token's own
+    visibility, -1 blocks, blocks a neighbour has and this token lacks are not written) and finite scores
+    within 4 bf16 ulps of the score scale; overlapping, independent and malformed lists (fallback),
+    tokens past the sequence in the last group, several programs per group."""
+    result = interpreted["union_" + name]
+    assert result["same_masked"], result
+    assert result["max_err"] <= 4 * 2 ** -8 * result["scale"], result
+    assert result["same_as_per_token"], result  # the same rounding points: bit for bit under the interpreter
+
+
+@requires_interpreter
+@pytest.mark.parametrize("name", list(UNION_CASES))
+def test_candidate_topk_rowwise_equals_reference(interpreted, name):
+    """candidate_topk on the row-wise top-k path: the reference's rows exactly (remap, -1 for -inf)."""
+    assert interpreted["candidate_topk_rowwise_" + name]["same"]
 
 
 @requires_interpreter
@@ -187,6 +269,13 @@ INDEXER_KERNELS = {  # name: (kernel, args, constexprs, num_warps), as the wrapp
                          dict(_SCORING_ARGS, keys_ptr="*u8" if fmt == "mxfp4" else "*bf16", blocks_ptr="*i32",
                               NB="i32", tiles_per_program="i32"),
                          dict(H=32, HP=32, D=128, BS=8, BLOCK_C=32, MXFP4=fmt == "mxfp4", FP32_DOT=False), 4)
+    for fmt in ("mxfp4", "bf16")
+} | {
+    f"candidate_union_{fmt}": ("_candidate_union_kernel",
+                               dict(_SCORING_ARGS, keys_ptr="*u8" if fmt == "mxfp4" else "*bf16", blocks_ptr="*i32",
+                                    NB="i32", parts="i32"),
+                               dict(H=32, HP=32, D=128, BS=8, TQ=4, NU=8, SCAN=512, BLOCK_C=32, MXFP4=fmt == "mxfp4",
+                                    FP32_DOT=False), 8)
     for fmt in ("mxfp4", "bf16")
 } | {
     "block_max": ("_block_max_kernel", dict(scores_ptr="*bf16", visible_ptr="*i64", out_ptr="*bf16", width="i32",
@@ -254,6 +343,35 @@ def test_candidate_path_cuda(batch, seq, rows):
     ok = torch.equal(finite, out.isfinite()) and err <= 4 * 2 ** -8 * scale and same_topk
     print(f"candidate {batch}x{seq}x{rows}: {'PASS' if ok else 'FAIL'} (max err {err:.3g} at scale {scale:.3g}, "
           f"top-k equal: {same_topk})")
+    assert ok
+
+
+@requires_cuda
+@pytest.mark.parametrize("batch,seq,rows,lists", [(1, 64, 100000, "overlap"), (2, 37, 30000, "overlap"),
+                                                   (1, 16, 20000, "random"), (1, 8, 9000, "unsorted")])
+def test_candidate_union_path_cuda(batch, seq, rows, lists):
+    """The prefill (union) path the op picks for >= 4 tokens: release shapes, neighbours' overlapping lists,
+    independent lists, and a malformed list (its group falls back): against the reference within 4 x 2^-8
+    of the score scale, the same -inf pattern; and candidate_topk (row-wise or radix, by shape) exact."""
+    from dsflash_compile.custom_ops.indexer import candidate_scores_reference, candidate_topk_reference
+    from dsflash_compile.custom_ops.indexer_triton import union_fits
+
+    assert union_fits(seq, 8)
+    q, weights, keys, _, blocks, visible = release_candidates(batch, seq, rows)
+    if lists != "random":
+        blocks = overlapping_blocks(batch, seq, -(-rows // 8), blocks.shape[-1], torch.Generator().manual_seed(1))
+        blocks = blocks.cuda()
+    if lists == "unsorted":
+        blocks[0, 5] = blocks[0, 5].flip(-1)
+    out = ops.candidate_scores(q, weights, keys, blocks, 8, visible, "mxfp4")
+    ref = candidate_scores_reference(q, weights, keys, blocks, 8, visible, "mxfp4")
+    finite = ref.isfinite()
+    err = (out[finite].float() - ref[finite].float()).abs().max().item()
+    scale = ref[finite].float().abs().max().item()
+    same_topk = torch.equal(ops.candidate_topk(ref, blocks, 8, 512), candidate_topk_reference(ref, blocks, 8, 512))
+    ok = torch.equal(finite, out.isfinite()) and err <= 4 * 2 ** -8 * scale and same_topk
+    print(f"candidate union {batch}x{seq}x{rows} {lists}: {'PASS' if ok else 'FAIL'} (max err {err:.3g} at scale "
+          f"{scale:.3g}, top-k equal: {same_topk})")
     assert ok
 
 

@@ -20,6 +20,15 @@ CASES = {  # name: (rows, width, k, dtype, split, tile)
     "k_one": (3, 500, 1, torch.float32, 2, 128),
     "release_k": (2, 4096, 512, torch.bfloat16, 4, 512),
 }
+ROWWISE_CASES = {  # name: (rows, width, k, dtype, chunk): the row-wise path (one chunk, or stages of chunks)
+    "rowwise_bf16_one_chunk": (4, 500, 40, torch.bfloat16, 512),
+    "rowwise_bf16_three_stages": (3, 3000, 40, torch.bfloat16, 256),
+    "rowwise_fp32_stages": (3, 2500, 100, torch.float32, 256),
+    "rowwise_fp16_short_last_chunk": (2, 600, 33, torch.float16, 128),
+    "rowwise_k_half_chunk": (3, 700, 64, torch.bfloat16, 128),
+    "rowwise_k_one": (3, 900, 1, torch.float32, 128),
+    "rowwise_k_equals_width": (2, 64, 64, torch.bfloat16, 128),
+}
 
 
 def make_scores(rows, width, dtype, seed=0, device="cpu"):
@@ -57,6 +66,19 @@ def interpreter_checks():
         out = topk_indices_triton(scores.view(1, rows, width), k, visible.view(1, rows), split, tile)
         ref = topk_indices_reference(scores.view(1, rows, width), k, visible.view(1, rows))
         report(dict(name=name, same_picks=bool(torch.equal(picks, want)), same_op=bool(torch.equal(out, ref))))
+    for name, (rows, width, k, dtype, chunk) in ROWWISE_CASES.items():
+        scores = make_scores(rows, width, dtype, seed=3)
+        picks = select_topk(scores, k, chunk=chunk).long()
+        want = top_k_stable(scores, k)[1].sort(-1).values
+        visible = make_visible(rows, width, k, seed=3)
+        out = topk_indices_triton(scores.view(1, rows, width), k, visible.view(1, rows), chunk=chunk)
+        ref = topk_indices_reference(scores.view(1, rows, width), k, visible.view(1, rows))
+        report(dict(name=name, same_picks=bool(torch.equal(picks, want)), same_op=bool(torch.equal(out, ref))))
+    # tie-free random rows, the path chosen by shape (the interpreter's 8 "SMs": 16 rows fill it)
+    scores = torch.randperm(16 * 3000, generator=torch.Generator().manual_seed(7)).float().view(16, 3000) - 20000
+    picks = select_topk(scores, 50).long()
+    report(dict(name="rowwise_auto_tie_free", same_picks=bool(torch.equal(picks, top_k_stable(scores, 50)[1].sort(-1).values)),
+                same_op=True))
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +87,11 @@ def interpreted():
 
 
 @requires_interpreter
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(CASES) + list(ROWWISE_CASES) + ["rowwise_auto_tie_free"])
 def test_topk_kernel_matches_reference(interpreted, name):
     """The same k indices as top_k_stable (ties to the lower index, -0 == +0, all -inf rows), and the op's
-    output (ascending, -1 for picks past visible) equal to the reference."""
+    output (ascending, -1 for picks past visible) equal to the reference; radix and row-wise paths (the
+    row-wise one also returns its picks ascending, and is what select_topk picks for many rows)."""
     result = interpreted[name]
     assert result["same_picks"] and result["same_op"], result
 
@@ -114,6 +137,13 @@ TOPK_KERNELS = {  # name: (kernel, args, constexprs, num_warps), as select_topk 
                                                         blocks_ptr="*i32", out_ptr="*i32", width="i32", k="i32",
                                                         NB="i32", BS="i32"), dict(MODE=mode, K_P2=kp), 4)
     for mode in (0, 1, 2) for kp in (512, 2048)
+} | {
+    f"chunk_select_{bits}bit_first{first}_last{last}_k{kp}": (
+        "_chunk_select_kernel", dict(keys_ptr=f"*i{bits if first else 32}", index_ptr="*i32", out_keys_ptr="*i32",
+                                     out_index_ptr="*i32", width="i32", k="i32", out_width="i32"),
+        dict(FIRST=first, LAST=last, KEY_BITS=bits if first else 32, CHUNK=16384, K_P2=kp), 16)
+    for bits, first, last in ((16, True, True), (16, True, False), (32, True, False), (32, False, True),
+                              (32, False, False)) for kp in (512, 2048)
 }
 
 
@@ -155,6 +185,23 @@ def test_topk_indices_cuda_equals_reference(rows, width, dtype):
     bad = (out != ref).any(-1).sum().item()
     print(f"topk {rows}x{width} {dtype}: {'PASS' if bad == 0 else 'FAIL'} ({bad} rows differ)")
     assert bad == 0
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows,width", [(4096, 16384), (64, 1 << 19), (300, 70000)])
+def test_rowwise_and_radix_paths_cuda_agree(rows, width):
+    """Both paths forced on many-row shapes (one and two row-wise stages, a ragged last chunk): the
+    reference's picks exactly, bf16 ties included."""
+    from dsflash_compile.custom_ops import topk_triton
+    from dsflash_compile.custom_ops.topk import topk_indices_reference
+
+    scores = make_scores(rows, width, torch.bfloat16, device="cuda").view(1, rows, width)
+    visible = make_visible(rows, width, 512, device="cuda").view(1, rows)
+    ref = topk_indices_reference(scores, 512, visible)
+    for name, kwargs in (("rowwise", dict(chunk=topk_triton.CHUNK)), ("radix", dict(block=topk_triton.BLOCK))):
+        bad = (topk_triton.topk_indices_triton(scores, 512, visible, **kwargs) != ref).any(-1).sum().item()
+        print(f"topk {name} {rows}x{width}: {'PASS' if bad == 0 else 'FAIL'} ({bad} rows differ)")
+        assert bad == 0, name
 
 
 @requires_cuda
