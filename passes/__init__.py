@@ -8,14 +8,17 @@ from .router_fusion import RouterFusionPass
 
 
 def use(manager: DsflashPassManager | None) -> None:
-    """Make Inductor run `manager` as its post-grad custom pass for graphs compiled from now on (None: no
-    custom pass, Inductor's defaults)."""
+    """Make Inductor run `manager` as its post-grad custom pass for graphs compiled from now on, with the
+    two settings our patterns need; None restores Inductor's defaults for all three."""
     inductor_config.post_grad_custom_post_pass = manager
     # On CUDA, Inductor's own post-grad passes rewrite a written-out softmax into its online-softmax prim
     # before custom passes run; that turns the Sinkhorn's first softmax into something the mHC pattern
-    # does not know (the H200 matched 0 seams while CPU graphs matched all). The seam op replaces that
-    # softmax anyway.
+    # does not know. The seam op replaces that softmax anyway.
     inductor_config.online_softmax = manager is None
+    # The patterns hold the model's bf16 rounding points (hc_pre's cast before the RMSNorm upcasts).
+    # Without precision-cast emulation torch 2.11's joint-graph pass drops fp32->bf16->fp32 round trips
+    # before ours runs (torch 2.13 keeps them): on the H200 no seam matched until this was set.
+    inductor_config.emulate_precision_casts = manager is not None
 
 
 def install(text_config) -> DsflashPassManager:

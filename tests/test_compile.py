@@ -119,17 +119,28 @@ def test_compile_refuses_what_it_cannot_capture(fresh_dynamo):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="decode CUDA graphs need a GPU")
 @torch.no_grad()
 def test_cuda_graph_decode_follows_eager(fresh_dynamo):
-    """On a GPU: teacher-forced decode through the captured graph stays within Inductor's rounding of the
-    eager model (same record formats on both sides), and one graph per batch bucket is captured."""
+    """On a GPU, teacher-forced prefill + 8 decode steps:
+    - the captured decode graph gives the same bits as the same compiled blocks run without the graph
+      (capture, replay and the cache restore around the warm-up are exact), one graph per batch bucket;
+    - compiled and eager agree within rounding: Inductor reorders fp32 sums, which can move an FP8/FP4
+      quantization step, and on this random tiny model that moves logits by up to ~0.1 (the golden
+      fixture's arithmetic-order probe allows 1.8); a real error (a stale row, a wrong position) is O(1)."""
     model = tiny_model().cuda()
     ids = prompts(2, 28).cuda()
-    eager_cache = model.new_cache(2, 64)
-    want = [model(ids[:, :20], cache=eager_cache, logits_to_keep=1).logits]
-    want += [model(ids[:, t:t + 1], cache=eager_cache).logits for t in range(20, 28)]
+
+    def teacher_forced(cache):
+        logits = [model(ids[:, :20], cache=cache, logits_to_keep=1).logits]
+        return logits + [model(ids[:, t:t + 1], cache=cache).logits for t in range(20, 28)]
+
+    want = teacher_forced(model.new_cache(2, 64))
     dsflash_compile.compile(model, max_batch=2, max_length=64, batch_buckets=(2,), prefill_buckets=(32,))
-    cache = model.compiled_runner.fresh_cache(2, 64)
-    got = [model(ids[:, :20], cache=cache, logits_to_keep=1).logits]
-    got += [model(ids[:, t:t + 1], cache=cache).logits for t in range(20, 28)]
-    assert list(model.compiled_runner.graphs) == [2]
-    for g, w in zip(got, want):
-        assert (g - w).abs().max() <= 0.05 * w.abs().max()
+    runner = model.compiled_runner
+    got = teacher_forced(runner.fresh_cache(2, 64))
+    assert list(runner.graphs) == [2]
+    runner.cuda_graphs = False
+    without_graph = teacher_forced(runner.fresh_cache(2, 64))
+    for step, (g, n, w) in enumerate(zip(got, without_graph, want)):
+        assert torch.equal(g, n), step
+        rel = ((g - w).norm() / w.norm()).item()
+        print(f"step {step}: rel L2 vs eager {rel:.2e}, max abs {(g - w).abs().max().item():.3f}")
+        assert rel <= 0.1, step
