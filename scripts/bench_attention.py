@@ -166,6 +166,8 @@ def main() -> None:
                 point[f"speedup_{fmt}_vs_reference"] = point["reference_bf16_s"] / point[f"{fmt}_s"]
             rows.append(point)
             print(point)
+            result["rows"] = rows
+            save_results(result, "attention", args.out)  # kept if a later (larger) point runs out of time
     prefill = {"phase": "prefill", "context": 4096, "batch": 1, "seq": 4096}
     for fmt in FORMATS:
         case = make_case(1, 4096, 4096, fmt, gen)
