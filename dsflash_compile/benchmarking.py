@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -88,7 +89,13 @@ def microseconds(seconds: float | None) -> str:
 def run_metadata() -> dict:
     import triton
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    # DSFLASH_COMMIT names the code when the checkout's git metadata is not its own (the GPU machine gets a
+    # copy of the working tree whose .git can be older than the files); uncommitted changes are flagged.
+    commit = os.environ.get("DSFLASH_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                                                 text=True).stdout.strip()
+    if commit and "DSFLASH_COMMIT" not in os.environ and subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip():
+        commit += " + uncommitted changes"
     return {"command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "host": platform.node(), "commit": commit or "unknown (no git checkout here)"}

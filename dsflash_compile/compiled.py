@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch._inductor import config as inductor_config
 
 from . import passes
 from .cache import CacheCapacityError
@@ -75,7 +74,7 @@ class CompiledRunner:
             passes.use(None)  # a manager installed earlier would still run
         # Round where the model rounds (its bf16 casts are the reference's rounding points); by default
         # Inductor keeps fused intermediates in fp32, which moves FP8/FP4 quantization steps.
-        inductor_config.emulate_precision_casts = True
+        passes.keep_model_rounding()
         for layer in model.model.layers:
             if not layer.ffn.grouped:
                 layer.ffn.stack_experts()

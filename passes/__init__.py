@@ -4,21 +4,20 @@ from torch._inductor import config as inductor_config
 
 from .manager import DsflashPassManager
 from .mhc_fusion import MhcFusionPass
+from .rounding import keep_model_rounding
 from .router_fusion import RouterFusionPass
 
 
 def use(manager: DsflashPassManager | None) -> None:
     """Make Inductor run `manager` as its post-grad custom pass for graphs compiled from now on, with the
-    two settings our patterns need; None restores Inductor's defaults for all three."""
+    settings our patterns need (None: no custom pass, Inductor's online softmax back on)."""
     inductor_config.post_grad_custom_post_pass = manager
     # On CUDA, Inductor's own post-grad passes rewrite a written-out softmax into its online-softmax prim
     # before custom passes run; that turns the Sinkhorn's first softmax into something the mHC pattern
     # does not know. The seam op replaces that softmax anyway.
     inductor_config.online_softmax = manager is None
-    # The patterns hold the model's bf16 rounding points (hc_pre's cast before the RMSNorm upcasts).
-    # Without precision-cast emulation torch 2.11's joint-graph pass drops fp32->bf16->fp32 round trips
-    # before ours runs (torch 2.13 keeps them): on the H200 no seam matched until this was set.
-    inductor_config.emulate_precision_casts = manager is not None
+    if manager is not None:
+        keep_model_rounding()  # the patterns hold the model's bf16 rounding points
 
 
 def install(text_config) -> DsflashPassManager:
@@ -34,4 +33,4 @@ def install(text_config) -> DsflashPassManager:
     return manager
 
 
-__all__ = ["DsflashPassManager", "MhcFusionPass", "RouterFusionPass", "install", "use"]
+__all__ = ["DsflashPassManager", "MhcFusionPass", "RouterFusionPass", "install", "keep_model_rounding", "use"]

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch._inductor import config as inductor_config
 
-from dsflash_compile import DeepseekV41ForCausalLM, preset_config
+from dsflash_compile import DeepseekV41ForCausalLM, passes, preset_config
 from dsflash_compile.custom_ops.mhc import entry_seam_reference, seam_reference
 from dsflash_compile.layers import RMSNorm
 from dsflash_compile.modeling_deepseek_v41 import DeepseekV41Block
@@ -149,16 +149,17 @@ class Seams:
 def compiling():
     """`compile_with(seams, fn)`: fn compiled with `seams` as the post-grad pass, for inference (no
     intermediates saved for a backward) and with Inductor's caches off (a hit would skip the pass)."""
-    previous = inductor_config.post_grad_custom_post_pass
     torch._dynamo.reset()
 
     def compile_with(seams, fn):
-        inductor_config.post_grad_custom_post_pass = seams
+        passes.use(seams)
         return torch.compile(fn, fullgraph=True)
 
-    with torch.no_grad(), inductor_config.patch(force_disable_caches=True):
+    with torch.no_grad(), inductor_config.patch(
+            force_disable_caches=True, post_grad_custom_post_pass=inductor_config.post_grad_custom_post_pass,
+            online_softmax=inductor_config.online_softmax,
+            emulate_precision_casts=inductor_config.emulate_precision_casts):
         yield compile_with
-    inductor_config.post_grad_custom_post_pass = previous
     torch._dynamo.reset()
 
 

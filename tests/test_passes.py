@@ -5,6 +5,7 @@ import torch
 from torch._inductor import config as inductor_config
 
 from dsflash_compile import DeepseekV41ForCausalLM, passes, preset_config
+from dsflash_compile.passes import rounding
 from dsflash_compile.moe import route
 
 
@@ -89,3 +90,27 @@ def test_fused_router_op():
     want = route(*args, 2, True, 1.5)
     assert torch.equal(ids, want[1]) and torch.equal(weights, want[0])
     torch.library.opcheck(torch.ops.dsflash.fused_router.default, (*args, 2, True, 1.5))
+
+
+def test_compiled_graphs_keep_the_models_rounding():
+    """A single-use fp32 -> bf16 -> fp32 round trip is a rounding point of the model; torch 2.11's joint-graph
+    pass deleted it before post-grad passes ran (no mHC seam matched on the H200). After
+    keep_model_rounding it reaches the post-grad graph on any torch (on 2.11 without it, it did not)."""
+    passes.keep_model_rounding()
+    entries = rounding.pointless_convert_entries()
+    assert entries, "Inductor's pointless_convert pattern moved: passes/rounding.py no longer applies"
+    assert all(entry.extra_check is rounding._not_narrowing for entry in entries)
+    seen = []
+
+    def record_casts(graph):
+        seen.extend(n.args[1] for n in graph.find_nodes(op="call_function",
+                                                         target=torch.ops.prims.convert_element_type.default))
+
+    def round_trip(x):
+        return torch.rsqrt((x * 3).to(torch.bfloat16).float() + 1)
+
+    torch._dynamo.reset()
+    with inductor_config.patch(force_disable_caches=True, post_grad_custom_post_pass=record_casts):
+        torch.compile(round_trip, fullgraph=True)(torch.rand(64))
+    torch._dynamo.reset()
+    assert seen == [torch.bfloat16, torch.float32]
