@@ -233,11 +233,14 @@ def _candidate_union_kernel(q_ptr, w_ptr, keys_ptr, blocks_ptr, visible_ptr, out
                 hit = (v[:, None, :] == u[None, :, None]) & (u >= 0)[None, :, None]  # [TQ, NU (union), NU (list)]
                 present = tl.max(hit.to(tl.int32), axis=2)
                 col = cur[:, None] + tl.sum(tl.where(hit, i_u[None, None, :], 0), axis=2)  # [TQ, NU]
-                row = tl.reshape(tl.broadcast_to(u[:, None], (NU, BS)), (N,)) * BS + n % BS
+                # Rows u * BS + j are summed in 2-D before the reshape: summed after it, Triton's alignment
+                # analysis lost the runs of BS and took every row as a multiple of BS, so it read the 68 B
+                # MXFP4 records in 8-byte vectors (misaligned address on the H200).
+                row = tl.reshape(u[:, None] * BS + tl.arange(0, BS)[None, :], (N,))
                 k = _load_keys(keys_base, row, keys_sr, (row >= 0) & (row < reach), D, MXFP4)
                 score = _index_scores(q, w, k, TQ, HP, FP32_DOT)  # [TQ, N]
                 score = tl.where(row[None, :] < visible[:, None], score, float("-inf"))
-                col_n = tl.reshape(tl.broadcast_to(col[:, :, None], (TQ, NU, BS)), (TQ, N)) * BS + (n % BS)[None, :]
+                col_n = tl.reshape(col[:, :, None] * BS + tl.arange(0, BS)[None, None, :], (TQ, N))
                 keep = tl.reshape(tl.broadcast_to(present[:, :, None], (TQ, NU, BS)), (TQ, N)) > 0
                 tl.store(out_rows[:, None] + col_n, score.to(tl.bfloat16), mask=keep & live_t[:, None])
             cur += tl.sum(((v <= last) & (v < BIG)).to(tl.int32), axis=1)
@@ -313,9 +316,10 @@ def indexer_scores_triton(q, weights, keys, visible, num_rows, fmt, tokens_per_t
 
 def union_fits(seq: int, block_size: int, device: torch.device) -> bool:
     """The prefill path's choice (shapes only): a full group of tokens per sequence, and power-of-two
-    blocks (the union tile is NU x block_size key rows). Not on CUDA for now: the kernel faults with a
-    misaligned address on sm_90 (H200, Triton 3.6, 2026-11-30) though it matches the reference in the
-    interpreter, so until that is found the op picks it on a GPU only when asked (union=True)."""
+    blocks (the union tile is NU x block_size key rows). Not on CUDA yet: its first H200 run faulted with a
+    misaligned address (8-byte reads of 68 B records, see `row` in the kernel); the sm_90 code no longer has
+    them (test_mxfp4_records_are_read_at_their_alignment) but the kernel has not run on a GPU since, so the
+    op takes it there only when asked (union=True)."""
     return seq >= UNION_MIN_TOKENS and block_size & (block_size - 1) == 0 and device.type != "cuda"
 
 

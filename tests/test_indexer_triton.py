@@ -8,7 +8,7 @@ import torch
 
 import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
 from interp import report, run_interpreted, requires_interpreter
-from test_topk import check_compiles_for_hopper
+from hopper import check_compiles_for_hopper, compile_for_hopper, global_accesses_by_line
 
 ops = torch.ops.dsflash
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -283,6 +283,27 @@ INDEXER_KERNELS = {  # name: (kernel, args, constexprs, num_warps), as the wrapp
 }
 
 
+@pytest.mark.parametrize("name", [name for name in INDEXER_KERNELS if "mxfp4" in name])
+def test_mxfp4_records_are_read_at_their_alignment(name):
+    """MXFP4 index-key records are 68 B, so a record starts 4-byte aligned at best: sm_90 code must read
+    them in accesses of at most 4 bytes. The union kernel once read them in 8-byte vectors (Triton took
+    its computed rows for multiples of 8) and faulted with a misaligned address on the H200; the launch's
+    16-divisible arguments are what made the vectors, so they are specialized here as at run time."""
+    import inspect
+
+    from dsflash_compile.custom_ops import indexer_triton
+
+    spec = INDEXER_KERNELS[name]
+    wide = [arg for arg, kind in spec[1].items() if kind.startswith("*")] + ["S", "keys_sb", "NB"]
+    ptx = compile_for_hopper(indexer_triton, spec, [arg for arg in wide if arg in spec[1]]).asm["ptx"]
+    source, first = inspect.getsourcelines(indexer_triton._load_keys.fn)
+    record_lines = [first + i for i, line in enumerate(source) if "tl.load(ptr + " in line and "D // " in line]
+    assert len(record_lines) == 2  # the packed values and the scales
+    accesses = global_accesses_by_line(ptx)
+    widths = {op for line in record_lines for op in accesses[("indexer_triton.py", line)]}
+    assert widths and widths <= {"ld.global.b8", "ld.global.b16", "ld.global.b32"}, widths
+
+
 @pytest.mark.parametrize("name", list(INDEXER_KERNELS))
 def test_indexer_kernels_compile_for_hopper(name):
     """Every release variant compiles for sm_90 (tensor-core dots on bf16) without spilling registers."""
@@ -347,8 +368,6 @@ def test_candidate_path_cuda(batch, seq, rows):
 
 
 @requires_cuda
-@pytest.mark.skip(reason="the union kernel faults with a misaligned address on sm_90 (H200 run of 2026-11-30), "
-                         "which poisons the CUDA context for every later test; the op does not pick it on CUDA")
 @pytest.mark.parametrize("batch,seq,rows,lists", [(1, 64, 100000, "overlap"), (2, 37, 30000, "overlap"),
                                                    (1, 16, 20000, "random"), (1, 8, 9000, "unsorted")])
 def test_candidate_union_path_cuda(batch, seq, rows, lists):

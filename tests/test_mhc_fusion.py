@@ -16,7 +16,7 @@ from dsflash_compile.mhc import hc_mixes, hc_post, hc_pre
 from dsflash_compile.passes import MhcFusionPass
 from dsflash_compile.passes.mhc_fusion import trace_like_post_grad
 from interp import report, run_interpreted, requires_interpreter
-from test_topk import check_compiles_for_hopper
+from hopper import check_compiles_for_hopper
 
 NORM_EPS, HC_EPS, ITERS = 1e-20, 1e-6, 20  # the tiny preset's (and the release's)
 SEAM_OPS = ("dsflash.mhc_seam.default", "dsflash.mhc_entry_seam.default")

@@ -9,7 +9,7 @@ import torch
 import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
 from dsflash_compile.moe import route
 from interp import report, run_interpreted, requires_interpreter
-from test_topk import check_compiles_for_hopper
+from hopper import check_compiles_for_hopper
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

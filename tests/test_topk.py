@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
+from hopper import check_compiles_for_hopper
 from interp import report, run_interpreted, requires_interpreter
 
 ops = torch.ops.dsflash
@@ -94,30 +95,6 @@ def test_topk_kernel_matches_reference(interpreted, name):
     row-wise one also returns its picks ascending, and is what select_topk picks for many rows)."""
     result = interpreted[name]
     assert result["same_picks"] and result["same_op"], result
-
-
-def check_compiles_for_hopper(module, spec) -> None:
-    """Compile one kernel of `module` for sm_90 on this machine (triton's own ptxas, no GPU needed): the
-    code generation errors the interpreter cannot see; and no registers spilled to local memory.
-    spec: (kernel name, args: name -> type such as "*bf16" or "i32", constexprs, num_warps)."""
-    triton = pytest.importorskip("triton")
-    import os
-    import subprocess
-    import tempfile
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    name, args, constexprs, num_warps = spec
-    signature = dict(args, **{arg: "constexpr" for arg in constexprs})
-    compiled = triton.compile(ASTSource(getattr(module, name), signature, constexprs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True, text=True).stdout
-    assert "LOCAL:0" in usage, f"{name} {constexprs}: {usage}"
 
 
 TOPK_KERNELS = {  # name: (kernel, args, constexprs, num_warps), as select_topk / finish launch them
