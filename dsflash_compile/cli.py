@@ -26,12 +26,12 @@ def build_model(args):
     from .modeling_deepseek_v41 import DeepseekV41ForCausalLM
     from .presets import preset_config
 
-    device = torch.device(args.device)
+    device, replay = torch.device(args.device), {"swa_bounded_replay": args.swa_bounded_replay}
     if args.model:
-        return DeepseekV41ForCausalLM.from_pretrained(args.model, device_map=device)
+        return DeepseekV41ForCausalLM.from_pretrained(args.model, device_map=device, **replay)
     torch.manual_seed(args.seed)
     with torch.device(device):
-        return DeepseekV41ForCausalLM(preset_config(args.preset)).eval()
+        return DeepseekV41ForCausalLM(preset_config(args.preset, **replay)).eval()
 
 
 def cmd_generate(args) -> int:
@@ -62,7 +62,8 @@ def cmd_generate(args) -> int:
         decode_s = time.perf_counter() - start
 
     source = args.model or f"preset {args.preset}"
-    print(f"model: {source} on {model.device}; prompt {len(prompt)} tokens; greedy")
+    replay = "on" if model.config.get_text_config().swa_bounded_replay else "off"
+    print(f"model: {source} on {model.device}; prompt {len(prompt)} tokens; greedy; bounded replay {replay}")
     print("generated ids:", " ".join(map(str, out)))
     print(f"prefill: {len(prompt) / prefill_s:.1f} tokens/s ({prefill_s * 1e3:.1f} ms)")
     if len(out) > 1:
@@ -88,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-new-tokens", type=int, default=16)
     gen.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--no-swa-bounded-replay", dest="swa_bounded_replay", action="store_false",
+                     help="run every layer on every prompt token (bounded replay is on by default: the layers "
+                          "after the last KV source see only the prompt's last window of tokens)")
     args = parser.parse_args(argv)
     if args.command == "generate":
         if args.max_new_tokens < 1:

@@ -43,6 +43,7 @@ class CompileOptions:
     prefill_buckets: tuple[int, ...] = (16, 64, 256, 1024, 4096)  # chunk lengths; longer prompts are chunked
     passes: bool = True  # our FX passes (mHC seam and router fusion)
     cuda_graphs: bool = True  # decode as mode="reduce-overhead" (CUDA only)
+    swa_bounded_replay: bool | None = None  # sets the model config's switch (None: keep the config's value)
     backend: str = "inductor"  # torch.compile backend ("eager" / "aot_eager": quick graph checks in tests)
 
     def __post_init__(self):
@@ -78,9 +79,15 @@ class CompiledRunner:
         for layer in model.model.layers:
             if not layer.ffn.grouped:
                 layer.ffn.stack_experts()
+        if options.swa_bounded_replay is not None:
+            text.swa_bounded_replay = options.swa_bounded_replay
         self.cache = model.new_cache(options.max_batch, options.max_length)
         self.batch_buckets = sorted({b for b in options.batch_buckets if b < options.max_batch} | {options.max_batch})
         self.prefill_buckets = sorted({min(s, options.max_length) for s in options.prefill_buckets})
+        if text.swa_bounded_replay and self.prefill_buckets[-1] < min(text.sliding_window, options.max_length):
+            raise ValueError(f"compile(): the largest prefill bucket ({self.prefill_buckets[-1]}) must be at least "
+                             f"the window ({text.sliding_window}): bounded replay runs the last chunk's last window "
+                             "of tokens through the trimmed layers (or pass swa_bounded_replay=False)")
         # every block shares one code object: its cache holds (roles ~6) x (shapes) graphs
         graphs = 8 * len(self.batch_buckets) * (len(self.prefill_buckets) + 1)
         for limit in ("cache_size_limit", "accumulated_cache_size_limit"):
@@ -150,22 +157,39 @@ class CompiledRunner:
         return logits[:, -logits_to_keep:] if logits_to_keep else logits
 
     def _prefill_chunks(self, input_ids, attention_mask, keep: int) -> torch.Tensor:
-        """Run the columns in chunks of the largest bucket, each left-padded to its bucket; returns the
-        hidden states of the last `keep` columns."""
-        largest, seq, kept = self.prefill_buckets[-1], input_ids.shape[1], []
-        for start in range(0, seq, largest):
-            ids, mask = input_ids[:, start:start + largest], attention_mask[:, start:start + largest]
-            pad = _bucket(self.prefill_buckets, ids.shape[1]) - ids.shape[1]
-            hidden = self.model.model.run(F.pad(ids, (pad, 0)), F.pad(mask, (pad, 0)), self.cache,
-                                          self.cache.max_length)[:, pad:]
-            if start + ids.shape[1] > seq - keep:
-                kept.append(hidden)
+        """Run the columns in chunks of at most the largest bucket, each left-padded to its bucket; returns
+        the hidden states of the last `keep` columns. The last chunk takes the last `largest` columns, so it
+        holds every row's last window of tokens: with bounded replay only it runs the layers after the last
+        KV source (on those tokens), and the chunks before it stop at the cut."""
+        model, largest, seq = self.model.model, self.prefill_buckets[-1], input_ids.shape[1]
+        window = model.replay_tail(seq, keep)  # None: no trimming; else the last chunk (>= window) is trimmed
+        edges = [0] + list(range(seq % largest or largest, seq + 1, largest))
+        kept = []
+        for start, end in zip(edges[:-1], edges[1:]):
+            ids, mask = input_ids[:, start:end], attention_mask[:, start:end]
+            last = end == seq
+            tail = None if window is None else window if last else 0
+            pad = _bucket(self.prefill_buckets, end - start) - (end - start)
+            hidden = model.run(F.pad(ids, (pad, 0)), F.pad(mask, (pad, 0)), self.cache, self.cache.max_length,
+                               tail)
+            if hidden is not None and end > seq - keep:
+                kept.append(hidden if tail else hidden[:, pad:])
         return torch.cat(kept, dim=1)[:, -keep:]
+
+    def _warm_lengths(self) -> list[int]:
+        """Prompt lengths that compile every prefill shape: each bucket's full length and, where bounded
+        replay trims that bucket's longer prompts, also the longest untrimmed one (the window) if it lands
+        in the same bucket (then the layers after the cut run there on the whole bucket)."""
+        window = self.model.model.text_config.sliding_window
+        lengths = set(self.prefill_buckets)
+        if self.model.model.text_config.swa_bounded_replay and window not in lengths:
+            lengths.add(window)
+        return sorted(n for n in lengths if n <= self.prefill_buckets[-1])
 
     def warm_up(self, batch_sizes=None, prefill_lengths=None) -> None:
         """Compile the blocks and capture the decode graphs for these batch sizes and prompt lengths now,
         on throwaway inputs; the cache is emptied afterwards."""
-        lengths = prefill_lengths or self.prefill_buckets
+        lengths = prefill_lengths or self._warm_lengths()
         for batch in batch_sizes or self.batch_buckets:
             ids = torch.zeros(batch, max(lengths), dtype=torch.long, device=self.model.device)
             for length in lengths:

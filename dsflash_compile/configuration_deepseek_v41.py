@@ -106,6 +106,11 @@ class DeepseekV41TextConfig(PreTrainedConfig):
     # writes a compressed row, so a ratio-2 source whose group is still filling scores the previous
     # writer's keys (layer 20's in the release). Off (default): every source scores its own keys.
     emulate_reference_index_key_pointer: bool = False
+    # Ours: SWA bounded replay (SYSTEM.md), approximate by design. In a prompt chunk longer than the window
+    # whose caller needs at most the last `sliding_window` outputs, the layers after the last KV source run
+    # only on the last `sliding_window` tokens, their window attention seeing nothing below the first.
+    # Off: every layer runs on every token (equal to full recomputation).
+    swa_bounded_replay: bool = True
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)

@@ -23,7 +23,7 @@ class ForwardContext:
     window_slots: torch.Tensor  # [B, S] ring slot each new kv goes to; -1 = not written
     columns_after: int  # host-side bound on any row's length after this chunk (sizes the score rows)
     inv_freq: dict = field(default_factory=dict)  # rope kind ('window' / 'compressed') -> fp32 [r/2]
-    rotations: dict = field(default_factory=dict)  # rope kind -> complex [B, S, r/2] at `positions`
+    rotations: dict = field(default_factory=dict)  # rope kind -> fp32 (cos, sin) [B, S, r/2, 2] at `positions`
     topk: dict = field(default_factory=dict)  # index-source layer -> int32 [B, S, k]
     candidates: torch.Tensor | None = None  # int32 [B, S, blocks]: block ids the candidate source kept
 
@@ -48,16 +48,17 @@ def check_left_padding(attention_mask: torch.Tensor) -> None:
 
 
 def build_context(cache: DeepseekV41Cache, attention_mask: torch.Tensor, columns_after: int,
-                  window_floor: torch.Tensor | None = None) -> ForwardContext:
+                  window_floor: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> ForwardContext:
     """attention_mask [B, S] (1 = real token) for the new columns only; padding on the left (checked by
     `check_left_padding`). columns_after: a host-side bound on every row's length after this chunk; the
     eager path passes the exact count, compiled graphs pass the cache's max_length so shapes stay static
     (rows beyond a query's visible count score -inf and are never picked, so the outputs are the same).
     window_floor [B]: the lowest position a row's window attention may see (bounded replay clamps the
-    window of the trimmed / replayed tokens there); default 0. No host syncs."""
+    window of the trimmed / replayed tokens there); default 0. lengths [B]: real tokens before these
+    columns (default: the cache's). No host syncs."""
     mask = attention_mask.to(torch.long)
     batch, seq = mask.shape
-    lengths = cache.lengths[:batch]
+    lengths = cache.lengths[:batch] if lengths is None else lengths
     positions = torch.where(mask.bool(), lengths.unsqueeze(1) + mask.cumsum(1) - 1, -1)
     count = mask.sum(1)
     pad = seq - count  # left padding inside this chunk
@@ -79,3 +80,18 @@ def build_context(cache: DeepseekV41Cache, attention_mask: torch.Tensor, columns
     window_slots = torch.where((positions >= 0) & (positions > last - window), positions % window, -1)
     return ForwardContext(cache=cache, positions=positions, lengths_before=lengths.clone(), window_idx=window_idx,
                           window_slots=window_slots, columns_after=columns_after)
+
+
+def tail_context(ctx: ForwardContext, attention_mask: torch.Tensor, columns: int) -> ForwardContext:
+    """The context of the last `columns` columns of ctx's chunk for the layers bounded replay trims
+    (SYSTEM.md): the same positions, window lists that see nothing below each row's first tail token,
+    and the rotations, top-k and candidates published so far, cut to those columns."""
+    mask = attention_mask.to(torch.long)
+    first = ctx.lengths_before + mask[:, :-columns].sum(1)  # each row's first tail position
+    tail = build_context(ctx.cache, mask[:, -columns:], ctx.columns_after, window_floor=first, lengths=first)
+    tail.inv_freq = ctx.inv_freq
+    # contiguous: the trimmed layers' compiled graphs then see the same strides as from their neighbours
+    tail.rotations = {kind: rot[:, -columns:].contiguous() for kind, rot in ctx.rotations.items()}
+    tail.topk = {layer: topk[:, -columns:].contiguous() for layer, topk in ctx.topk.items()}
+    tail.candidates = None if ctx.candidates is None else ctx.candidates[:, -columns:].contiguous()
+    return tail

@@ -23,7 +23,7 @@ from . import engram_hash
 from .attention import Attention
 from .cache import DeepseekV41Cache, LayerCache
 from .configuration_deepseek_v41 import DeepseekV41Config, DeepseekV41TextConfig, LayerRole
-from .context import ForwardContext, build_context, check_left_padding
+from .context import ForwardContext, build_context, check_left_padding, tail_context
 from .engram import Engram
 from .layers import RMSNorm
 from .mhc import hc_mixes, hc_post, hc_pre
@@ -193,30 +193,51 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DeepseekV41Cache) -> torch.Tensor:
-        """input_ids, attention_mask [B, S] (new columns). Returns the final-norm hidden [B, S, D] and
-        advances the cache."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DeepseekV41Cache,
+                keep: int | None = None) -> torch.Tensor:
+        """input_ids, attention_mask [B, S] (new columns). Returns the final-norm hidden states and advances
+        the cache: [B, S, D], or, when bounded replay trims this chunk (see `replay_tail`), the last
+        `sliding_window` columns only. keep: the trailing columns whose outputs the caller needs (None: all)."""
         batch, seq = input_ids.shape
         cache.check_fits(batch, seq)
         check_left_padding(attention_mask)
-        hidden = self.run(input_ids, attention_mask, cache, cache.seen_columns + seq)
+        hidden = self.run(input_ids, attention_mask, cache, cache.seen_columns + seq, self.replay_tail(seq, keep))
         cache.seen_columns += seq
         return hidden
 
+    def replay_tail(self, seq: int, keep: int | None) -> int | None:
+        """Columns the layers after the last KV source run on in a chunk of `seq` columns of which the caller
+        needs the last `keep` (None: all): the last `sliding_window` if bounded replay is on, the chunk is
+        longer than the window and keep fits in it; None (every column) otherwise."""
+        window = self.text_config.sliding_window
+        if self.text_config.swa_bounded_replay and keep is not None and keep <= window < seq:
+            return window
+        return None
+
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DeepseekV41Cache,
-            columns_after: int) -> torch.Tensor:
+            columns_after: int, tail: int | None = None) -> torch.Tensor | None:
         """The tensor work of a forward: no host syncs and no host-side cache state, so compiled graphs
         capture exactly this (build_context explains `columns_after`). The caller checks the input and
-        advances `cache.seen_columns`."""
+        advances `cache.seen_columns`. tail: run the layers after the last KV source on the last `tail`
+        columns only (bounded replay; the result then has those columns), or not at all with 0 (a prompt
+        chunk before the last: returns None); None runs every layer on every column."""
         ctx, streams, pre_mix, hash_ids = self.begin(input_ids, attention_mask, cache, columns_after)
+        layer_ctx, cut = ctx, self.text_config.last_kv_source_layer
         for block in self.layers:
             role = block.role
+            if tail is not None and role.layer == cut + 1:
+                if tail == 0:
+                    return self.advance(ctx)
+                layer_ctx = tail_context(ctx, attention_mask, tail)
+                streams, pre_mix = streams[:, -tail:].contiguous(), pre_mix[:, -tail:].contiguous()
             if block.engram is not None:
                 streams = block.engram(streams, hash_ids[role.layer])
-            streams, pre_mix, topk = block(streams, pre_mix, ctx, cache.layer(role), ctx.topk.get(role.topk_layer))
+            streams, pre_mix, topk = block(streams, pre_mix, layer_ctx, cache.layer(role),
+                                           layer_ctx.topk.get(role.topk_layer))
             if role.is_index_source:
-                ctx.topk[role.layer] = topk
-        return self.end(ctx, streams, pre_mix)
+                layer_ctx.topk[role.layer] = topk
+        self.advance(ctx)
+        return self.norm(hc_pre(streams, pre_mix))
 
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DeepseekV41Cache,
               columns_after: int):
@@ -243,10 +264,10 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         pre_mix[..., 0] = 1.0
         return ctx, streams, pre_mix, hash_ids
 
-    def end(self, ctx: ForwardContext, streams: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
-        """Advance the cache's per-row lengths and return norm(pre(streams, last pre-mix))."""
+    @staticmethod
+    def advance(ctx: ForwardContext) -> None:
+        """Advance the cache's per-row lengths past the chunk."""
         ctx.cache.lengths[:ctx.batch] += (ctx.positions >= 0).sum(1)
-        return self.norm(hc_pre(streams, pre_mix))
 
 
 class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
@@ -273,7 +294,8 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
                 return_dict: bool | None = None, **kwargs) -> DeepseekV41CausalLMOutput:
         """input_ids [B, S]: the columns not yet in `cache`. attention_mask [B, >= S] (1 = real token,
         padding on the left); its last S columns describe the new ones. Without a cache, a temporary one
-        sized to this input is used. logits_to_keep=k > 0 computes logits for the last k columns only."""
+        sized to this input is used. logits_to_keep=k > 0 computes logits for the last k columns only (and lets
+        bounded replay trim a long prompt chunk, see DeepseekV41Model.replay_tail)."""
         if kwargs.get("inputs_embeds") is not None:
             raise ValueError("inputs_embeds is not supported: Engram hashes the token ids, so pass input_ids")
         cache = cache if cache is not None else past_key_values
@@ -289,7 +311,8 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
             logits = runner(input_ids, attention_mask[:, -seq:], logits_to_keep)
             hidden = None
         else:
-            hidden = self.model(input_ids, attention_mask[:, -seq:], cache)
+            needed = None if output_hidden_states or not logits_to_keep else logits_to_keep
+            hidden = self.model(input_ids, attention_mask[:, -seq:], cache, keep=needed)
             logits = self.logits(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         keep = use_cache is not False
         return DeepseekV41CausalLMOutput(logits=logits, hidden_states=hidden if output_hidden_states else None,

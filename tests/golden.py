@@ -50,9 +50,10 @@ def block_probe(layer: int) -> float:
 
 
 def load_model(**overrides):
+    """The fixture's model; bounded replay off unless asked (the fixture is DeepSeek's exact reference)."""
     from dsflash_compile import DeepseekV41ForCausalLM
 
-    return DeepseekV41ForCausalLM.from_pretrained(TINY_A, **overrides)
+    return DeepseekV41ForCausalLM.from_pretrained(TINY_A, **{"swa_bounded_replay": False, **overrides})
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -129,6 +130,6 @@ def teacher_forced(model, ids: torch.Tensor, cache, phase: str, step: int | None
                                            ctx.topk.get(block.role.topk_layer))
         if block.role.is_index_source:
             ctx.topk[layer] = topk
-    inner.end(ctx, outs[layer], pre_mix)
+    inner.advance(ctx)
     cache.seen_columns += ids.shape[1]
     return {"blocks": outs, "engram": engram_outs, "ctx": ctx}

@@ -36,10 +36,20 @@ def prompts(batch, length, seed=1):
     return torch.randint(3, 500, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def distinct_roles(model) -> int:
-    """Roles as the compiled block sees them (layer ids excluded: blocks get their tensors as arguments)."""
+def distinct_roles(model, layers=None) -> int:
+    """Roles as the compiled block sees them (layer ids excluded: blocks get their tensors as arguments),
+    over `layers` (a slice of the layer list; default all)."""
+    roles = model.model.text_config.layer_roles[layers or slice(None)]
     return len({(r.ratio, r.is_kv_source, r.is_index_source, r.is_candidate_source, r.uses_candidates)
-                for r in model.model.text_config.layer_roles})
+                for r in roles})
+
+
+def prefill_and_decode_graphs(model) -> int:
+    """Graphs of one prefill bucket longer than the window and one decode batch: every layer at the bucket's
+    length (prompts up to the window are not trimmed), the layers after the last KV source at the window's
+    length (longer prompts: bounded replay), every layer at one token."""
+    cut = model.model.text_config.last_kv_source_layer + 1
+    return 2 * distinct_roles(model) + distinct_roles(model, slice(cut, None))
 
 
 @torch.no_grad()
@@ -53,7 +63,7 @@ def test_compiled_generate_equals_eager_and_never_recompiles(fresh_dynamo):
     got = model.generate(ids, max_new_tokens=12, do_sample=False)
     assert torch.equal(got, want)  # a full batch bucket: the same shapes, so the same numbers
     graphs = counters["stats"]["unique_graphs"]
-    assert graphs == 2 * distinct_roles(model)  # one per role for the prefill bucket and for decode
+    assert graphs == prefill_and_decode_graphs(model)
     assert not counters["graph_break"]
 
     # A long generation, and a batch of 3 inside the bucket of 4 (padded with inert rows): no new graph.
@@ -76,11 +86,15 @@ def test_padded_batch_rows_are_inert(fresh_dynamo):
 
 
 @torch.no_grad()
-def test_long_prompt_runs_in_chunks_of_the_largest_bucket(fresh_dynamo):
-    model = tiny_model()
+@pytest.mark.parametrize("replay", [True, False])
+def test_long_prompt_runs_in_chunks_of_the_largest_bucket(fresh_dynamo, replay):
+    """40 tokens in chunks of 8 + 16 + 16 (the last chunk holds the last window): the same last logits as
+    one eager forward, with bounded replay (the chunks before the last stop at the cut, the last one trims)
+    and without."""
+    model = tiny_model(swa_bounded_replay=replay)
     ids = prompts(2, 40)
     cache = model.new_cache(2, 64)
-    want = model(ids, cache=cache).logits[:, -1:]
+    want = model(ids, cache=cache, logits_to_keep=1).logits
     dsflash_compile.compile(model, max_batch=2, max_length=64, batch_buckets=(2,), prefill_buckets=(16,),
                             backend="eager", passes=False)
     runner_cache = model.compiled_runner.fresh_cache(2, 64)

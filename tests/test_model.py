@@ -239,6 +239,16 @@ def test_cli_generate_tiny(capsys):
     assert "tokens/s" in out
 
 
+def test_cli_bounded_replay_switch(capsys):
+    """A 40-token prompt (longer than tiny's 16-token window) with and without bounded replay: both run and
+    say which they used."""
+    from dsflash_compile.cli import main
+
+    for flag, state in (([], "on"), (["--no-swa-bounded-replay"], "off")):
+        assert main(["generate", "--preset", "tiny", "--prompt-len", "40", "--max-new-tokens", "2", *flag]) == 0
+        assert f"bounded replay {state}" in capsys.readouterr().out
+
+
 @requires_golden
 def test_cli_generate_checkpoint(capsys):
     from dsflash_compile.cli import main

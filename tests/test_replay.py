@@ -1,0 +1,151 @@
+"""SWA bounded replay, decoder side (tiny preset, CPU): in a prompt chunk longer than the window, the
+layers after the last KV source run on each row's last `sliding_window` tokens only, their window attention
+seeing nothing below the first of them."""
+
+import pytest
+import torch
+
+import dsflash_compile
+from dsflash_compile import DeepseekV41ForCausalLM, preset_config
+from dsflash_compile.context import build_context
+from dsflash_compile.mhc import hc_pre
+from dsflash_compile.rope import rotation
+
+
+def tiny_model(**overrides):
+    torch.manual_seed(0)
+    return DeepseekV41ForCausalLM(preset_config("tiny", **overrides)).eval()
+
+
+def ragged(lengths, vocab=512, seed=0):
+    """Left-padded prompts of these lengths: (ids, mask)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), 2)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(3, vocab, (n,), generator=gen)
+        mask[i, width - n:] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def test_replay_off_is_full_recomputation():
+    """With the switch off, asking for the last output only changes nothing: every layer sees every token
+    (with it on, the same call is trimmed)."""
+    for replay in (False, True):
+        model = tiny_model(swa_bounded_replay=replay)
+        ids, mask = ragged([50, 23])
+        full = model.model(ids, mask, model.new_cache(2, 64))
+        last = model.model(ids, mask, model.new_cache(2, 64), keep=1)
+        assert torch.equal(last[:, -1:], full[:, -1:]) != replay
+
+
+@torch.no_grad()
+def test_trimmed_layers_receive_exactly_the_last_window_of_each_row():
+    """Layers up to the last KV source (5 in tiny) get all 50 columns; layers 6-8 get the last 16 (the
+    window), at the right positions, with no window key below the first of them; a 10-token prompt in the
+    same batch keeps its 10 real tokens there. Without keep (all logits asked for) nothing is trimmed."""
+    model = tiny_model()
+    text = model.model.text_config
+    window, cut = text.sliding_window, text.last_kv_source_layer
+    ids, mask = ragged([50, 10])
+    seen = {}
+
+    def record(block, args):
+        streams, _, ctx = args[:3]
+        seen[block.role.layer] = (streams.shape[1], ctx.positions.clone(), ctx.window_idx.clone())
+
+    hooks = [block.register_forward_pre_hook(record) for block in model.model.layers]
+    logits = model(ids, attention_mask=mask, cache=model.new_cache(2, 64), logits_to_keep=1).logits
+    assert logits.shape == (2, 1, text.vocab_size)
+    for layer, (columns, positions, window_idx) in seen.items():
+        if layer <= cut:
+            assert columns == 50
+            continue
+        assert columns == window
+        assert positions[0].tolist() == list(range(50 - window, 50))
+        assert positions[1].tolist() == [-1] * (window - 10) + list(range(10))
+        # row 0: the query at position 34 + i sees tail keys 0..i only (chunk rows W + i), none from the ring
+        valid = window_idx[0] >= 0
+        assert valid.sum(-1).tolist() == list(range(1, window + 1))
+        assert bool((window_idx[0][valid] >= window).all())
+    seen.clear()
+    model(ids, attention_mask=mask, cache=model.new_cache(2, 64))
+    assert all(columns == 50 for columns, _, _ in seen.values())
+    for hook in hooks:
+        hook.remove()
+
+
+@torch.no_grad()
+def slow_bounded_replay(model, ids):
+    """An independent implementation of the approximation for one prompt [1, S]: the layers up to the last
+    KV source on the whole prompt, then each of the last W tokens alone (decode-style one-token contexts,
+    the window ring filled token by token, positions below the first tail token not visible) through the
+    trimmed layers. Returns their final-norm hidden states [1, W, D]."""
+    inner, text = model.model, model.model.text_config
+    window, cut, seq = text.sliding_window, text.last_kv_source_layer, ids.shape[1]
+    cache = model.new_cache(1, seq)
+    ctx, streams, pre_mix, hash_ids = inner.begin(ids, torch.ones_like(ids), cache, seq)
+    for block in inner.layers[:cut + 1]:
+        if block.engram is not None:
+            streams = block.engram(streams, hash_ids[block.role.layer])
+        streams, pre_mix, topk = block(streams, pre_mix, ctx, cache.layer(block.role),
+                                       ctx.topk.get(block.role.topk_layer))
+        if block.role.is_index_source:
+            ctx.topk[block.role.layer] = topk
+    floor = torch.tensor([seq - window])
+    outs = []
+    for t in range(seq - window, seq):
+        one = build_context(cache, torch.ones(1, 1, dtype=torch.long), seq, window_floor=floor,
+                            lengths=torch.tensor([t]))
+        one.inv_freq = ctx.inv_freq
+        one.rotations = {kind: rotation(torch.tensor([[t]]), f) for kind, f in ctx.inv_freq.items()}
+        one.topk = {layer: topk[:, t:t + 1] for layer, topk in ctx.topk.items()}
+        one.candidates = ctx.candidates[:, t:t + 1]
+        s, p = streams[:, t:t + 1], pre_mix[:, t:t + 1]
+        for block in inner.layers[cut + 1:]:
+            s, p, topk = block(s, p, one, cache.layer(block.role), one.topk.get(block.role.topk_layer))
+            if block.role.is_index_source:
+                one.topk[block.role.layer] = topk
+        outs.append(inner.norm(hc_pre(s, p)))
+    return torch.cat(outs, dim=1)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("quantize", [False, True])
+def test_replay_equals_a_slow_token_by_token_implementation(quantize):
+    """The batched trimmed layers (tail context: sliced rotations, top-k and candidates, window lists with a
+    floor, this chunk's keys) against token-by-token processing through the ring. One-token GEMMs round
+    differently from batched ones: a bf16 ulp or two of the output without the release's quantization steps;
+    with them an ulp can move an FP8 step, so the bound is looser there."""
+    model = tiny_model(quantize_dequantize=quantize)
+    window = model.model.text_config.sliding_window
+    ids, _ = ragged([45])
+    fast = model.model(ids, torch.ones_like(ids), model.new_cache(1, 45), keep=1)
+    slow = slow_bounded_replay(model, ids)
+    assert fast.shape == slow.shape == (1, window, model.model.text_config.hidden_size)
+    err = (fast.float() - slow.float()).abs().max().item() / slow.float().abs().max().item()
+    print(f"replay fast vs slow (quantize={quantize}): max abs error / max abs value {err:.2e}")
+    assert err <= (2 ** -3 if quantize else 2 ** -6)  # with quantization: a moved FP8 step; without: ~2 bf16 ulps
+
+
+@torch.no_grad()
+def test_replay_changes_the_prompt_logits_only_by_the_approximation():
+    """Replay on vs off on one 60-token prompt: the same shapes, close but (by design) not equal last
+    logits, and identical logits when the prompt fits in the window (nothing to trim)."""
+    on, off = tiny_model(), tiny_model(swa_bounded_replay=False)
+    ids, mask = ragged([60])
+    got = on(ids, attention_mask=mask, cache=on.new_cache(1, 64), logits_to_keep=1).logits
+    want = off(ids, attention_mask=mask, cache=off.new_cache(1, 64), logits_to_keep=1).logits
+    assert not torch.equal(got, want)
+    short, short_mask = ragged([16])
+    assert torch.equal(on(short, attention_mask=short_mask, cache=on.new_cache(1, 64), logits_to_keep=1).logits,
+                       off(short, attention_mask=short_mask, cache=off.new_cache(1, 64), logits_to_keep=1).logits)
+
+
+def test_compile_needs_a_prefill_bucket_as_long_as_the_window():
+    with pytest.raises(ValueError, match="largest prefill bucket"):
+        dsflash_compile.compile(tiny_model(), max_length=64, prefill_buckets=(4, 8), backend="eager")
+    dsflash_compile.compile(tiny_model(), max_length=64, prefill_buckets=(4, 8), backend="eager",
+                            swa_bounded_replay=False)
