@@ -41,22 +41,34 @@ def unfused(x, weight, bias):
     return route(x, weight, bias, TOPK, NORMALIZE, SCALE)
 
 
+def near_tie(x, weight, bias, ids) -> torch.Tensor:
+    """[N] bool: the picked experts score, in float64, within 1e-5 (relative) of the k-th best biased score,
+    i.e. another summation order may pick them instead of the reference's (a near tie at the cut)."""
+    scores = torch.nn.functional.softplus(x.double() @ weight.double().t()).sqrt() + bias.double()
+    kth = scores.topk(ids.shape[-1], dim=-1).values[:, -1:]
+    return (scores.gather(1, ids) >= kth - 1e-5 * kth.abs()).all(-1)
+
+
 def check(gen: torch.Generator) -> dict:
+    """Kernel vs reference: identical expert ids except at near ties (see near_tie), weights within 1e-5
+    (relative) on rows with the same ids, and the same bits on a repeated call."""
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
         for tokens in (1, 4, 16, 64, 300, 3000):
             case = make_case(tokens, dtype, gen)
             (got_w, got_ids), again = fused(*case), fused(*case)
             want_w, want_ids = unfused(*case)
+            other = (got_ids != want_ids).any(-1)
+            same = ~other
             row = {"tokens": tokens, "dtype": str(dtype).removeprefix("torch."),
-                   "ids_equal": torch.equal(got_ids, want_ids),
-                   "rows_with_other_ids": (got_ids != want_ids).any(-1).sum().item(),
-                   "weight_rel_err": ((got_w - want_w).abs() / want_w.abs().clamp_min(1e-30)).max().item(),
+                   "rows_with_other_ids": other.sum().item(),
+                   "other_ids_all_near_ties": bool(near_tie(*case, got_ids)[other].all()),
+                   "weight_rel_err": ((got_w - want_w).abs() / want_w.abs().clamp_min(1e-30))[same].max().item(),
                    "repeatable": torch.equal(got_w, again[0]) and torch.equal(got_ids, again[1])}
             print("check", row)
             rows.append(row)
     bad = [(r["dtype"], r["tokens"]) for r in rows
-           if not (r["ids_equal"] and r["repeatable"] and r["weight_rel_err"] <= 1e-5)]
+           if not (r["other_ids_all_near_ties"] and r["repeatable"] and r["weight_rel_err"] <= 1e-5)]
     if bad:
         print(f"CHECK FAILED: the Triton router disagrees with the reference at {bad} (timings go on)")
     return {"kernel": rows, "ok": not bad}
