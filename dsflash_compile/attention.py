@@ -186,6 +186,8 @@ class Attention(nn.Module):
         position, FP4 quantize-dequantize, and both written to the cache."""
         ratio, cache = self.role.ratio, ctx.cache
         latent, row_ids = self.compressor(x, ctx, state)
+        if ctx.write_floor is not None:  # rows of a restored prefix keep their cached values
+            row_ids = torch.where(row_ids < (ctx.write_floor // ratio).unsqueeze(1), -1, row_ids)
         rot = rotation(row_ids.clamp_min(0) * ratio, ctx.inv_freq["compressed"])
         if self.indexer is not None:
             ops.record_write_(state.index_keys, self.indexer.keys(latent, rot), row_ids, cache.index_format)

@@ -26,6 +26,9 @@ class ForwardContext:
     rotations: dict = field(default_factory=dict)  # rope kind -> fp32 (cos, sin) [B, S, r/2, 2] at `positions`
     topk: dict = field(default_factory=dict)  # index-source layer -> int32 [B, S, k]
     candidates: torch.Tensor | None = None  # int32 [B, S, blocks]: block ids the candidate source kept
+    # [B] positions below which a row's compressed rows and index keys are already in the cache and stay
+    # as they are (a prefix-cache hit replays tokens below it only to rebuild the window rings); None: all
+    write_floor: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:

@@ -215,13 +215,17 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         return None
 
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DeepseekV41Cache,
-            columns_after: int, tail: int | None = None) -> torch.Tensor | None:
+            columns_after: int, tail: int | None = None, replay_from: torch.Tensor | None = None
+            ) -> torch.Tensor | None:
         """The tensor work of a forward: no host syncs and no host-side cache state, so compiled graphs
         capture exactly this (build_context explains `columns_after`). The caller checks the input and
         advances `cache.seen_columns`. tail: run the layers after the last KV source on the last `tail`
         columns only (bounded replay; the result then has those columns), or not at all with 0 (a prompt
-        chunk before the last: returns None); None runs every layer on every column."""
-        ctx, streams, pre_mix, hash_ids = self.begin(input_ids, attention_mask, cache, columns_after)
+        chunk before the last: returns None); None runs every layer on every column.
+        replay_from [B]: a prefix-cache hit ending at H was restored into each row (compressed rows and
+        index keys below H, cache length H - W): this chunk starts at H - W, every layer's window sees
+        nothing below it, and the restored rows are not rewritten (pass H)."""
+        ctx, streams, pre_mix, hash_ids = self.begin(input_ids, attention_mask, cache, columns_after, replay_from)
         layer_ctx, cut = ctx, self.text_config.last_kv_source_layer
         for block in self.layers:
             role = block.role
@@ -240,11 +244,14 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         return self.norm(hc_pre(streams, pre_mix))
 
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DeepseekV41Cache,
-              columns_after: int):
-        """Per-forward set-up: positions and window lists, RoPE rotations, Engram hash ids (per Engram
-        layer) with the cache's n-gram history advanced, and the initial streams and one-hot pre-mix."""
+              columns_after: int, replay_from: torch.Tensor | None = None):
+        """Per-forward set-up: positions and window lists (see `run` for replay_from), RoPE rotations,
+        Engram hash ids (per Engram layer) with the cache's n-gram history advanced, and the initial streams
+        and one-hot pre-mix."""
         batch, seq = input_ids.shape
-        ctx = build_context(cache, attention_mask, columns_after)
+        floor = None if replay_from is None else cache.lengths[:batch].clone()
+        ctx = build_context(cache, attention_mask, columns_after, window_floor=floor)
+        ctx.write_floor = replay_from
         ctx.inv_freq = {"window": self.window_inv_freq, "compressed": self.compressed_inv_freq}
         safe_pos = ctx.positions.clamp_min(0)
         ctx.rotations = {kind: rotation(safe_pos, f) for kind, f in ctx.inv_freq.items()}
