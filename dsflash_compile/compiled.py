@@ -133,14 +133,17 @@ class CompiledRunner:
         self.cache.reset()
         return self.cache
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int = 0):
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int = 0,
+                 replay_from: torch.Tensor | None = None):
         """input_ids, attention_mask [B, S]: the new columns for the cache's first B rows. Returns fp32
-        logits of the last `logits_to_keep` columns (all with 0)."""
+        logits of the last `logits_to_keep` columns (all with 0). replay_from: a prefix-cache hit (see
+        DeepseekV41Model.run)."""
         batch, seq = input_ids.shape
         self.cache.check_fits(batch, seq)
         rows = _bucket(self.batch_buckets, batch) - batch
         if rows:
             input_ids, attention_mask = F.pad(input_ids, (0, 0, 0, rows)), F.pad(attention_mask, (0, 0, 0, rows))
+            replay_from = None if replay_from is None else F.pad(replay_from, (0, rows))
         if seq == 1 and self.cuda_graphs:
             graph, ids, mask, out = self._decode_graph(input_ids.shape[0])
             ids.copy_(input_ids)
@@ -151,12 +154,12 @@ class CompiledRunner:
             logits = self._decode_step(input_ids, attention_mask)[:batch]
         else:
             check_left_padding(attention_mask)
-            hidden = self._prefill_chunks(input_ids, attention_mask, logits_to_keep or seq)
+            hidden = self._prefill_chunks(input_ids, attention_mask, logits_to_keep or seq, replay_from)
             logits = self.model.logits(hidden[:batch])
         self.cache.seen_columns += seq
         return logits[:, -logits_to_keep:] if logits_to_keep else logits
 
-    def _prefill_chunks(self, input_ids, attention_mask, keep: int) -> torch.Tensor:
+    def _prefill_chunks(self, input_ids, attention_mask, keep: int, replay_from=None) -> torch.Tensor:
         """Run the columns in chunks of at most the largest bucket, each left-padded to its bucket; returns
         the hidden states of the last `keep` columns. The last chunk takes the last `largest` columns, so it
         holds every row's last window of tokens: with bounded replay only it runs the layers after the last
@@ -171,7 +174,7 @@ class CompiledRunner:
             tail = None if window is None else window if last else 0
             pad = _bucket(self.prefill_buckets, end - start) - (end - start)
             hidden = model.run(F.pad(ids, (pad, 0)), F.pad(mask, (pad, 0)), self.cache, self.cache.max_length,
-                               tail)
+                               tail, replay_from)
             if hidden is not None and end > seq - keep:
                 kept.append(hidden if tail else hidden[:, pad:])
         return torch.cat(kept, dim=1)[:, -keep:]
@@ -192,9 +195,11 @@ class CompiledRunner:
         lengths = prefill_lengths or self._warm_lengths()
         for batch in batch_sizes or self.batch_buckets:
             ids = torch.zeros(batch, max(lengths), dtype=torch.long, device=self.model.device)
+            # with a prefix cache every prefill carries replay_from (zeros without a hit): the same graphs
+            replay = None if self.model.prefix_cache is None else torch.zeros_like(ids[:, 0])
             for length in lengths:
                 self.cache.reset()
-                self(ids[:, :length], torch.ones_like(ids[:, :length]), 1)
+                self(ids[:, :length], torch.ones_like(ids[:, :length]), 1, replay)
             self.cache.reset()
             self(ids[:, :1], torch.ones_like(ids[:, :1]), 1)  # one decode step: compiles / captures its graph
         self.cache.reset()

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from . import engram_hash
+from . import engram_hash, prefix_cache, prefix_state
 from .attention import Attention
 from .cache import DeepseekV41Cache, LayerCache
 from .configuration_deepseek_v41 import DeepseekV41Config, DeepseekV41TextConfig, LayerRole
@@ -194,14 +194,16 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         return self.embed
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DeepseekV41Cache,
-                keep: int | None = None) -> torch.Tensor:
+                keep: int | None = None, replay_from: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, attention_mask [B, S] (new columns). Returns the final-norm hidden states and advances
         the cache: [B, S, D], or, when bounded replay trims this chunk (see `replay_tail`), the last
-        `sliding_window` columns only. keep: the trailing columns whose outputs the caller needs (None: all)."""
+        `sliding_window` columns only. keep: the trailing columns whose outputs the caller needs (None: all).
+        replay_from: see `run` (a prefix-cache hit)."""
         batch, seq = input_ids.shape
         cache.check_fits(batch, seq)
         check_left_padding(attention_mask)
-        hidden = self.run(input_ids, attention_mask, cache, cache.seen_columns + seq, self.replay_tail(seq, keep))
+        hidden = self.run(input_ids, attention_mask, cache, cache.seen_columns + seq, self.replay_tail(seq, keep),
+                          replay_from)
         cache.seen_columns += seq
         return hidden
 
@@ -223,8 +225,9 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         columns only (bounded replay; the result then has those columns), or not at all with 0 (a prompt
         chunk before the last: returns None); None runs every layer on every column.
         replay_from [B]: a prefix-cache hit ending at H was restored into each row (compressed rows and
-        index keys below H, cache length H - W): this chunk starts at H - W, every layer's window sees
-        nothing below it, and the restored rows are not rewritten (pass H)."""
+        index keys below H, cache length H - W; 0 for a row without a hit): the columns from H - W on are
+        replayed, every layer's window sees nothing below H - W, and the restored rows are not rewritten.
+        Position-based, so it holds for every chunk of a chunked prompt."""
         ctx, streams, pre_mix, hash_ids = self.begin(input_ids, attention_mask, cache, columns_after, replay_from)
         layer_ctx, cut = ctx, self.text_config.last_kv_source_layer
         for block in self.layers:
@@ -249,7 +252,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         Engram hash ids (per Engram layer) with the cache's n-gram history advanced, and the initial streams
         and one-hot pre-mix."""
         batch, seq = input_ids.shape
-        floor = None if replay_from is None else cache.lengths[:batch].clone()
+        floor = None if replay_from is None else (replay_from - self.text_config.sliding_window).clamp_min(0)
         ctx = build_context(cache, attention_mask, columns_after, window_floor=floor)
         ctx.write_floor = replay_from
         ctx.inv_freq = {"window": self.window_inv_freq, "compressed": self.compressed_inv_freq}
@@ -283,10 +286,24 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         text = config.get_text_config()
         self.model = DeepseekV41Model(config)
         self.head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=torch.bfloat16)
+        self.prefix_cache: prefix_cache.PrefixCache | None = None  # see enable_prefix_cache
         self.post_init()
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.head
+
+    def enable_prefix_cache(self, budget_bytes: int, block_size: int | None = None) -> prefix_cache.PrefixCache:
+        """Keep prompt prefixes across calls (a multi-turn conversation's next prompt extends the last): a
+        prefill into an empty cache restores its longest cached prefix beyond the window and replays only the
+        last window before it (SYSTEM.md, bounded replay). Needs `swa_bounded_replay` (with it off prompts
+        are recomputed in full). block_size: tokens per hashed block (default: the window)."""
+        text = self.model.text_config
+        block = block_size or text.sliding_window
+        if block % prefix_state.alignment(text):
+            raise ValueError(f"enable_prefix_cache: block_size {block} must be a multiple of the compression "
+                             f"ratios ({prefix_state.alignment(text)})")
+        self.prefix_cache = prefix_cache.PrefixCache(block, text.sliding_window, budget_bytes)
+        return self.prefix_cache
 
     def new_cache(self, max_batch: int, max_length: int, **formats) -> DeepseekV41Cache:
         """A static cache for this model (rows reused across calls after `cache.reset()`). formats:
@@ -313,14 +330,23 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
             attention_mask = torch.ones_like(input_ids)
         elif attention_mask.shape[1] < seq:
             raise ValueError(f"attention_mask has {attention_mask.shape[1]} columns for {seq} new input ids")
+        attention_mask, replay_from, prompts = attention_mask[:, -seq:], None, None
+        store = self.prefix_cache
+        if (store is not None and cache.seen_columns == 0 and seq > 1 and logits_to_keep and not output_hidden_states
+                and self.model.text_config.swa_bounded_replay):
+            input_ids, attention_mask, replay_from, prompts = prefix_cache.use_hits(store, self, cache, input_ids,
+                                                                                    attention_mask)
+            cache.seen_columns = seq - input_ids.shape[1]  # the restored columns count as consumed
         runner = getattr(self, "compiled_runner", None)
         if runner is not None and cache is runner.cache and not output_hidden_states:
-            logits = runner(input_ids, attention_mask[:, -seq:], logits_to_keep)
+            logits = runner(input_ids, attention_mask, logits_to_keep, replay_from)
             hidden = None
         else:
             needed = None if output_hidden_states or not logits_to_keep else logits_to_keep
-            hidden = self.model(input_ids, attention_mask[:, -seq:], cache, keep=needed)
+            hidden = self.model(input_ids, attention_mask, cache, keep=needed, replay_from=replay_from)
             logits = self.logits(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+        if prompts is not None:
+            prefix_cache.keep_prefixes(store, cache, prompts)
         keep = use_cache is not False
         return DeepseekV41CausalLMOutput(logits=logits, hidden_states=hidden if output_hidden_states else None,
                                          **{CACHE_KWARG: cache if keep else None})

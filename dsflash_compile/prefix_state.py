@@ -24,19 +24,25 @@ class PrefixState:
     compressed: dict[int, torch.Tensor]  # KV source layer -> its first H // ratio rows (records)
     index_keys: dict[int, torch.Tensor]  # KV source layer -> the same rows' index keys (records)
 
+    def truncated(self, length: int) -> PrefixState:
+        """The state of the first `length` tokens (views: the first rows are the shorter prefix's)."""
+        def cut(rows):
+            return {layer: t[:t.shape[0] * length // self.length] for layer, t in rows.items()}
+        return PrefixState(length, cut(self.compressed), cut(self.index_keys))
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.compressed.values(), *self.index_keys.values()))
 
 
-def alignment(cache: DeepseekV41Cache) -> int:
-    """Prefix lengths must be multiples of this: every compression ratio."""
-    return math.lcm(*(role.ratio for role in cache.config.layer_roles if role.is_kv_source), 1)
+def alignment(config) -> int:
+    """Prefix lengths must be multiples of this (a DeepseekV41TextConfig's compression ratios)."""
+    return math.lcm(*(role.ratio for role in config.layer_roles if role.is_kv_source), 1)
 
 
 def _check_length(cache: DeepseekV41Cache, length: int) -> None:
-    if length % alignment(cache) or length <= cache.window_size:
-        raise ValueError(f"prefix length {length}: must be a multiple of {alignment(cache)} (the compression "
+    if length % alignment(cache.config) or length <= cache.window_size:
+        raise ValueError(f"prefix length {length}: must be a multiple of {alignment(cache.config)} (the compression "
                          f"ratios) and longer than the window ({cache.window_size})")
 
 

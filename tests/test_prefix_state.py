@@ -86,3 +86,116 @@ def test_prefix_lengths_are_checked(tiny):
         snapshot(cache, 0, 16)
     with pytest.raises(ValueError, match="holds only 40"):
         snapshot(cache, 0, 48)
+
+
+def fake_state(length, nbytes_per_token=4):
+    """A PrefixState of `length` tokens: one ratio-1 source whose rows hold nbytes_per_token bytes."""
+    from dsflash_compile.prefix_state import PrefixState
+
+    rows = torch.arange(length * nbytes_per_token, dtype=torch.uint8).view(length, nbytes_per_token)
+    return PrefixState(length, {5: rows}, {5: rows[:, :0]})
+
+
+def test_store_hits_the_longest_cached_prefix_beyond_the_window():
+    from dsflash_compile.prefix_cache import PrefixCache
+
+    store = PrefixCache(block_size=16, window=16, budget_bytes=10_000)
+    tokens = list(range(100))
+    assert store.lookup(tokens) is None  # empty: a miss
+    assert store.insert(tokens, fake_state(64))
+    hit = store.lookup(tokens)  # 100 tokens: the 64 cached ones
+    assert hit.length == 64 and torch.equal(hit.compressed[5], fake_state(64).compressed[5])
+    shorter = store.lookup(tokens[:40])  # a shorter prompt: the entry serves its 32-token prefix
+    assert shorter.length == 32 and torch.equal(shorter.compressed[5], fake_state(64).compressed[5][:32])
+    assert store.lookup(tokens[:20]) is None  # one block = the window: not used
+    assert store.lookup([7] + tokens[1:]) is None  # another first block: nothing shared
+    assert (store.stats.hits, store.stats.misses, store.stats.hit_tokens) == (2, 3, 96)
+
+
+def test_store_evicts_least_recently_used_within_its_budget():
+    from dsflash_compile.prefix_cache import PrefixCache
+
+    store = PrefixCache(block_size=16, window=16, budget_bytes=3 * 64 * 4)  # three 64-token states
+    prompts = [[p] * 64 for p in range(4)]
+    for p in prompts[:3]:
+        assert store.insert(p, fake_state(64))
+    assert store.lookup(prompts[0]) is not None  # prompt 0 is now the most recently used
+    store.insert(prompts[3], fake_state(64))  # evicts prompt 1, the least recently used
+    assert store.stats.evictions == 1 and store.nbytes == 3 * 64 * 4
+    assert store.lookup(prompts[1]) is None
+    assert all(store.lookup(prompts[p]) is not None for p in (0, 2, 3))
+    assert not store.insert([9] * 1024, fake_state(1024))  # larger than the whole budget: not kept
+    with pytest.raises(ValueError, match="whole blocks"):
+        store.insert(prompts[0], fake_state(40))
+
+
+def test_store_keeps_a_shorter_prefix_reachable_after_evicting_a_longer_one():
+    from dsflash_compile.prefix_cache import PrefixCache
+
+    store = PrefixCache(block_size=16, window=16, budget_bytes=96 * 4)
+    tokens = list(range(96))
+    store.insert(tokens[:32], fake_state(32))
+    store.insert(tokens, fake_state(64))  # 32 + 64 tokens fill the budget
+    store.lookup(tokens[:32])  # the 32-token entry is the most recently used
+    store.insert(list(range(500, 532)), fake_state(32))  # evicts the 64-token entry
+    assert store.lookup(tokens).length == 32  # still served by the shorter entry
+
+
+@torch.no_grad()
+def test_generate_reuses_the_previous_turn_through_the_prefix_cache():
+    """Two turns of a conversation through generate(): the second prompt (the first, its answer and new
+    tokens) hits the first turn's 48-token prefix; its first token is what restoring that state by hand and
+    replaying from 48 - 16 gives. With bounded replay off the store is not used and generate() is exact."""
+    from dsflash_compile.prefix_state import restore
+
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(preset_config("tiny")).eval()
+    store = model.enable_prefix_cache(budget_bytes=1 << 24)
+    first = prompt(50)
+    turn1 = model.generate(first, max_new_tokens=8, do_sample=False)
+    assert store.stats.inserts == 1 and store.stats.hits == 0
+    second = torch.cat([turn1, prompt(20, seed=1)], 1)  # 78 tokens
+    turn2 = model.generate(second, max_new_tokens=4, do_sample=False)
+    assert (store.stats.hits, store.stats.hit_tokens) == (1, 48)
+
+    window = model.model.text_config.sliding_window
+    cache = model.new_cache(1, 96)
+    history = prefill(model, second[:, :48 - window]).engram_history[0]
+    restore(cache, 0, store.lookup(second[0].tolist()[:48]), history)
+    hidden = model.model.run(second[:, 48 - window:], torch.ones(1, 78 - 48 + window, dtype=torch.long), cache, 78,
+                             replay_from=torch.tensor([48]))
+    assert turn2[0, 78].item() == model.logits(hidden[:, -1:]).argmax(-1).item()
+
+    model.model.text_config.swa_bounded_replay = False
+    hits = store.stats.hits
+    exact = DeepseekV41ForCausalLM(preset_config("tiny", swa_bounded_replay=False)).eval()
+    exact.load_state_dict(model.state_dict())
+    assert torch.equal(model.generate(second, max_new_tokens=4, do_sample=False),
+                       exact.generate(second, max_new_tokens=4, do_sample=False))
+    assert store.stats.hits == hits
+
+
+@torch.no_grad()
+def test_compiled_generate_uses_the_prefix_cache_like_eager():
+    """The same two turns through compile() (eager backend: the graph plumbing, chunked prefill with
+    replay_from) and eagerly, each with its own prefix cache: the same tokens and the same hits."""
+    import dsflash_compile
+
+    def two_turns(model):
+        store = model.enable_prefix_cache(budget_bytes=1 << 24)
+        turn1 = model.generate(prompt(50), max_new_tokens=8, do_sample=False)
+        turn2 = model.generate(torch.cat([turn1, prompt(20, seed=1)], 1), max_new_tokens=4, do_sample=False)
+        return turn2, store.stats.hits
+
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(preset_config("tiny")).eval()
+    want = two_turns(model)
+    torch._dynamo.reset()
+    try:
+        dsflash_compile.compile(model, max_batch=1, max_length=96, batch_buckets=(1,), prefill_buckets=(16, 32),
+                                backend="eager", passes=False)
+        got = two_turns(model)
+    finally:
+        torch._dynamo.reset()
+    assert got[1] == want[1] == 1
+    assert torch.equal(got[0], want[0])
