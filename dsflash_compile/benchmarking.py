@@ -97,7 +97,8 @@ def run_metadata() -> dict:
             ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip():
         commit += " + uncommitted changes"
     return {"command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (" + platform.machine() + ")",
+            "torch": torch.__version__, "triton": triton.__version__,
             "host": platform.node(), "commit": commit or "unknown (no git checkout here)"}
 
 
