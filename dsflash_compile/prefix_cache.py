@@ -4,8 +4,9 @@ least recently used first out within a byte budget.
 Blocks are `block_size` tokens (a multiple of every compression ratio, so a block boundary leaves no
 compressor group open). The key of a prefix of k blocks chains the blocks' hashes, so a lookup walks the
 prompt block by block. An entry stored for a prefix of H tokens also serves every shorter prefix it
-contains (the first rows of a longer prefix are those of the shorter one). Hits no longer than the
-window are not used: the replay of the last window would need tokens before the prefix.
+contains (the first rows of a longer prefix are those of the shorter one), so storing a prefix that
+extends a stored one replaces it: a conversation keeps one entry, its latest turn. Hits no longer than
+the window are not used: the replay of the last window would need tokens before the prefix.
 """
 
 from __future__ import annotations
@@ -80,8 +81,12 @@ class PrefixCache:
         if keys[-1] in self.entries:
             self.entries.move_to_end(keys[-1])
             return True
+        for key in keys[:-1]:  # an entry for a shorter prefix of these tokens: the new one holds it too
+            if key in self.entries:
+                self._remove(key)
         while self.nbytes + state.nbytes > self.budget_bytes:
-            self._evict()
+            self._remove(next(iter(self.entries)))
+            self.stats.evictions += 1
         self.entries[keys[-1]] = _Entry(state, keys)
         for key in keys:  # a shorter prefix already held by another entry stays with it
             self.index.setdefault(key, keys[-1])
@@ -89,17 +94,16 @@ class PrefixCache:
         self.stats.inserts += 1
         return True
 
-    def _evict(self) -> None:
-        key, entry = self.entries.popitem(last=False)
+    def _remove(self, key: int) -> None:
+        entry = self.entries.pop(key)
         for prefix_key in entry.keys:
             if self.index.get(prefix_key) == key:
                 del self.index[prefix_key]
-        # a shorter prefix of the evicted entry may still live in another entry
+        # a prefix of the removed entry may still live in another entry
         for other_key, other in self.entries.items():
             for prefix_key in other.keys:
                 self.index.setdefault(prefix_key, other_key)
         self.nbytes -= entry.state.nbytes
-        self.stats.evictions += 1
 
 
 def use_hits(store: PrefixCache, model, cache, input_ids, attention_mask):

@@ -129,16 +129,20 @@ def test_store_evicts_least_recently_used_within_its_budget():
         store.insert(prompts[0], fake_state(40))
 
 
-def test_store_keeps_a_shorter_prefix_reachable_after_evicting_a_longer_one():
+def test_store_replaces_a_prefix_by_its_extension():
+    """A conversation's next turn extends the stored prompt: its entry replaces the shorter one (no rows kept
+    twice) and still serves the shorter prefix; a prompt that only shares a shorter prefix keeps its own."""
     from dsflash_compile.prefix_cache import PrefixCache
 
-    store = PrefixCache(block_size=16, window=16, budget_bytes=96 * 4)
+    store = PrefixCache(block_size=16, window=16, budget_bytes=10_000)
     tokens = list(range(96))
     store.insert(tokens[:32], fake_state(32))
-    store.insert(tokens, fake_state(64))  # 32 + 64 tokens fill the budget
-    store.lookup(tokens[:32])  # the 32-token entry is the most recently used
-    store.insert(list(range(500, 532)), fake_state(32))  # evicts the 64-token entry
-    assert store.lookup(tokens).length == 32  # still served by the shorter entry
+    store.insert(tokens[:64], fake_state(64))
+    assert len(store.entries) == 1 and store.nbytes == 64 * 4
+    assert store.lookup(tokens[:40]).length == 32 and store.lookup(tokens).length == 64
+    other = tokens[:32] + [7] * 32  # shares 32 tokens, then goes elsewhere
+    store.insert(other, fake_state(64))
+    assert len(store.entries) == 2 and store.lookup(other).length == 64 and store.lookup(tokens).length == 64
 
 
 @torch.no_grad()
