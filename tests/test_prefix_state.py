@@ -235,3 +235,28 @@ def test_hit_equals_a_slow_token_by_token_replay(quantize):
     assert err.median() <= 2 ** -6
     assert (err > 2 ** -4).float().mean() <= 0.1
     assert torch.equal(caches[0].lengths, caches[1].lengths)
+
+
+@torch.no_grad()
+def test_batch_with_one_hit_and_one_miss_matches_each_row_alone():
+    """A ragged batch of two prompts (left-padded) where only the first extends a cached prefix: each row's
+    first token is what the same prompt gives alone with the same store contents (hit or miss)."""
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(preset_config("tiny", quantize_dequantize=False)).eval()
+    base = prompt(50)
+    hit_prompt, miss_prompt = torch.cat([base, prompt(14, seed=1)], 1), prompt(40, seed=2)
+
+    def first_tokens(prompts):
+        model.enable_prefix_cache(budget_bytes=1 << 24)
+        model.generate(base, max_new_tokens=1, do_sample=False)  # stores base's 48-token prefix
+        width = max(p.shape[1] for p in prompts)
+        ids = torch.full((len(prompts), width), 2)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - p.shape[1]:], mask[i, width - p.shape[1]:] = p[0], 1
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
+        return out[:, -1].tolist(), model.prefix_cache.stats.hits
+
+    batch, hits = first_tokens([hit_prompt, miss_prompt])
+    assert hits == 1
+    assert batch == [first_tokens([hit_prompt])[0][0], first_tokens([miss_prompt])[0][0]]
