@@ -82,8 +82,20 @@ def fused_speedups(row: dict) -> None:
         row["fused_vs_compiled"] = (row.get("compiled_graph_s") or float("nan")) / row["fused_graph_s"]
 
 
-def microseconds(seconds: float | None) -> str:
-    return f"{seconds * 1e6:.2f}" if seconds else "-"
+def print_table(rows: list[dict], columns: list[tuple]) -> None:
+    """The rows as a right-aligned text table. columns: (header, key, format spec) or (header, key, format
+    spec, scale); a missing, None or NaN value prints as '-'."""
+    def cell(row, key, spec, scale=1):
+        value = row.get(key)
+        if value is None or value != value:
+            return "-"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return format(str(value), spec)
+        return format(value * scale, spec)
+    cells = [[cell(row, *column[1:]) for column in columns] for row in rows]
+    widths = [max([len(column[0])] + [len(line[i]) for line in cells]) for i, column in enumerate(columns)]
+    for line in [[column[0] for column in columns], *cells]:
+        print(" ".join(text.rjust(width) for text, width in zip(line, widths)))
 
 
 def run_metadata() -> dict:

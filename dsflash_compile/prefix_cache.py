@@ -68,6 +68,11 @@ class PrefixCache:
         self.stats.misses += 1
         return None
 
+    def holds(self, tokens: list[int]) -> bool:
+        """Whether some entry already serves the prefix made of `tokens`' whole blocks."""
+        keys = self._chain(tokens)
+        return bool(keys) and keys[-1] in self.index
+
     def insert(self, tokens: list[int], state: PrefixState) -> bool:
         """Keep `state` (the state of the first state.length of `tokens`, a whole number of blocks);
         evicts the least recently used entries to stay within the budget. Returns whether it was kept
@@ -136,8 +141,9 @@ def use_hits(store: PrefixCache, model, cache, input_ids, attention_mask):
 
 
 def keep_prefixes(store: PrefixCache, cache, prompts: list[list[int]]) -> None:
-    """After a prompt's prefill: keep each row's longest whole-block prefix beyond the window."""
+    """After a prompt's prefill: keep each row's longest whole-block prefix beyond the window, unless the
+    store already serves it (then copying the rows out would be wasted)."""
     for b, tokens in enumerate(prompts):
         length = len(tokens) // store.block_size * store.block_size
-        if length > store.window:
+        if length > store.window and not store.holds(tokens[:length]):
             store.insert(tokens, snapshot(cache, b, length))

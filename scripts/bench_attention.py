@@ -21,7 +21,7 @@ import argparse
 import torch
 import triton
 
-from dsflash_compile.benchmarking import copy_bandwidth, run_metadata, save_results, time_eager, time_graph
+from dsflash_compile.benchmarking import copy_bandwidth, print_table, run_metadata, save_results, time_eager, time_graph
 from dsflash_compile.custom_ops import records
 from dsflash_compile.custom_ops.attention import attention_reference
 from dsflash_compile.custom_ops.attention_triton import attention_triton
@@ -29,6 +29,12 @@ from dsflash_compile.rope import inverse_frequencies
 
 H, D, R_DIMS, W, TOPK = 64, 512, 64, 128, 512
 FORMATS = ("nvfp4", "fp8", "bf16")
+COLUMNS = [("phase", "phase", "s"), ("ctx", "context", "d"), ("B", "batch", "d"), ("nvfp4 us", "nvfp4_s", ".1f", 1e6),
+           ("fp8 us", "fp8_s", ".1f", 1e6), ("bf16 us", "bf16_s", ".1f", 1e6),
+           ("ref us", "reference_bf16_s", ".1f", 1e6), ("nv/fp8", "nvfp4_over_fp8", ".3f"),
+           ("nv TF/s", "nvfp4_tflops", ".1f"), ("nv MM%", "nvfp4_flop_fraction", ".1f", 100),
+           ("fp8 MM%", "fp8_flop_fraction", ".1f", 100), ("nv BW%", "nvfp4_bw_fraction", ".1f", 100),
+           ("fp8 BW%", "fp8_bw_fraction", ".1f", 100), ("nv x ref", "speedup_nvfp4_vs_reference", ".1f")]
 
 
 def record_pool(fmt: str, rows: int, gen: torch.Generator) -> torch.Tensor:
@@ -188,15 +194,7 @@ def main() -> None:
 
     print(f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s, bf16 matmul {flop_rate / 1e12:.0f} TFLOP/s "
           "(MM% = achieved FLOP rate / matmul rate, BW% = bytes moved / copy bandwidth)")
-    print(f"{'phase':8} {'ctx':>7} {'B':>3} {'nvfp4 us':>9} {'fp8 us':>8} {'bf16 us':>8} {'ref us':>9} {'nv/fp8':>7} "
-          f"{'nv TF/s':>8} {'nv MM%':>7} {'fp8 MM%':>7} {'nv BW%':>7} {'fp8 BW%':>7} {'nv x ref':>8}")
-    for r in rows:
-        print(f"{r['phase']:8} {r['context']:>7} {r['batch']:>3} {r['nvfp4_s'] * 1e6:9.1f} {r['fp8_s'] * 1e6:8.1f} "
-              f"{r['bf16_s'] * 1e6:8.1f} {r['reference_bf16_s'] * 1e6:9.1f} {r['nvfp4_over_fp8']:7.3f} "
-              f"{r['nvfp4_tflops']:8.1f} {100 * r['nvfp4_flop_fraction']:7.1f} {100 * r['fp8_flop_fraction']:7.1f} "
-              f"{100 * r.get('nvfp4_bw_fraction', float('nan')):7.1f} "
-              f"{100 * r.get('fp8_bw_fraction', float('nan')):7.1f} "
-              f"{r['speedup_nvfp4_vs_reference']:8.1f}")
+    print_table(rows, COLUMNS)
     save_results(result, "attention", args.out)
 
 

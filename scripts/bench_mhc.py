@@ -22,7 +22,8 @@ import argparse
 import torch
 from torch._inductor import config as inductor_config
 
-from dsflash_compile.benchmarking import fused_speedups, microseconds, run_metadata, save_results, time_eager, time_graph, timed
+from dsflash_compile.benchmarking import (fused_speedups, print_table, run_metadata, save_results, time_eager, time_graph,
+                                          timed)
 from dsflash_compile.custom_ops.mhc import entry_seam_reference, seam_reference
 from dsflash_compile.layers import RMSNorm
 from dsflash_compile.mhc import hc_mixes, hc_post, hc_pre
@@ -30,6 +31,11 @@ from dsflash_compile import passes
 from dsflash_compile.passes import DsflashPassManager, MhcFusionPass
 
 HC, DIM, NORM_EPS, HC_EPS, ITERS = 4, 5120, 1e-20, 1e-6, 20
+COLUMNS = [("tokens", "tokens", "d"), ("eager+launch us", "eager_launches_s", ".2f", 1e6),
+           ("eager us", "eager_graph_s", ".2f", 1e6), ("compiled us", "compiled_graph_s", ".2f", 1e6),
+           ("fused us", "fused_graph_s", ".2f", 1e6), ("pass us", "pass_graph_s", ".2f", 1e6),
+           ("matched", "pass_matches", "d"), ("x eager", "fused_vs_eager", ".1f"),
+           ("x compiled", "fused_vs_compiled", ".1f")]
 
 
 def make_case(tokens: int, gen: torch.Generator) -> dict:
@@ -135,14 +141,8 @@ def main() -> None:
             rows.append(row)
     result["seam"] = rows
 
-    print(f"\n{'tokens':>6} {'eager+launch us':>15} {'eager us':>9} {'compiled us':>11} {'fused us':>9} "
-          f"{'pass us':>8} {'matched':>7} {'x eager':>8} {'x compiled':>10}")
-    for r in rows:
-        print(f"{r['tokens']:>6} {microseconds(r['eager_launches_s']):>15} {microseconds(r['eager_graph_s']):>9} "
-              f"{microseconds(r['compiled_graph_s']):>11} {microseconds(r['fused_graph_s']):>9} "
-              f"{microseconds(r['pass_graph_s']):>8} "
-              f"{r['pass_matches']:>7} {r.get('fused_vs_eager', float('nan')):8.1f} "
-              f"{r.get('fused_vs_compiled', float('nan')):10.1f}")
+    print()
+    print_table(rows, COLUMNS)
     save_results(result, "mhc", args.out)
 
 

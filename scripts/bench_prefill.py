@@ -25,7 +25,7 @@ import torch
 
 import dsflash_compile
 from dsflash_compile import DeepseekV41ForCausalLM, preset_config
-from dsflash_compile.benchmarking import run_metadata, save_results
+from dsflash_compile.benchmarking import print_table, run_metadata, save_results
 
 
 def sync(device: torch.device) -> None:
@@ -107,10 +107,9 @@ def main() -> None:
     print(agentic, flush=True)
     result["agentic_turn"] = agentic
 
-    print(f"\n{'prompt':>8} {'replay off s':>12} {'replay on s':>12} {'reduction':>9}")
-    for r in result["rows"]:
-        print(f"{r['prompt']:>8} {r['ttft_replay_off_s']:12.4f} {r['ttft_replay_on_s']:12.4f} "
-              f"{100 * r['ttft_reduction']:8.1f}%")
+    print()
+    print_table(result["rows"], [("prompt", "prompt", "d"), ("replay off s", "ttft_replay_off_s", ".4f"),
+                                 ("replay on s", "ttft_replay_on_s", ".4f"), ("reduction %", "ttft_reduction", ".1f", 100)])
     print(f"agentic turn ({args.agentic_prefix} cached + {args.agentic_new} new): full {agentic['full_recompute_s']:.4f} s, "
           f"prefix-cache hit {agentic['prefix_cache_hit_s']:.4f} s ({agentic['speedup']:.1f}x)")
     save_results(result, "prefill", args.out)

@@ -19,11 +19,15 @@ import argparse
 
 import torch
 
-from dsflash_compile.benchmarking import fused_speedups, microseconds, run_metadata, save_results, time_graph, timed
+from dsflash_compile.benchmarking import fused_speedups, print_table, run_metadata, save_results, time_graph, timed
 from dsflash_compile import passes
 from dsflash_compile.moe import route
 
 DIM, EXPERTS, TOPK, NORMALIZE, SCALE = 5120, 384, 6, True, 1.5
+COLUMNS = [("tokens", "tokens", "d"), ("eager us", "eager_graph_s", ".2f", 1e6),
+           ("compiled us", "compiled_graph_s", ".2f", 1e6), ("fused us", "fused_graph_s", ".2f", 1e6),
+           ("gate GB/s", "fused_gate_GBps", ".0f"), ("x eager", "fused_vs_eager", ".1f"),
+           ("x compiled", "fused_vs_compiled", ".1f")]
 
 
 def make_case(tokens: int, dtype: torch.dtype, gen: torch.Generator) -> tuple:
@@ -102,12 +106,8 @@ def main() -> None:
             rows.append(row)
     result["router"] = rows
 
-    print(f"\n{'tokens':>6} {'eager us':>9} {'compiled us':>11} {'fused us':>9} {'gate GB/s':>9} {'x eager':>8} "
-          f"{'x compiled':>10}")
-    for r in rows:
-        print(f"{r['tokens']:>6} {microseconds(r['eager_graph_s']):>9} {microseconds(r['compiled_graph_s']):>11} "
-              f"{microseconds(r['fused_graph_s']):>9} {r.get('fused_gate_GBps', float('nan')):9.0f} "
-              f"{r.get('fused_vs_eager', float('nan')):8.1f} {r.get('fused_vs_compiled', float('nan')):10.1f}")
+    print()
+    print_table(rows, COLUMNS)
     save_results(result, "router", args.out)
 
 

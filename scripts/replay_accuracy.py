@@ -16,15 +16,13 @@ own prompt. Writes replay-accuracy-<date>.json.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import sys
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from dsflash_compile import DeepseekV41ForCausalLM, preset_config
+from dsflash_compile.benchmarking import print_table, run_metadata, save_results
 
 
 @torch.no_grad()
@@ -85,8 +83,8 @@ def main() -> None:
     models = {f"preset {args.preset}": DeepseekV41ForCausalLM(preset_config(args.preset)).eval().to(args.device)}
     if args.model:
         models[args.model] = DeepseekV41ForCausalLM.from_pretrained(args.model, device_map=args.device).eval()
-    result = {"command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
-              "device": args.device, "torch": torch.__version__, "rows": []}
+    result = run_metadata()
+    result.update(run_on=args.device, rows=[])
     gen = torch.Generator().manual_seed(args.seed)
     for name, model in models.items():
         text = model.model.text_config
@@ -106,18 +104,14 @@ def main() -> None:
                        trimmed=prompts.shape[1] > text.sliding_window, own_prompt=length is None)
             result["rows"].append(row)
 
-    print(f"\n{'model':28} {'len':>5} {'n':>4} {'trim':>5} {'tf agree':>8} {'mean KL':>9} {'max KL':>9} "
-          f"{'greedy agree':>12} {'all equal':>9} {'1st diff':>8}")
-    for r in result["rows"]:
-        print(f"{r['model'][-28:]:28} {r['prompt_len']:>5} {r['prompts']:>4} {str(r['trimmed']):>5} "
-              f"{r['teacher_forced_argmax_agreement']:8.3f} {r['mean_kl']:9.2e} {r['max_kl']:9.2e} "
-              f"{r['greedy_token_agreement']:12.3f} {r['greedy_all_tokens_equal']:9.3f} "
-              f"{r['mean_first_divergence']:8.1f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"replay-accuracy-{result['date']}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print("wrote", path)
+    print()
+    print_table(result["rows"], [("model", "model", "s"), ("len", "prompt_len", "d"), ("n", "prompts", "d"),
+                                 ("trim", "trimmed", "s"), ("tf agree", "teacher_forced_argmax_agreement", ".3f"),
+                                 ("mean KL", "mean_kl", ".2e"), ("max KL", "max_kl", ".2e"),
+                                 ("greedy agree", "greedy_token_agreement", ".3f"),
+                                 ("all equal", "greedy_all_tokens_equal", ".3f"),
+                                 ("1st diff", "mean_first_divergence", ".1f")])
+    save_results(result, "replay-accuracy", args.out)
 
 
 if __name__ == "__main__":

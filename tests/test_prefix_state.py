@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from dsflash_compile import DeepseekV41ForCausalLM, preset_config
-from dsflash_compile.prefix_state import restore, snapshot
+from dsflash_compile.prefix_cache import PrefixCache
+from dsflash_compile.prefix_state import PrefixState, restore, snapshot
+from test_model import left_pad
 
 H, L = 32, 60  # prefix (a multiple of the ratios, longer than tiny's 16-token window) and prompt lengths
 
@@ -90,15 +92,11 @@ def test_prefix_lengths_are_checked(tiny):
 
 def fake_state(length, nbytes_per_token=4):
     """A PrefixState of `length` tokens: one ratio-1 source whose rows hold nbytes_per_token bytes."""
-    from dsflash_compile.prefix_state import PrefixState
-
     rows = torch.arange(length * nbytes_per_token, dtype=torch.uint8).view(length, nbytes_per_token)
     return PrefixState(length, {5: rows}, {5: rows[:, :0]})
 
 
 def test_store_hits_the_longest_cached_prefix_beyond_the_window():
-    from dsflash_compile.prefix_cache import PrefixCache
-
     store = PrefixCache(block_size=16, window=16, budget_bytes=10_000)
     tokens = list(range(100))
     assert store.lookup(tokens) is None  # empty: a miss
@@ -113,8 +111,6 @@ def test_store_hits_the_longest_cached_prefix_beyond_the_window():
 
 
 def test_store_evicts_least_recently_used_within_its_budget():
-    from dsflash_compile.prefix_cache import PrefixCache
-
     store = PrefixCache(block_size=16, window=16, budget_bytes=3 * 64 * 4)  # three 64-token states
     prompts = [[p] * 64 for p in range(4)]
     for p in prompts[:3]:
@@ -132,8 +128,6 @@ def test_store_evicts_least_recently_used_within_its_budget():
 def test_store_replaces_a_prefix_by_its_extension():
     """A conversation's next turn extends the stored prompt: its entry replaces the shorter one (no rows kept
     twice) and still serves the shorter prefix; a prompt that only shares a shorter prefix keeps its own."""
-    from dsflash_compile.prefix_cache import PrefixCache
-
     store = PrefixCache(block_size=16, window=16, budget_bytes=10_000)
     tokens = list(range(96))
     store.insert(tokens[:32], fake_state(32))
@@ -150,8 +144,6 @@ def test_generate_reuses_the_previous_turn_through_the_prefix_cache():
     """Two turns of a conversation through generate(): the second prompt (the first, its answer and new
     tokens) hits the first turn's 48-token prefix; its first token is what restoring that state by hand and
     replaying from 48 - 16 gives. With bounded replay off the store is not used and generate() is exact."""
-    from dsflash_compile.prefix_state import restore
-
     torch.manual_seed(0)
     model = DeepseekV41ForCausalLM(preset_config("tiny")).eval()
     store = model.enable_prefix_cache(budget_bytes=1 << 24)
@@ -249,11 +241,7 @@ def test_batch_with_one_hit_and_one_miss_matches_each_row_alone():
     def first_tokens(prompts):
         model.enable_prefix_cache(budget_bytes=1 << 24)
         model.generate(base, max_new_tokens=1, do_sample=False)  # stores base's 48-token prefix
-        width = max(p.shape[1] for p in prompts)
-        ids = torch.full((len(prompts), width), 2)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, width - p.shape[1]:], mask[i, width - p.shape[1]:] = p[0], 1
+        ids, mask = left_pad([p[0] for p in prompts])
         out = model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
         return out[:, -1].tolist(), model.prefix_cache.stats.hits
 

@@ -10,6 +10,7 @@ from dsflash_compile import DeepseekV41ForCausalLM, preset_config
 from dsflash_compile.context import build_context
 from dsflash_compile.mhc import hc_pre
 from dsflash_compile.rope import rotation
+from test_model import left_pad, prompts
 
 
 def tiny_model(**overrides):
@@ -17,16 +18,9 @@ def tiny_model(**overrides):
     return DeepseekV41ForCausalLM(preset_config("tiny", **overrides)).eval()
 
 
-def ragged(lengths, vocab=512, seed=0):
-    """Left-padded prompts of these lengths: (ids, mask)."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.full((len(lengths), width), 2)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, vocab, (n,), generator=gen)
-        mask[i, width - n:] = 1
-    return ids, mask
+def ragged(lengths):
+    """Left-padded random prompts of these lengths: (ids, mask)."""
+    return left_pad(prompts(lengths))
 
 
 @torch.no_grad()
