@@ -314,13 +314,12 @@ def indexer_scores_triton(q, weights, keys, visible, num_rows, fmt, tokens_per_t
     return out
 
 
-def union_fits(seq: int, block_size: int, device: torch.device) -> bool:
+def union_fits(seq: int, block_size: int) -> bool:
     """The prefill path's choice (shapes only): a full group of tokens per sequence, and power-of-two
-    blocks (the union tile is NU x block_size key rows). Not on CUDA yet: its first H200 run faulted with a
-    misaligned address (8-byte reads of 68 B records, see `row` in the kernel); the sm_90 code no longer has
-    them (test_mxfp4_records_are_read_at_their_alignment) but the kernel has not run on a GPU since, so the
-    op takes it there only when asked (union=True)."""
-    return seq >= UNION_MIN_TOKENS and block_size & (block_size - 1) == 0 and device.type != "cuda"
+    blocks (the union tile is NU x block_size key rows). Record loads must stay 4-byte: row ids are summed
+    before any reshape, so alignment analysis cannot assume 8-row multiples (an H200 fault once came from
+    8-byte reads of 68 B records; test_mxfp4_records_are_read_at_their_alignment guards it)."""
+    return seq >= UNION_MIN_TOKENS and block_size & (block_size - 1) == 0
 
 
 def candidate_scores_triton(q, weights, keys, blocks, block_size, visible, fmt, tiles_per_program=None,
@@ -336,7 +335,7 @@ def candidate_scores_triton(q, weights, keys, blocks, block_size, visible, fmt, 
     out = q.new_empty(batch, seq, nb * block_size)
     if out.numel() == 0:
         return out
-    if union or (union is None and union_fits(seq, block_size, q.device)):
+    if union or (union is None and union_fits(seq, block_size)):
         groups = batch * triton.cdiv(seq, tokens_per_group)
         parts = parts or max(1, min(triton.cdiv(2 * _num_sms(q.device), groups), nb // (4 * union_blocks)))
         hp = _padded_heads(heads)

@@ -216,7 +216,7 @@ def time_topk(rows: int, width: int, gen) -> dict:
 def time_prefill_scores(case) -> dict:
     """candidate_scores alone on the prefill chunk: the path the op picks vs the per-token path forced."""
     args = (case["q"], case["weights"], case["keys_mxfp4"], case["blocks"], BLOCK, case["visible"], "mxfp4")
-    picked = "union" if indexer_triton.union_fits(case["q"].shape[1], BLOCK, case["q"].device) else "per-token"
+    picked = "union" if indexer_triton.union_fits(case["q"].shape[1], BLOCK) else "per-token"
     op_s = time_graph(lambda: ops.candidate_scores(*args), calls=2, replays=5)
     per_token_s = time_graph(lambda: indexer_triton.candidate_scores_triton(*args, union=False), calls=2, replays=5)
     share = union_share(case)
