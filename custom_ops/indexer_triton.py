@@ -20,7 +20,7 @@ is the tile's heads (padded to 16, tl.dot's minimum; padded heads have q = w = 0
              per-token kernel decoded the same MXFP4 rows TQ times and ran M = 32 dots. Here a program
              merges the TQ ascending block lists on the fly into their union, NU blocks (NU x bs key
              rows) per step, decodes those rows once and scores them for all TQ tokens in one
-             tensor-core dot of M = TQ x heads (128 at the release), then writes each token's scores
+             tensor-core dot of M = TQ x heads (64 at the release, TQ = 2), then writes each token's scores
              to the columns where its own list holds those blocks (a block a token lacks is computed
              and not stored). Work per group ~ |union|, between one token's list (identical lists) and
              TQ lists (disjoint: then no worse in decodes than the per-token kernel, only TQ x the
@@ -50,10 +50,15 @@ BLOCK_N = 64  # dense: keys per tile
 BLOCK_B = 128  # block max: blocks per program
 DENSE_TOKENS = 4  # dense prefill: query tokens sharing a key tile
 FORMATS = ("bf16", "mxfp4")
-UNION_TOKENS = 4  # union path: query tokens per group (M = 4 x 32 heads = 128, two Hopper wgmma tiles of 64)
-UNION_BLOCKS = 8  # union path: union blocks per step (N = 8 x 8 rows = 64)
-UNION_MIN_TOKENS = UNION_TOKENS  # fewer tokens per sequence (decode, short speculative chunks): the
-# per-token kernel (it has more programs per token, and a group would be mostly padding on the M side)
+# union path launch, from scripts/sweep_union.py on the H200 (union-sweep-2026-11-30.json): 2 tokens x 4
+# blocks (M = 2 x 32 heads = 64, one wgmma tile; N = 4 x 8 rows = 32) with 4 programs per group took
+# 10.4 / 11.2 ms at 128K / 512K against 16.0 / 18.2 ms for 4 x 8 with one: smaller unions waste fewer
+# rows on blocks only one token of the group needs
+UNION_TOKENS = 2  # query tokens per group
+UNION_BLOCKS = 4  # union blocks per step
+UNION_PARTS = 4  # programs per group (at least; more when the groups alone do not fill the GPU)
+UNION_MIN_TOKENS = 4  # fewer tokens per sequence (decode, short speculative chunks): the per-token kernel
+# (it has more programs per token, and a group would be mostly padding on the M side)
 SCAN = 512  # union path: list entries per step of the check
 
 
@@ -337,7 +342,8 @@ def candidate_scores_triton(q, weights, keys, blocks, block_size, visible, fmt, 
         return out
     if union or (union is None and union_fits(seq, block_size)):
         groups = batch * triton.cdiv(seq, tokens_per_group)
-        parts = parts or max(1, min(triton.cdiv(2 * _num_sms(q.device), groups), nb // (4 * union_blocks)))
+        wanted = max(UNION_PARTS, triton.cdiv(2 * _num_sms(q.device), groups))
+        parts = parts or max(1, min(wanted, nb // (4 * union_blocks)))
         hp = _padded_heads(heads)
         _candidate_union_kernel[(groups, parts)](
             q.contiguous(), weights.contiguous(), keys, blocks.contiguous(), visible.contiguous(), out, seq, nb, parts,

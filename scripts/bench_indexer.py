@@ -10,7 +10,7 @@
              candidate path's [rows, 16384]; the path the op picks (row-wise for many rows, radix split
              for few) and, for comparison, the radix path forced
   prefill    candidate_scores of the prefill chunk on the path the op picks (union of neighbours' blocks,
-             tensor-core M = 4 tokens x 32 heads) and on the per-token path forced, with the share of the
+             tensor-core M = UNION_TOKENS x 32 heads) and on the per-token path forced, with the share of the
              union that one token uses (1 = identical lists)
 
     python scripts/bench_indexer.py [--quick]     (writes benchmarks/results/indexer-<date>.json)
@@ -89,10 +89,12 @@ def day_zero_path(case, query_chunk: int = 128) -> torch.Tensor:
 
 
 def union_share(case) -> float:
-    """Mean over groups of 4 neighbouring tokens: blocks in one token's list / blocks in the group's union."""
+    """Mean over groups of UNION_TOKENS neighbouring tokens: blocks in one token's list / blocks in the
+    group's union."""
+    tq = indexer_triton.UNION_TOKENS
     blocks = case["blocks"].long()
     batch, seq, nb = blocks.shape
-    groups = blocks[:, :seq // 4 * 4].reshape(batch, seq // 4, 4 * nb)
+    groups = blocks[:, :seq // tq * tq].reshape(batch, seq // tq, tq * nb)
     n_blocks = -(-case["context"] // BLOCK)
     seen = torch.zeros(*groups.shape[:-1], n_blocks + 1, device=blocks.device)
     seen.scatter_(-1, torch.where(groups >= 0, groups, n_blocks), 1.0)
