@@ -17,7 +17,9 @@ What it sets up (SYSTEM.md, the compiler):
     graph; capturing the step ourselves gives the single replay.)
   - prefill chunks run the compiled blocks without graphs, per (batch bucket, length bucket): a chunk is
     left-padded to its bucket (padding columns are inert) and longer prompts run in chunks of the largest
-    bucket, so a new prompt length never compiles anew.
+    bucket, so a new prompt length never compiles anew. With bounded replay the last chunk's trimmed
+    layers (after the last KV source, on [B, window] columns) replay one CUDA graph per batch bucket
+    (trimmed_graphs.py).
 Inside, shapes are static: score rows span the cache's max_length (context.build_context says why that
 changes no output).
 """
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from . import passes
 from .cache import CacheCapacityError
 from .context import check_left_padding
+from .trimmed_graphs import TrimmedGraphs
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class CompileOptions:
     prefill_buckets: tuple[int, ...] = (16, 64, 256, 1024, 4096)  # chunk lengths; longer prompts are chunked
     passes: bool = True  # our FX passes (mHC seam and router fusion)
     cuda_graphs: bool = True  # decode as mode="reduce-overhead" (CUDA only)
+    trimmed_graphs: bool = True  # bounded replay's trimmed layers as CUDA graphs too (with cuda_graphs)
     swa_bounded_replay: bool | None = None  # sets the model config's switch (None: keep the config's value)
     backend: str = "inductor"  # torch.compile backend ("eager" / "aot_eager": quick graph checks in tests)
 
@@ -97,6 +101,8 @@ class CompiledRunner:
         self.cuda_graphs = options.cuda_graphs and model.device.type == "cuda"
         self.graphs: dict[int, tuple] = {}  # batch bucket -> (graph, static ids, static mask, static logits)
         self.pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self.trimmed = TrimmedGraphs(model.model, self.pool) if self.cuda_graphs and options.trimmed_graphs else None
+        # (runner.cuda_graphs = False later turns both kinds off: tests compare with and without graphs)
 
     def _decode_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.model.model.run(input_ids, attention_mask, self.cache, self.cache.max_length)
@@ -174,7 +180,7 @@ class CompiledRunner:
             tail = None if window is None else window if last else 0
             pad = _bucket(self.prefill_buckets, end - start) - (end - start)
             hidden = model.run(F.pad(ids, (pad, 0)), F.pad(mask, (pad, 0)), self.cache, self.cache.max_length,
-                               tail, replay_from)
+                               tail, replay_from, self.trimmed if self.cuda_graphs else None)
             if hidden is not None and end > seq - keep:
                 kept.append(hidden if tail else hidden[:, pad:])
         return torch.cat(kept, dim=1)[:, -keep:]

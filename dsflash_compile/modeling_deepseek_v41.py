@@ -217,34 +217,52 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         return None
 
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DeepseekV41Cache,
-            columns_after: int, tail: int | None = None, replay_from: torch.Tensor | None = None
-            ) -> torch.Tensor | None:
+            columns_after: int, tail: int | None = None, replay_from: torch.Tensor | None = None,
+            trimmed=None) -> torch.Tensor | None:
         """The tensor work of a forward: no host syncs and no host-side cache state, so compiled graphs
         capture exactly this (build_context explains `columns_after`). The caller checks the input and
         advances `cache.seen_columns`. tail: run the layers after the last KV source on the last `tail`
         columns only (bounded replay; the result then has those columns), or not at all with 0 (a prompt
-        chunk before the last: returns None); None runs every layer on every column.
+        chunk before the last: returns None); None runs every layer on every column. trimmed: what runs
+        those layers on the tail (same arguments as `run_trimmed`, its default; the compiled runner passes
+        its CUDA graphs).
         replay_from [B]: a prefix-cache hit ending at H was restored into each row (compressed rows and
         index keys below H, cache length H - W; 0 for a row without a hit): the columns from H - W on are
         replayed, every layer's window sees nothing below H - W, and the restored rows are not rewritten.
         Position-based, so it holds for every chunk of a chunked prompt."""
         ctx, streams, pre_mix, hash_ids = self.begin(input_ids, attention_mask, cache, columns_after, replay_from)
-        layer_ctx, cut = ctx, self.text_config.last_kv_source_layer
-        for block in self.layers:
+        if tail is None:
+            hidden = self.norm(hc_pre(*self.run_layers(self.layers, ctx, cache, streams, pre_mix, hash_ids)))
+        else:
+            cut = self.text_config.last_kv_source_layer + 1
+            streams, pre_mix = self.run_layers(self.layers[:cut], ctx, cache, streams, pre_mix, hash_ids)
+            hidden = None
+            if tail:
+                later = {layer: ids[:, -tail:].contiguous() for layer, ids in hash_ids.items() if layer >= cut}
+                hidden = (trimmed or self.run_trimmed)(tail_context(ctx, attention_mask, tail), cache,
+                                                       streams[:, -tail:].contiguous(),
+                                                       pre_mix[:, -tail:].contiguous(), later)
+        self.advance(ctx)
+        return hidden
+
+    def run_layers(self, layers, ctx: ForwardContext, cache: DeepseekV41Cache, streams: torch.Tensor,
+                   pre_mix: torch.Tensor, hash_ids: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run these decoder blocks in order; an index source publishes its top-k into ctx.topk."""
+        for block in layers:
             role = block.role
-            if tail is not None and role.layer == cut + 1:
-                if tail == 0:
-                    return self.advance(ctx)
-                layer_ctx = tail_context(ctx, attention_mask, tail)
-                streams, pre_mix = streams[:, -tail:].contiguous(), pre_mix[:, -tail:].contiguous()
             if block.engram is not None:
                 streams = block.engram(streams, hash_ids[role.layer])
-            streams, pre_mix, topk = block(streams, pre_mix, layer_ctx, cache.layer(role),
-                                           layer_ctx.topk.get(role.topk_layer))
+            streams, pre_mix, topk = block(streams, pre_mix, ctx, cache.layer(role), ctx.topk.get(role.topk_layer))
             if role.is_index_source:
-                layer_ctx.topk[role.layer] = topk
-        self.advance(ctx)
-        return self.norm(hc_pre(streams, pre_mix))
+                ctx.topk[role.layer] = topk
+        return streams, pre_mix
+
+    def run_trimmed(self, ctx: ForwardContext, cache: DeepseekV41Cache, streams: torch.Tensor,
+                    pre_mix: torch.Tensor, hash_ids: dict) -> torch.Tensor:
+        """Bounded replay's trimmed part on the tail columns (ctx from tail_context): the layers after the
+        last KV source, then the final norm."""
+        cut = self.text_config.last_kv_source_layer + 1
+        return self.norm(hc_pre(*self.run_layers(self.layers[cut:], ctx, cache, streams, pre_mix, hash_ids)))
 
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DeepseekV41Cache,
               columns_after: int, replay_from: torch.Tensor | None = None):

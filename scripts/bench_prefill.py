@@ -7,10 +7,11 @@ cache, through dsflash_compile.compile (chunked prefill, batch 1).
         --device cpu --backend eager --repeats 1      (a quick check on the CPU)
 
 TTFT = one prefill forward of a fresh random prompt asking for the last logits (what generate() does),
-synchronized, median of --repeats after one untimed run of the same length (compiles what it needs). Replay
-off runs every layer on every token; replay on runs the layers after the last KV source on the last window
-of tokens only. The trimmed layers run as compiled blocks, not yet as their own CUDA graphs (issue 6 item 2),
-so that variant is not here. Agentic turn: a prompt of --agentic-prefix tokens was answered before; the next
+synchronized, median of --repeats after one untimed run of the same length (compiles what it needs).
+Three variants per length: replay off (every layer on every token); replay on with the trimmed layers
+(after the last KV source, on the last window of tokens) as compiled blocks launched one by one; replay on
+with them replayed as one CUDA graph (the default on CUDA). The two replay-on variants must give the same
+logits bit for bit (checked, `graphs_equal`). Agentic turn: a prompt of --agentic-prefix tokens was answered before; the next
 prompt extends it by --agentic-new tokens. Full recompute (replay on, no prefix cache) vs a prefix-cache hit
 (the previous prompt's state restored, the last window replayed). Writes prefill-<date>.json.
 """
@@ -34,19 +35,30 @@ def sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def ttft(model, ids: torch.Tensor, repeats: int) -> float:
+def ttft(model, ids: torch.Tensor, repeats: int) -> tuple[float, torch.Tensor]:
     """Median seconds of a prefill of `ids` into the compiled runner's emptied cache, after one untimed run
-    (repeats=0: the one run, timed)."""
+    (repeats=0: the one run, timed), and the last run's logits."""
     runner, times = model.compiled_runner, []
     for i in range(repeats + 1):
         cache = runner.fresh_cache(1, ids.shape[1] + 1)
         sync(ids.device)
         start = time.perf_counter()
-        model(ids, cache=cache, logits_to_keep=1)
+        logits = model(ids, cache=cache, logits_to_keep=1).logits
         sync(ids.device)
         if i or not repeats:
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), logits
+
+
+COLUMNS = [("prompt", "prompt", "d"), ("replay off s", "ttft_replay_off_s", ".4f"),
+           ("on, blocks s", "ttft_replay_on_blocks_s", ".4f"), ("on, graphs s", "ttft_replay_on_graphs_s", ".4f"),
+           ("reduction %", "ttft_reduction", ".1f", 100), ("graphs x", "graphs_vs_blocks", ".2f"),
+           ("graphs equal", "graphs_equal", "")]
+
+
+def print_rows(rows: list[dict]) -> None:
+    print()
+    print_table(rows, COLUMNS)
 
 
 def main() -> None:
@@ -58,6 +70,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (eager: a quick CPU check)")
+    parser.add_argument("--no-agentic", action="store_true", help="time the prompt lengths only")
+    parser.add_argument("--name", default="prefill", help="results file: <out>/<name>-<date>.json")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
 
@@ -76,27 +90,47 @@ def main() -> None:
     def prompt(length: int) -> torch.Tensor:
         return torch.randint(3, text.vocab_size, (1, length), generator=gen).to(device)
 
+    runner = model.compiled_runner
+    graphs = runner.trimmed  # None off CUDA: then the graph variant is not timed
+    variants = [("off", False, None), ("on_blocks", True, None)] + ([("on_graphs", True, graphs)] if graphs else [])
     for length in args.lengths:
-        row = {"prompt": length}
-        for replay in (False, True):
-            text.swa_bounded_replay = replay
-            row[f"ttft_replay_{'on' if replay else 'off'}_s"] = ttft(model, prompt(length), args.repeats)
-        row["ttft_reduction"] = 1 - row["ttft_replay_on_s"] / row["ttft_replay_off_s"]
+        row, ids, logits = {"prompt": length}, prompt(length), {}
+        for name, replay, trimmed in variants:
+            text.swa_bounded_replay, runner.trimmed = replay, trimmed
+            try:
+                row[f"ttft_replay_{name}_s"], logits[name] = ttft(model, ids, args.repeats)
+            except RuntimeError as error:  # a capture failure must not lose the other variants' numbers
+                if trimmed is None:
+                    raise
+                row["graphs_error"] = repr(error)
+                print("trimmed-layer graphs failed:", repr(error), flush=True)
+                graphs, variants = None, variants[:2]
+        runner.trimmed = graphs
+        best = row.get("ttft_replay_on_graphs_s", row["ttft_replay_on_blocks_s"])
+        row["ttft_reduction"] = 1 - best / row["ttft_replay_off_s"]
+        if graphs:
+            row["graphs_equal"] = torch.equal(logits["on_blocks"], logits["on_graphs"])
+            row["graphs_vs_blocks"] = row["ttft_replay_on_blocks_s"] / row["ttft_replay_on_graphs_s"]
         print(row, flush=True)
         result["rows"].append(row)
+        save_results(result, args.name, args.out)  # after every length: a run cut short keeps what it measured
     result["first_compile_and_prefills_s"] = time.perf_counter() - build
+    if args.no_agentic:
+        print_rows(result["rows"])
+        save_results(result, args.name, args.out)
+        return
 
     text.swa_bounded_replay = True
     before = prompt(args.agentic_prefix)
     turn = torch.cat([before, prompt(args.agentic_new)], 1)
     agentic = {"prefix": args.agentic_prefix, "new": args.agentic_new,
-               "full_recompute_s": ttft(model, turn, args.repeats)}
+               "full_recompute_s": ttft(model, turn, args.repeats)[0]}
     hits = []
     for i in range(args.repeats + 1):  # each with a new store holding only the previous prompt (first untimed)
         store = model.enable_prefix_cache(budget_bytes=1 << 36)
         with torch.inference_mode():
             model(before, cache=model.compiled_runner.fresh_cache(1, before.shape[1] + 1), logits_to_keep=1)
-        seconds = ttft(model, turn, 0)
+        seconds = ttft(model, turn, 0)[0]
         if i:
             hits.append(seconds)
         assert store.stats.hits == 1, "the turn did not hit the previous prompt's prefix"
@@ -107,12 +141,10 @@ def main() -> None:
     print(agentic, flush=True)
     result["agentic_turn"] = agentic
 
-    print()
-    print_table(result["rows"], [("prompt", "prompt", "d"), ("replay off s", "ttft_replay_off_s", ".4f"),
-                                 ("replay on s", "ttft_replay_on_s", ".4f"), ("reduction %", "ttft_reduction", ".1f", 100)])
+    print_rows(result["rows"])
     print(f"agentic turn ({args.agentic_prefix} cached + {args.agentic_new} new): full {agentic['full_recompute_s']:.4f} s, "
           f"prefix-cache hit {agentic['prefix_cache_hit_s']:.4f} s ({agentic['speedup']:.1f}x)")
-    save_results(result, "prefill", args.out)
+    save_results(result, args.name, args.out)
 
 
 if __name__ == "__main__":

@@ -133,9 +133,11 @@ def test_compile_refuses_what_it_cannot_capture(fresh_dynamo):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="decode CUDA graphs need a GPU")
 @torch.no_grad()
 def test_cuda_graph_decode_follows_eager(fresh_dynamo):
-    """On a GPU, teacher-forced prefill + 8 decode steps:
-    - the captured decode graph gives the same bits as the same compiled blocks run without the graph
-      (capture, replay and the cache restore around the warm-up are exact), one graph per batch bucket;
+    """On a GPU, teacher-forced prefill (20 tokens, longer than the 16-token window: bounded replay trims)
+    + 8 decode steps:
+    - the captured decode graph and the trimmed layers' graph give the same bits as the same compiled
+      blocks run without graphs (capture, replay and the cache restore around the warm-up are exact), one
+      graph per batch bucket each;
     - compiled and eager agree within rounding: Inductor reorders fp32 sums, which can move an FP8/FP4
       quantization step, and on this random tiny model that moves logits by up to ~0.1 (the golden
       fixture's arithmetic-order probe allows 1.8); a real error (a stale row, a wrong position) is O(1)."""
@@ -151,6 +153,7 @@ def test_cuda_graph_decode_follows_eager(fresh_dynamo):
     runner = model.compiled_runner
     got = teacher_forced(runner.fresh_cache(2, 64))
     assert list(runner.graphs) == [2]
+    assert len(runner.trimmed.graphs) == 1
     runner.cuda_graphs = False
     without_graph = teacher_forced(runner.fresh_cache(2, 64))
     for step, (g, n, w) in enumerate(zip(got, without_graph, want)):
