@@ -68,10 +68,13 @@ class TrimmedGraphs:
                 hidden = self.model.run_trimmed(ctx, cache, streams, pre_mix, hash_ids)
             torch.cuda.current_stream().wait_stream(side)
             static = _static_copy(ctx, streams, pre_mix, hash_ids)
+            # listed before capture: an index source among the trimmed layers adds its top-k to the static
+            # context while capturing, which would shift the list against the live inputs
+            static_inputs = _inputs(*static)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self.model.run_trimmed(static[0], cache, *static[1:])
-            self.graphs[key] = (graph, _inputs(*static), out)
+            self.graphs[key] = (graph, static_inputs, out)
             return hidden
         graph, static_inputs, out = entry
         for dst, src in zip(static_inputs, _inputs(ctx, streams, pre_mix, hash_ids)):
