@@ -15,10 +15,11 @@ model's outputs replace the planned answers when the workload is served; the pla
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from .benchmarking import percentiles
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,15 @@ class WorkloadConfig:
                 raise ValueError(f"WorkloadConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.scale <= 1:
             raise ValueError(f"WorkloadConfig.scale must be in (0, 1], got {self.scale}")
+
+    def scaled(self, n: int) -> int:
+        """A length of the unscaled workload at this scale (at least 1 token)."""
+        return max(1, round(n * self.scale))
+
+    @property
+    def system_tokens(self) -> int:
+        """Length of the system prefix every session starts with."""
+        return self.scaled(self.system_prefix)
 
 
 @dataclass
@@ -76,24 +86,15 @@ def make_workload(config: WorkloadConfig) -> list[Session]:
     def tokens(n: int) -> list[int]:
         return torch.randint(3, config.vocab_size, (n,), generator=gen).tolist()
 
-    def scaled(n: int) -> int:
-        return max(1, round(n * config.scale))
-
-    system = tokens(scaled(config.system_prefix))
+    system = tokens(config.system_tokens)
     sessions = []
     for index in range(config.sessions):
-        session = Session(index, system + tokens(scaled(config.first_user)))
+        session = Session(index, system + tokens(config.scaled(config.first_user)))
         for turn in range(_lognormal(gen, config.median_turns, config.spread)):
-            new = [] if turn == 0 else tokens(_lognormal(gen, scaled(config.median_new_tokens), config.spread))
-            session.turns.append(Turn(new, _lognormal(gen, scaled(config.median_output), config.spread)))
+            new = [] if turn == 0 else tokens(_lognormal(gen, config.scaled(config.median_new_tokens), config.spread))
+            session.turns.append(Turn(new, _lognormal(gen, config.scaled(config.median_output), config.spread)))
         sessions.append(session)
     return sessions
-
-
-def _percentiles(values: list[float]) -> dict:
-    ordered = sorted(values)
-    return {"p50": statistics.median(ordered), "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
-            "mean": statistics.fmean(ordered)}
 
 
 def workload_stats(config: WorkloadConfig, sessions: list[Session]) -> dict:
@@ -102,7 +103,7 @@ def workload_stats(config: WorkloadConfig, sessions: list[Session]) -> dict:
     prefix for a later session's first turn). An upper bound on what a prefix cache serves: the cache
     rounds a hit down to whole blocks and needs it longer than the window."""
     turns, inputs, outputs, reused, total = [], [], [], 0, 0
-    system = max(1, round(config.system_prefix * config.scale))
+    system = config.system_tokens
     for session in sessions:
         prompts = session.planned_prompts()
         turns.append(len(prompts))
@@ -115,5 +116,5 @@ def workload_stats(config: WorkloadConfig, sessions: list[Session]) -> dict:
             elif session.index:
                 reused += system
     return {"config": asdict(config), "sessions": len(sessions), "requests": len(inputs),
-            "turns": _percentiles(turns), "input_tokens": _percentiles(inputs), "output_tokens": _percentiles(outputs),
+            "turns": percentiles(turns), "input_tokens": percentiles(inputs), "output_tokens": percentiles(outputs),
             "prefix_hit_rate": reused / total}

@@ -15,6 +15,21 @@ from pathlib import Path
 import torch
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (host clocks then time real work on CUDA; a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def percentiles(values: list[float]) -> dict:
+    """p50 (median), p90 (nearest rank) and mean; None for each when there are no values."""
+    if not values:
+        return {"p50": None, "p90": None, "mean": None}
+    ordered = sorted(values)
+    return {"p50": statistics.median(ordered), "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+            "mean": statistics.fmean(ordered)}
+
+
 def copy_bandwidth() -> float:
     """Bytes read + written per second of a 1 GiB device copy (median of 20 after 2 warm-ups)."""
     x = torch.empty(2 ** 29, dtype=torch.bfloat16, device="cuda")

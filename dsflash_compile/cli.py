@@ -2,16 +2,22 @@
 
   dsflash generate --preset tiny                       random-weight preset, no download
   dsflash generate --model PATH --prompt-ids 0 17 42   a checkpoint folder in the release layout
+  dsflash bench serve [options]                        the latency-throughput curve (serve_bench.py)
+  dsflash bench plot RESULTS.json                      its PNG
+  dsflash bench attention|indexer|prefill|decode|mhc|router [script options]   the scripts/ benchmarks
 """
 
 from __future__ import annotations
 
 import argparse
+import runpy
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+from .benchmarking import sync
 from .presets import PRESETS
 
 
@@ -24,14 +30,12 @@ def _parse_ids(values: list[str]) -> list[int]:
 
 def build_model(args):
     from .modeling_deepseek_v41 import DeepseekV41ForCausalLM
-    from .presets import preset_config
+    from .presets import preset_model
 
     device, replay = torch.device(args.device), {"swa_bounded_replay": args.swa_bounded_replay}
     if args.model:
         return DeepseekV41ForCausalLM.from_pretrained(args.model, device_map=device, **replay)
-    torch.manual_seed(args.seed)
-    with torch.device(device):
-        return DeepseekV41ForCausalLM(preset_config(args.preset, **replay)).eval()
+    return preset_model(args.preset, device, args.seed, **replay)
 
 
 def cmd_generate(args) -> int:
@@ -51,14 +55,14 @@ def cmd_generate(args) -> int:
     with torch.inference_mode():
         start = time.perf_counter()
         logits = model(ids, cache=cache, logits_to_keep=1).logits
-        _sync(model.device)
+        sync(model.device)
         prefill_s = time.perf_counter() - start
         out = [int(logits[0, -1].argmax())]
         start = time.perf_counter()
         for _ in range(args.max_new_tokens - 1):
             step = torch.tensor([[out[-1]]], device=model.device)
             out.append(int(model(step, cache=cache, logits_to_keep=1).logits[0, -1].argmax()))
-        _sync(model.device)
+        sync(model.device)
         decode_s = time.perf_counter() - start
 
     source = args.model or f"preset {args.preset}"
@@ -71,12 +75,70 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+# `dsflash bench NAME ARGS...` runs scripts/FILE with ARGS: the scripts stay runnable on their own
+BENCH_SCRIPTS = {
+    "attention": ("bench_attention.py", "attention kernel over NVFP4 / FP8 / bf16 records vs the reference"),
+    "indexer": ("bench_indexer.py", "candidate-only indexer vs dense + mask + top-k; radix top-k"),
+    "prefill": ("bench_prefill.py", "TTFT with bounded replay off / on; an agentic turn with the prefix cache"),
+    "decode": ("compile_and_profile.py", "a preset's decode step: day-zero vs compiled, kernels, floor"),
+    "mhc": ("bench_mhc.py", "fused mHC seam vs eager and plain torch.compile"),
+    "router": ("bench_router.py", "fused router vs eager and plain torch.compile"),
+}
+
+
+def run_script(name: str, args: list[str]) -> int:
+    """Run scripts/<file> of a source checkout as `python scripts/<file> ARGS` would."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / BENCH_SCRIPTS[name][0]
+    if not script.is_file():
+        raise SystemExit(f"dsflash bench {name}: {script} is not there; the benchmark scripts ship with the source "
+                         "checkout, not the installed package (clone the repository and `pip install -e .`)")
+    saved = sys.argv
+    sys.argv = [str(script), *args]  # the script's argparse reads sys.argv
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = saved
+    return 0
+
+
+def add_bench(sub) -> None:
+    from . import serve_bench
+
+    bench = sub.add_parser("bench", help="benchmarks (results under benchmarks/results/)")
+    which = bench.add_subparsers(dest="bench", required=True)
+    serve = which.add_parser("serve", help="latency-throughput curve on the agentic workload, day-zero vs optimized",
+                             description=serve_bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve_bench.add_arguments(serve)
+    plot = which.add_parser("plot", help="the PNG of a `bench serve` result")
+    plot.add_argument("results", help="serve-<preset>-<date>.json")
+    plot.add_argument("--png", help="output path (default: the JSON's with .png)")
+    for name, (script, summary) in BENCH_SCRIPTS.items():
+        # listed for --help only: main() hands these to run_script before parsing
+        which.add_parser(name, help=f"{summary} (scripts/{script}; its options pass through)", add_help=False)
+
+
+def cmd_bench(args, parser) -> int:
+    if args.bench == "plot":
+        from .serve_plot import plot
+
+        if not Path(args.results).is_file():
+            parser.error(f"bench plot: {args.results} is not a file")
+        plot(args.results, args.png)
+        return 0
+    from . import serve_bench
+
+    try:
+        serve_bench.check_arguments(args)
+    except ValueError as error:
+        parser.error(f"bench serve: {error}")
+    serve_bench.run(args)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCH_SCRIPTS:
+        return run_script(argv[1], argv[2:])  # argparse would take the script's own options (--help) as ours
     parser = argparse.ArgumentParser(prog="dsflash", description="DeepSeek-V4.1-Flash with dsflash_compile")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="greedy generation from token ids; prints ids and tokens/s")
@@ -92,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--no-swa-bounded-replay", dest="swa_bounded_replay", action="store_false",
                      help="run every layer on every prompt token (bounded replay is on by default: the layers "
                           "after the last KV source see only the prompt's last window of tokens)")
+    add_bench(sub)
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        return cmd_bench(args, parser)
     if args.command == "generate":
         if args.max_new_tokens < 1:
             parser.error("--max-new-tokens must be >= 1")

@@ -92,8 +92,10 @@ class CompiledRunner:
             raise ValueError(f"compile(): the largest prefill bucket ({self.prefill_buckets[-1]}) must be at least "
                              f"the window ({text.sliding_window}): bounded replay runs the last chunk's last window "
                              "of tokens through the trimmed layers (or pass swa_bounded_replay=False)")
-        # every block shares one code object: its cache holds (roles ~6) x (shapes) graphs
-        graphs = 8 * len(self.batch_buckets) * (len(self.prefill_buckets) + 1)
+        # every block shares one code object: its cache holds (roles ~6) x (shapes) graphs; per batch bucket
+        # the shapes are each prefill bucket at full depth and trimmed (bounded replay), the window-long tail
+        # and the decode step
+        graphs = 8 * len(self.batch_buckets) * (2 * len(self.prefill_buckets) + 2)
         for limit in ("cache_size_limit", "accumulated_cache_size_limit"):
             setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), graphs))
         for block in model.model.layers:
@@ -195,14 +197,16 @@ class CompiledRunner:
             lengths.add(window)
         return sorted(n for n in lengths if n <= self.prefill_buckets[-1])
 
+    @torch.no_grad()  # as generate() runs: graphs compiled with grad mode on would not serve it
     def warm_up(self, batch_sizes=None, prefill_lengths=None) -> None:
         """Compile the blocks and capture the decode graphs for these batch sizes and prompt lengths now,
         on throwaway inputs; the cache is emptied afterwards."""
         lengths = prefill_lengths or self._warm_lengths()
         for batch in batch_sizes or self.batch_buckets:
             ids = torch.zeros(batch, max(lengths), dtype=torch.long, device=self.model.device)
-            # with a prefix cache every prefill carries replay_from (zeros without a hit): the same graphs
-            replay = None if self.model.prefix_cache is None else torch.zeros_like(ids[:, 0])
+            # with a prefix cache every prefill carries replay_from (zeros without a hit): the same graphs.
+            # Contiguous like use_hits' (a column view's stride would fail the graphs' guards)
+            replay = None if self.model.prefix_cache is None else ids.new_zeros(batch)
             for length in lengths:
                 self.cache.reset()
                 self(ids[:, :length], torch.ones_like(ids[:, :length]), 1, replay)

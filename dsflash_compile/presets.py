@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import copy
 
+import torch
+
 from .configuration_deepseek_v41 import DeepseekV41Config
 from .engram_hash import derive_hash_params
 
@@ -97,3 +99,13 @@ def preset_config(name: str, **text_overrides) -> DeepseekV41Config:
     return DeepseekV41Config(architectures=["DeepseekV41ForCausalLM"], text_config=text,
                              quantization_config=dict(_QUANT), image_token_id=text["vocab_size"] - 16,
                              dtype="bfloat16")
+
+
+def preset_model(name: str, device: str | torch.device = "cpu", seed: int = 0, **text_overrides):
+    """A random-weight DeepseekV41ForCausalLM of the named preset on `device`, in eval mode; one seed gives
+    the same weights every time (benchmarks compare configurations on them)."""
+    from .modeling_deepseek_v41 import DeepseekV41ForCausalLM  # the model module builds on this one's config
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return DeepseekV41ForCausalLM(preset_config(name, **text_overrides)).eval()

@@ -25,13 +25,8 @@ import time
 import torch
 
 import dsflash_compile
-from dsflash_compile import DeepseekV41ForCausalLM, preset_config
-from dsflash_compile.benchmarking import print_table, run_metadata, save_results
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from dsflash_compile.benchmarking import print_table, run_metadata, save_results, sync
+from dsflash_compile.presets import preset_model
 
 
 @torch.inference_mode()
@@ -76,9 +71,7 @@ def main() -> None:
     args = parser.parse_args()
 
     device = torch.device(args.device)
-    torch.manual_seed(0)
-    with device:
-        model = DeepseekV41ForCausalLM(preset_config(args.preset)).eval()
+    model = preset_model(args.preset, device)
     text = model.model.text_config
     longest = max(*args.lengths, args.agentic_prefix + args.agentic_new)
     build = time.perf_counter()

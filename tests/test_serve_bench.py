@@ -1,0 +1,105 @@
+"""`dsflash bench serve` / `bench plot` / `bench <script>` on the CPU: the whole serve pipeline on `tiny` with a
+tiny workload, both configurations (the optimized one compiled with the "eager" backend: Dynamo graphs and
+guards, no code generation), its JSON and PNG; the headline's interpolation; the CLI's errors."""
+
+import json
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor import config as inductor_config
+
+from dsflash_compile import cli
+from dsflash_compile.serve_bench import throughput_at
+
+SERVE = ["bench", "serve", "--preset", "tiny", "--device", "cpu", "--concurrency", "1", "2", "--turns", "2",
+         "--max-new-tokens", "4", "--scale", "1/128", "--backend", "eager", "--prefill-buckets", "32",
+         "--batch-buckets", "2"]  # one batch bucket and one prefill bucket: the fewest graphs to trace
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One run for the module (tracing the graphs takes most of its ~20 s). compile() changes Inductor
+    settings (restored here); one thread, since OpenMP threads spin-waiting on shared cores make tiny ops
+    slow by 10-100x."""
+    out, threads = tmp_path_factory.mktemp("serve"), torch.get_num_threads()
+    torch._dynamo.reset()
+    counters.clear()
+    torch.set_num_threads(1)
+    try:
+        with inductor_config.patch(post_grad_custom_post_pass=inductor_config.post_grad_custom_post_pass,
+                                   online_softmax=inductor_config.online_softmax,
+                                   emulate_precision_casts=inductor_config.emulate_precision_casts):
+            assert cli.main([*SERVE, "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
+    [path] = out.glob("serve-tiny-*.json")
+    return path
+
+
+def test_results_hold_both_curves_per_request_records_and_headlines(served):
+    result = json.loads(served.read_text())
+    for key in ("command", "date", "device", "commit", "torch", "batching", "max_length", "options"):
+        assert key in result
+    assert "lockstep" in result["batching"]
+    assert result["workload"]["sessions"] == 2 and 0 < result["workload"]["prefix_hit_rate"] <= 1
+    assert set(result["configs"]) == {"day-zero", "optimized"}
+    for name, entry in result["configs"].items():
+        assert set(entry["concurrency"]) == {"1", "2"}
+        for c, point in entry["concurrency"].items():
+            assert "error" not in point, point.get("error")
+            assert point["turns"] == 2 and point["requests"] == 2 * int(c) == len(point["records"])
+            assert point["generated_tokens"] == sum(r["new_tokens"] for r in point["records"])
+            assert point["tokens_s_per_gpu"] > 0
+            for key in ("ttft_s", "tpot_s", "tokens_s_per_user", "prompt_tokens"):
+                assert point[key]["p50"] > 0 and point[key]["p90"] >= point[key]["p50"]
+            for record in point["records"]:
+                assert 1 <= record["new_tokens"] <= 4 and record["ttft_s"] > 0
+            # a session's second prompt is its first + the answer + new text
+            first, second = (r for r in point["records"] if r["session"] == 0)
+            assert second["prompt_tokens"] > first["prompt_tokens"] + first["new_tokens"]
+    for point in result["configs"]["optimized"]["concurrency"].values():
+        assert point["prefix_cache"]["hits"] > 0  # the system prefix, then each session's previous turn
+        assert point["graphs_compiled_while_timed"] == 0
+    head = result["headline"]
+    assert head["lowest_concurrency"] == 1
+    assert head["ttft_speedup_p50"] > 0 and head["tpot_speedup_p50"] > 0
+    day_zero_speeds = [p["tokens_s_per_user"]["p50"] for p in result["configs"]["day-zero"]["concurrency"].values()]
+    assert head["tokens_s_per_user_constraint"] in day_zero_speeds
+    assert head["day-zero_tokens_s_per_gpu_at_constraint"] > 0
+    ratio = head["throughput_ratio_at_constraint"]  # None when the optimized curve never reaches that speed
+    assert ratio is None or ratio > 0
+
+
+def test_plot_is_written_and_remade_from_the_json(served, tmp_path):
+    assert served.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    png = tmp_path / "again.png"
+    assert cli.main(["bench", "plot", str(served), "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_throughput_at_a_per_user_speed_interpolates_and_flags_the_curve_end():
+    points = [(1, 100.0, 100.0), (8, 50.0, 400.0), (64, 10.0, 640.0)]  # (C, tokens/s per user, per GPU)
+    assert throughput_at(points, 75.0) == (250.0, False)  # halfway between C=1 and C=8
+    assert throughput_at(points, 50.0) == (400.0, False)
+    assert throughput_at(points, 5.0) == (640.0, True)  # every point is fast enough: a lower bound
+    assert throughput_at(points, 200.0) == (None, False)
+
+
+def test_cli_parses_bench_commands_and_names_bad_input(capsys, monkeypatch):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["bench", "serve", "--help"])
+    assert done.value.code == 0 and "lockstep" in capsys.readouterr().out.lower()
+    with pytest.raises(SystemExit) as done:  # the script's own --help, passed through
+        cli.main(["bench", "attention", "--help"])
+    assert done.value.code == 0 and "--quick" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:
+        cli.main(["bench", "serve", "--concurrency", "1", "4", "--sessions", "2"])
+    assert done.value.code == 2 and "--concurrency 4 is more than --sessions 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as done:
+        cli.main(["bench", "plot", "missing.json"])
+    assert done.value.code == 2 and "missing.json is not a file" in capsys.readouterr().err
+    monkeypatch.setitem(cli.BENCH_SCRIPTS, "mhc", ("not_there.py", "gone"))
+    with pytest.raises(SystemExit, match="ship with the source checkout"):
+        cli.main(["bench", "mhc"])
