@@ -16,8 +16,9 @@ What it sets up (SYSTEM.md, the compiler):
     with inert all-padding rows. (mode="reduce-overhead" would capture each compiled region as its own
     graph; capturing the step ourselves gives the single replay.)
   - prefill chunks run the compiled blocks without graphs, per (batch bucket, length bucket): a chunk is
-    left-padded to its bucket (padding columns are inert) and longer prompts run in chunks of the largest
-    bucket, so a new prompt length never compiles anew. With bounded replay the last chunk's trimmed
+    left-padded to its bucket (padding columns are inert); longer prompts run in chunks of the largest
+    bucket, the remainder first, split where padding would cost more than another chunk (chunk_plan), so a
+    new prompt length never compiles anew. With bounded replay the last chunk's trimmed
     layers (after the last KV source, on [B, window] columns) replay one CUDA graph per batch bucket
     (trimmed_graphs.py).
 Inside, shapes are static: score rows span the cache's max_length (context.build_context says why that
@@ -27,6 +28,7 @@ changes no output).
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +64,38 @@ class CompileOptions:
 
 def _bucket(buckets: list[int], size: int) -> int:
     return buckets[bisect.bisect_left(buckets, size)]
+
+
+# A prefill chunk's fixed cost in tokens of work: on the H200, flash-40l-e8 chunks took about 30 ms + 0.11 ms
+# per token (prefill-2026-11-30.json: 145 ms at 1024, ~490 ms per 4096)
+CHUNK_OVERHEAD_TOKENS = 256
+
+
+def chunk_plan(seq: int, buckets: list[int], window: int | None = None,
+               overhead: int = CHUNK_OVERHEAD_TOKENS) -> list[int]:
+    """Chunk lengths (in order, summing to seq) for a prompt of `seq` columns; each chunk runs padded to
+    its bucket. Whole largest-bucket chunks, and before them the remainder split into the pieces of least
+    padded work plus `overhead` per chunk (1152 = 128 + 1024 rather than one 4096 chunk), smallest first.
+    With bounded replay (window: the trimmed columns) the last chunk must hold the last window; if the
+    remainder's split would end on a shorter piece, the remainder runs as one chunk."""
+    largest = buckets[-1]
+    full, rest = divmod(seq, largest)
+    pieces = list(_split(rest, tuple(buckets), overhead)[1]) if rest else []
+    if window is not None and not full and pieces[-1] < window:
+        pieces = [rest]
+    return pieces + [largest] * full
+
+
+@functools.lru_cache(maxsize=4096)
+def _split(rest: int, buckets: tuple[int, ...], overhead: int) -> tuple[int, tuple[int, ...]]:
+    """(cost, ascending pieces) of the cheapest split of `rest` (< the largest bucket) into chunks."""
+    best = (_bucket(list(buckets), rest) + overhead, (rest,))
+    for size in buckets:
+        if size < rest:
+            cost, pieces = _split(rest - size, buckets, overhead)
+            if cost + size + overhead < best[0]:
+                best = (cost + size + overhead, tuple(sorted(pieces + (size,))))
+    return best
 
 
 class CompiledRunner:
@@ -168,13 +202,15 @@ class CompiledRunner:
         return logits[:, -logits_to_keep:] if logits_to_keep else logits
 
     def _prefill_chunks(self, input_ids, attention_mask, keep: int, replay_from=None) -> torch.Tensor:
-        """Run the columns in chunks of at most the largest bucket, each left-padded to its bucket; returns
-        the hidden states of the last `keep` columns. The last chunk takes the last `largest` columns, so it
-        holds every row's last window of tokens: with bounded replay only it runs the layers after the last
-        KV source (on those tokens), and the chunks before it stop at the cut."""
-        model, largest, seq = self.model.model, self.prefill_buckets[-1], input_ids.shape[1]
+        """Run the columns in the chunks `chunk_plan` picks, each left-padded to its bucket; returns the
+        hidden states of the last `keep` columns. With bounded replay only the last chunk (which holds every
+        row's last window of tokens) runs the layers after the last KV source, on those tokens; the chunks
+        before it stop at the cut."""
+        model, seq = self.model.model, input_ids.shape[1]
         window = model.replay_tail(seq, keep)  # None: no trimming; else the last chunk (>= window) is trimmed
-        edges = [0] + list(range(seq % largest or largest, seq + 1, largest))
+        edges = [0]
+        for length in chunk_plan(seq, self.prefill_buckets, window):
+            edges.append(edges[-1] + length)
         kept = []
         for start, end in zip(edges[:-1], edges[1:]):
             ids, mask = input_ids[:, start:end], attention_mask[:, start:end]

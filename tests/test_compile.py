@@ -103,6 +103,21 @@ def test_long_prompt_runs_in_chunks_of_the_largest_bucket(fresh_dynamo, replay):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
+def test_chunk_plan_splits_the_remainder_where_padding_costs_more():
+    from dsflash_compile.compiled import chunk_plan
+
+    buckets = [16, 64, 256, 1024, 4096]
+    assert chunk_plan(8192, buckets, 128) == [4096, 4096]
+    assert chunk_plan(33792, buckets, 128) == [1024] + [4096] * 8  # the remainder first, whole chunks after
+    # a prefix-cache hit's replay (128) + 1024 new tokens: two chunks, not one padded to 4096
+    plan = chunk_plan(1152, buckets, 128)
+    assert sum(plan) == 1152 and len(plan) == 2 and plan[-1] >= 128
+    assert chunk_plan(200, buckets, 128) == [200]  # splitting would cost more launches than padding saves
+    # with bounded replay the last chunk must hold the window: 36 = 4 + 16 + 16 would end on 16 < 32
+    assert chunk_plan(36, [4, 16, 64], None, overhead=0) == [4, 4, 4, 4, 4, 16]
+    assert chunk_plan(36, [4, 16, 64], 32, overhead=0) == [36]
+
+
 @torch.no_grad()
 def test_inductor_with_passes_matches_eager(fresh_dynamo):
     """The real thing on CPU: Inductor code generation with our passes (fused router and mHC seams)."""
