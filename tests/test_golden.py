@@ -147,9 +147,21 @@ def test_block_by_block_decode(ref_model):
 def test_selections_equal_reference_except_ties(ref_model):
     """Unforced top-k sets (and candidate masks) equal the reference's at every row but the recorded
     ties, prefill and every decode step (teacher-forced, so each step sees the captured inputs)."""
+    check_selections(ref_model)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the indexer's Triton ops need a CUDA device")
+def test_selections_with_triton_ops_equal_reference_except_ties():
+    """The same with the model on the GPU, where the indexer runs its Triton ops (scores, candidate blocks,
+    candidate-only scores, top-k): the same sets as DeepSeek's reference code."""
+    check_selections(load_model(device_map="cuda", emulate_reference_index_key_pointer=True))
+
+
+def check_selections(ref_model):
     from dsflash_compile.attention import Indexer
 
     dbg, ids = fixture()["debug"], fixture()["inputs"]
+    ids = {k: v.to(ref_model.device) for k, v in ids.items()}
     seen = []
     hooks = [m.register_forward_hook(lambda mod, args, out: seen.append((mod.role.layer, out.clone(),
                                                                           args[2].candidates)))
@@ -175,6 +187,7 @@ def test_selections_equal_reference_except_ties(ref_model):
             phase, ref = "decode", dbg[f"decode.topk.{layer}"][0, step:step + 1]
             ties = {0} if step in decode_ties.get(layer, ()) else set()
             ref_cand = dbg["decode.candidates.5"][0, step:step + 1]
+        topk, cand = topk.cpu(), None if cand is None else cand.cpu()
         for row in set(range(topk.shape[1])) - ties:
             assert set(topk[0, row].tolist()) - {-1} == set(ref[row].tolist()) - {-1}, (phase, step, layer, row)
             if layer == 5:  # the candidate source (rows past this step's score width are padding)
