@@ -140,9 +140,11 @@ def _block_counters(device: torch.device, blocks: int) -> torch.Tensor:
     return buf
 
 
-def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters):
+def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters,
+                    block_t=None, block_d=BLOCK_D, num_warps=4):
     """Both ops: with out/post/comb None (the entry seam) returns (normed, pre, post, comb), else
-    (new streams, normed, pre, post, comb); shapes as the ops' references."""
+    (new streams, normed, pre, post, comb); shapes as the ops' references. block_t (tokens per program),
+    block_d (columns per program) and num_warps override the launch (scripts/sweep_mhc.py)."""
     *lead, hc, dim = streams.shape
     tokens = streams.numel() // (hc * dim)
     flat = streams.reshape(tokens, hc, dim).contiguous()
@@ -153,8 +155,8 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
     post_out = torch.empty_like(pre_out)
     comb_out = flat.new_empty(tokens, hc, hc, dtype=torch.float32)
     part = triton.next_power_of_2((2 + hc) * hc + 2)
-    chunks = triton.cdiv(dim, BLOCK_D)
-    block_t = _tokens_per_program(tokens)
+    chunks = triton.cdiv(dim, block_d)
+    block_t = block_t or _tokens_per_program(tokens)
     blocks = triton.cdiv(tokens, block_t)
     partial = flat.new_empty(tokens, chunks, part, dtype=torch.float32)
     if tokens:
@@ -166,9 +168,9 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
             pre_lagged.reshape(tokens, hc).float().contiguous(), fn.contiguous(), scale.float().contiguous(),
             base.float().contiguous(), norm_weight.contiguous(), new_streams, normed, pre_out, post_out, comb_out,
             partial, _block_counters(flat.device, blocks), tokens, norm_eps, hc_eps, iters,
-            HC=hc, D=dim, BLOCK_D=BLOCK_D, BLOCK_T=block_t, PART=part,
+            HC=hc, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, PART=part,
             CHUNKS_PAD=triton.next_power_of_2(chunks), NORM_BLOCK=min(NORM_BLOCK, triton.next_power_of_2(dim)),
-            HAS_POST=has_post, num_warps=4)
+            HAS_POST=has_post, num_warps=num_warps)
     lead = tuple(lead)
     mixes = (pre_out.view(lead + (hc,)), post_out.view(lead + (hc,)), comb_out.view(lead + (hc, hc)))
     normed = normed.view(lead + (dim,))

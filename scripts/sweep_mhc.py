@@ -1,0 +1,67 @@
+"""Sweep the fused mHC seam kernel's launch (tokens per program, columns per program, warps) at the release
+dims (hc = 4, D = 5120) and 1 / 16 / 64 / 256 tokens; each variant is checked against the default launch
+first (identical new streams, normed output and mixes within 1e-5). The 11-30 H200 runs showed the kernel
+at 10.5 us for 1 token but 76-81 us for 64 (the batch-64 decode step spends 6 ms in it): this finds the
+launch that scales.
+
+    python scripts/sweep_mhc.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_mhc import HC_EPS, ITERS, NORM_EPS, make_case  # noqa: E402
+
+from dsflash_compile.benchmarking import print_table, run_metadata, save_results, time_graph  # noqa: E402
+from dsflash_compile.custom_ops import mhc_triton  # noqa: E402
+
+COLUMNS = [("tokens", "tokens", "d"), ("tokens/program", "block_t", "d"), ("columns/program", "block_d", "d"),
+           ("warps", "num_warps", "d"), ("us", "s", ".2f", 1e6), ("agrees", "agrees", "")]
+
+
+def sweep(tokens: int) -> list[dict]:
+    c = make_case(tokens, torch.Generator(device="cuda").manual_seed(tokens))
+    args = (c["out"], c["streams"], c["post"], c["comb"], c["pre_lagged"], c["fn"], c["scale"], c["base"],
+            c["norm_weight"], NORM_EPS, HC_EPS, ITERS)
+    want = mhc_triton.mhc_seam_triton(*args)
+    rows = []
+    for block_t, block_d, warps in itertools.product((1, 2, 4, 8, 16), (32, 64, 128, 256), (2, 4, 8)):
+        if block_t > max(1, tokens):
+            continue
+
+        def call():
+            return mhc_triton.mhc_seam_triton(*args, block_t=block_t, block_d=block_d, num_warps=warps)
+        got = call()
+        agrees = torch.equal(got[0], want[0]) and all(
+            (g.float() - w.float()).abs().max().item() <= 1e-5 * max(1.0, w.float().abs().max().item())
+            for g, w in zip(got[1:], want[1:]))
+        rows.append({"tokens": tokens, "block_t": block_t, "block_d": block_d, "num_warps": warps,
+                     "s": time_graph(call, calls=10, replays=20), "agrees": agrees})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("sweep_mhc.py needs a CUDA device")
+    rows = [row for tokens in args.tokens for row in sweep(tokens)]
+    print_table(rows, COLUMNS)
+    for tokens in args.tokens:
+        best = min((r for r in rows if r["tokens"] == tokens and r["agrees"]), key=lambda r: r["s"])
+        print(f"best at {tokens} tokens: {best}")
+    save_results({**run_metadata(), "rows": rows}, "mhc-sweep", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Sweep the top-k launch (k = 512) on the shapes where the 11-30 H200 bench found topk_indices slower than
+torch.topk (4096 rows x 8K..512K, 64 x 128K, 8 x 512K): the row-wise path at chunk 1K..32K entries and 4 / 8
+/ 16 warps, the radix split path, and torch.topk. Every variant's picks are checked against torch.topk's
+values first (k distinct ids, each at least the k-th largest value). Picks the defaults of custom_ops/topk_triton.py (CHUNK, CHUNK_WARPS,
+rowwise_fits).
+
+    python scripts/sweep_topk.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from dsflash_compile.benchmarking import print_table, run_metadata, save_results, time_graph
+from dsflash_compile.custom_ops import topk_triton
+
+K = 512
+SHAPES = [(4096, 8192), (4096, 16384), (4096, 131072), (64, 131072), (8, 524288), (64, 524288), (4096, 524288)]
+COLUMNS = [("rows", "rows", "d"), ("width", "width", "d"), ("path", "path", ""), ("chunk", "chunk", "d"),
+           ("warps", "num_warps", "d"), ("ms", "s", ".3f", 1e3), ("x torch", "vs_torch", ".2f"),
+           ("agrees", "agrees", "")]
+
+
+def sweep(rows: int, width: int) -> list[dict]:
+    scores = torch.randn(rows, width, device="cuda").bfloat16()
+    want = scores.float().topk(K, dim=-1).values[:, -1:]  # the k-th largest value per row
+    torch_s = time_graph(lambda: scores.topk(K, dim=-1), calls=2, replays=5)
+    out = [{"rows": rows, "width": width, "path": "torch.topk", "s": torch_s, "vs_torch": 1.0, "agrees": True}]
+    variants = [("radix", None, None)] + [("rowwise", c, w) for c, w in itertools.product(
+        (1024, 2048, 4096, 8192, 16384, 32768), (4, 8, 16)) if c < width or c == 1024]
+    for path, chunk, warps in variants:
+        if path == "radix":
+            def call():
+                return topk_triton.select_topk(scores, K, block=topk_triton.BLOCK)
+        else:
+            def call():
+                return topk_triton.select_rowwise(scores, K, chunk, warps)
+        picks = call().long().sort(dim=1).values
+        # bf16 scores tie often: a right answer has k distinct ids whose values all reach the k-th largest
+        agrees = bool((scores.float().gather(1, picks) >= want).all()) and bool((picks.diff(dim=1) > 0).all())
+        s = time_graph(call, calls=2, replays=5)
+        out.append({"rows": rows, "width": width, "path": path, "chunk": chunk, "num_warps": warps, "s": s,
+                    "vs_torch": torch_s / s, "agrees": agrees})
+        print(out[-1], flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("sweep_topk.py needs a CUDA device")
+    rows = [row for rows, width in SHAPES for row in sweep(rows, width)]
+    print_table(rows, COLUMNS)
+    save_results({**run_metadata(), "rows": rows}, "topk-sweep", args.out)
+
+
+if __name__ == "__main__":
+    main()
