@@ -225,6 +225,11 @@ def rowwise_fits(rows: int, width: int, k: int, device, chunk: int = CHUNK) -> b
     return 2 * k <= chunk and rows * triton.cdiv(width, chunk) >= _num_sms(device)
 
 
+def _chunk_warps(size: int) -> int:
+    """32 keys per thread (CHUNK_WARPS at CHUNK), at least 4 warps."""
+    return max(4, size * CHUNK_WARPS // CHUNK)
+
+
 def select_rowwise(scores: torch.Tensor, k: int, chunk: int = CHUNK, num_warps: int | None = None) -> torch.Tensor:
     """The row-wise path (see the module docstring): indices int32 [rows, k] ascending, the same picks as
     select_topk. Stages while a row is wider than one chunk; buffers from the shapes only."""
@@ -232,20 +237,23 @@ def select_rowwise(scores: torch.Tensor, k: int, chunk: int = CHUNK, num_warps: 
     key_bits = _KEY_BITS[scores.dtype]
     if 2 * k > chunk:
         raise ValueError(f"select_rowwise: k = {k} must be at most chunk / 2 = {chunk // 2}")
-    warps = num_warps or (CHUNK_WARPS if chunk >= CHUNK else 4)
     keys, index = scores.contiguous().view(_BITS_VIEW[key_bits]), None
     first = True
     picks = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
     k_p2 = triton.next_power_of_2(k)
     while True:
-        chunks = triton.cdiv(width, chunk)
+        # a row narrower than the chunk (a later stage: chunks x k candidates) takes a chunk of its width,
+        # not mostly dead lanes; at least 2k, so that a stage with several chunks still shrinks the row
+        size = max(2 * k_p2, min(chunk, triton.next_power_of_2(width)))
+        chunks = triton.cdiv(width, size)
         last = chunks == 1
         out_width = chunks * k
         out_keys = picks if last else torch.empty(rows, out_width, dtype=torch.int32, device=scores.device)
         out_index = picks if last else torch.empty(rows, out_width, dtype=torch.int32, device=scores.device)
+        # later stages carry the first stage's unsigned keys (< 2^KEY_BITS): the same bisection depth
         _chunk_select_kernel[(rows, chunks)](keys, keys if index is None else index, out_keys, out_index, width, k,
-                                             out_width, FIRST=first, LAST=last, KEY_BITS=key_bits if first else 32,
-                                             CHUNK=chunk, K_P2=k_p2, num_warps=warps)
+                                             out_width, FIRST=first, LAST=last, KEY_BITS=key_bits,
+                                             CHUNK=size, K_P2=k_p2, num_warps=num_warps or _chunk_warps(size))
         if last:
             return picks
         keys, index, width, first = out_keys, out_index, out_width, False
