@@ -226,8 +226,9 @@ def rowwise_fits(rows: int, width: int, k: int, device, chunk: int = CHUNK) -> b
 
 
 def _chunk_warps(size: int) -> int:
-    """32 keys per thread (CHUNK_WARPS at CHUNK), at least 4 warps."""
-    return max(4, size * CHUNK_WARPS // CHUNK)
+    """16 keys per thread below CHUNK (sm_90 build: 114-116 registers at 2K-8K, two or more programs per SM;
+    32 keys per thread take 203-209 at 4K-8K), CHUNK_WARPS from CHUNK up."""
+    return CHUNK_WARPS if size >= CHUNK else max(4, min(CHUNK_WARPS, size // 512))
 
 
 def select_rowwise(scores: torch.Tensor, k: int, chunk: int = CHUNK, num_warps: int | None = None) -> torch.Tensor:
