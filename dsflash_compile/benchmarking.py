@@ -97,6 +97,32 @@ def fused_speedups(row: dict) -> None:
         row["fused_vs_compiled"] = (row.get("compiled_graph_s") or float("nan")) / row["fused_graph_s"]
 
 
+def profile_summary(step, trace_path: str | None = None, top: int = 0) -> dict:
+    """Run `step` once under torch.profiler: the kernels it launched on the GPU (on a machine without one,
+    its CPU operators) with their total time, and the `top` names by time; optionally a Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    if cuda:
+        events = [(e.name, e.device_time) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:
+        events = [(e.name, e.self_cpu_time_total) for e in prof.events()]
+    result = {"device": "cuda" if cuda else "cpu", "kernels": len(events), "device_us": sum(t for _, t in events)}
+    if top:
+        by_name: dict[str, list] = {}
+        for name, t in events:
+            by_name.setdefault(name, []).append(t)
+        ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+        result["top"] = [{"name": n[:120], "calls": len(t), "total_us": round(sum(t), 1)} for n, t in ranked]
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+    return result
+
+
 def print_table(rows: list[dict], columns: list[tuple]) -> None:
     """The rows as a right-aligned text table. columns: (header, key, format spec) or (header, key, format
     spec, scale); a missing, None or NaN value prints as '-'."""

@@ -26,6 +26,10 @@ Configurations:
 Day-zero runs first on the freshly built model (after one untimed generate()), which is then compiled in
 place: the same weights.
 
+Where the time goes: at the --profile concurrencies (default the lowest and highest) the batch's first turn
+runs once more under torch.profiler (for the optimized configuration a prefix-cache hit, as its timed later
+turns are); the point keeps the kernel count, their device time and the top 10 kernels.
+
 Headlines: TTFT and TPOT at the lowest concurrency, day-zero / optimized (x faster); throughput at a fixed
 speed per user, optimized / day-zero. That speed is the median of day-zero's per-user speeds (p50 per
 concurrency); each curve's throughput there is the highest it reaches while every point on it (straight
@@ -45,7 +49,7 @@ from tqdm import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from .agentic_workload import WorkloadConfig, make_workload, workload_stats
-from .benchmarking import percentiles, print_table, run_metadata, save_results, sync
+from .benchmarking import percentiles, print_table, profile_summary, run_metadata, save_results, sync
 from .compiled import compile as compile_model
 from .custom_ops.dispatch import reference_kernels
 from .modeling_deepseek_v41 import CACHE_KWARG
@@ -84,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="optimized: compiled prefill chunk lengths (default: CompileOptions'); fewer compile faster")
     parser.add_argument("--backend", default="inductor", help="optimized: torch.compile backend (eager: CPU checks)")
     parser.add_argument("--prefix-cache-gb", type=float, default=8.0, help="optimized: prefix-cache budget (default: 8)")
+    parser.add_argument("--profile", type=int, nargs="*",
+                        help="concurrencies whose first turn is run once more under torch.profiler, for where the "
+                             "time goes (default: the lowest and the highest; none with an empty list)")
     parser.add_argument("--seed", type=int, default=0, help="weights and workload (default: 0)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for serve-<preset>-<date>.json and .png")
 
@@ -103,6 +110,10 @@ def check_arguments(args) -> None:
     if args.batch_buckets and max(args.batch_buckets) < max(args.concurrency):
         raise ValueError(f"--batch-buckets {args.batch_buckets} must reach the largest concurrency "
                          f"{max(args.concurrency)}")
+    if args.profile is None:
+        args.profile = sorted({min(args.concurrency), max(args.concurrency)})
+    if set(args.profile) - set(args.concurrency):
+        raise ValueError(f"--profile {args.profile}: profile only concurrencies that run ({args.concurrency})")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
 
@@ -238,6 +249,9 @@ def run_config(model, name: str, entry: dict, sessions, system: list[int], args,
                 if not day_zero:
                     point["prefix_cache"] = vars(store.stats).copy()
                     point["graphs_compiled_while_timed"] = counters["stats"]["unique_graphs"] - graphs_before
+                if concurrency in args.profile:
+                    point["profile"] = profile_summary(
+                        lambda: serve_batch(model, sessions[:concurrency], 1, args.max_new_tokens, day_zero), top=10)
             except Exception as error:  # noqa: BLE001 - one failing point (e.g. day-zero out of memory) is reported
                 point["error"] = f"{type(error).__name__}: {error}"[:500]
                 print(f"{name} C={concurrency} failed: {point['error']}")
@@ -324,6 +338,16 @@ def _print_headline(h: dict | None) -> None:
               f"({h['constraint_rule']}): optimized / day-zero = {x(h['throughput_ratio_at_constraint'])}{bound}")
 
 
+def _print_profiles(result: dict) -> None:
+    for name, entry in result["configs"].items():
+        for c, point in entry["concurrency"].items():
+            if "profile" in point:
+                prof = point["profile"]
+                top = ", ".join(f"{t['name'][:40]} {t['total_us'] / 1e3:.1f} ms" for t in prof.get("top", [])[:3])
+                print(f"where the time goes, {name} C={c} (one turn, {prof['device']}): {prof['kernels']} kernels, "
+                      f"{prof['device_us'] / 1e3:.1f} ms; top: {top}")
+
+
 def run(args) -> dict:
     """The whole benchmark; returns the results (also written under args.out with the plot)."""
     check_arguments(args)
@@ -358,6 +382,7 @@ def run(args) -> dict:
     except ImportError:
         print(f"matplotlib is not installed here: make the plot later with `dsflash bench plot {path}`")
     print()
+    _print_profiles(result)
     _print_headline(result["headline"])
     _table(result)
     return result

@@ -28,7 +28,7 @@ from torch._dynamo.utils import counters  # noqa: E402
 
 import dsflash_compile  # noqa: E402
 from dsflash_compile import DeepseekV41ForCausalLM, preset_config  # noqa: E402
-from dsflash_compile.benchmarking import copy_bandwidth, run_metadata, save_results  # noqa: E402
+from dsflash_compile.benchmarking import copy_bandwidth, profile_summary, run_metadata, save_results  # noqa: E402
 from dsflash_compile.custom_ops import records  # noqa: E402
 from dsflash_compile.custom_ops.dispatch import reference_kernels  # noqa: E402
 
@@ -66,25 +66,10 @@ def step_time(step, steps: int) -> float:
 
 
 def profile_step(step, trace_path: str | None = None, top: int = 0) -> dict:
-    """Kernels launched by one step and (optionally) the top kernels by device time."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """Kernels launched by one step (after an unprofiled one) and optionally the top kernels by device time."""
     step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    result = {"kernels": len(kernels), "device_us": sum(e.device_time for e in kernels)}
-    if top:
-        by_name: dict[str, list] = {}
-        for e in kernels:
-            by_name.setdefault(e.name, []).append(e.device_time)
-        ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
-        result["top"] = [{"name": n[:120], "calls": len(t), "total_us": round(sum(t), 1)} for n, t in ranked]
-    if trace_path:
-        prof.export_chrome_trace(trace_path)
-    return result
+    return profile_summary(step, trace_path, top)
 
 
 def matmul_rate() -> float:

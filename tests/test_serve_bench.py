@@ -56,6 +56,8 @@ def test_results_hold_both_curves_per_request_records_and_headlines(served):
                 assert point[key]["p50"] > 0 and point[key]["p90"] >= point[key]["p50"]
             for record in point["records"]:
                 assert 1 <= record["new_tokens"] <= 4 and record["ttft_s"] > 0
+            # --profile defaults to the lowest and the highest concurrency: here both
+            assert point["profile"]["kernels"] > 0 and len(point["profile"]["top"]) == 10
             # a session's second prompt is its first + the answer + new text
             first, second = (r for r in point["records"] if r["session"] == 0)
             assert second["prompt_tokens"] > first["prompt_tokens"] + first["new_tokens"]
@@ -97,6 +99,9 @@ def test_cli_parses_bench_commands_and_names_bad_input(capsys, monkeypatch):
     with pytest.raises(SystemExit) as done:
         cli.main(["bench", "serve", "--concurrency", "1", "4", "--sessions", "2"])
     assert done.value.code == 2 and "--concurrency 4 is more than --sessions 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as done:
+        cli.main(["bench", "serve", "--concurrency", "1", "2", "--profile", "4", "--device", "cpu"])
+    assert done.value.code == 2 and "profile only concurrencies that run" in capsys.readouterr().err
     with pytest.raises(SystemExit) as done:
         cli.main(["bench", "plot", "missing.json"])
     assert done.value.code == 2 and "missing.json is not a file" in capsys.readouterr().err
