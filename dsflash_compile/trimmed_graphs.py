@@ -67,6 +67,7 @@ class TrimmedGraphs:
             with torch.cuda.stream(side):
                 hidden = self.model.run_trimmed(ctx, cache, streams, pre_mix, hash_ids)
             torch.cuda.current_stream().wait_stream(side)
+            hidden.record_stream(torch.cuda.current_stream())  # made on the side stream, used and freed on this one
             static = _static_copy(ctx, streams, pre_mix, hash_ids)
             # listed before capture: an index source among the trimmed layers adds its top-k to the static
             # context while capturing, which would shift the list against the live inputs
