@@ -9,6 +9,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 
 from pathlib import Path
 
@@ -99,19 +100,23 @@ def fused_speedups(row: dict) -> None:
 
 def profile_summary(step, trace_path: str | None = None, top: int = 0) -> dict:
     """Run `step` once under torch.profiler: the kernels it launched on the GPU (on a machine without one,
-    its CPU operators) with their total time, and the `top` names by time; optionally a Chrome trace."""
+    its CPU operators) with their total time, the step's wall time (far above the kernel time: launch- or
+    host-bound), and the `top` names by time; optionally a Chrome trace."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        start = time.perf_counter()
         step()
         if cuda:
             torch.cuda.synchronize()
+        wall = time.perf_counter() - start
     if cuda:
         events = [(e.name, e.device_time) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     else:
         events = [(e.name, e.self_cpu_time_total) for e in prof.events()]
-    result = {"device": "cuda" if cuda else "cpu", "kernels": len(events), "device_us": sum(t for _, t in events)}
+    result = {"device": "cuda" if cuda else "cpu", "kernels": len(events), "device_us": sum(t for _, t in events),
+              "wall_us": wall * 1e6}
     if top:
         by_name: dict[str, list] = {}
         for name, t in events:

@@ -21,11 +21,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 import dsflash_compile
-from dsflash_compile.benchmarking import print_table, run_metadata, save_results, sync
+from dsflash_compile.benchmarking import print_table, profile_summary, run_metadata, save_results, sync
 from dsflash_compile.presets import preset_model
 
 
@@ -66,6 +67,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (eager: a quick CPU check)")
     parser.add_argument("--no-agentic", action="store_true", help="time the prompt lengths only")
+    parser.add_argument("--profile", type=int, nargs="*", default=[],
+                        help="prompt lengths (of --lengths) whose replay-on prefill is also profiled: kernels, "
+                             "kernel vs wall time, top kernels, a Chrome trace next to the JSON")
     parser.add_argument("--name", default="prefill", help="results file: <out>/<name>-<date>.json")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
@@ -104,6 +108,9 @@ def main() -> None:
         if graphs:
             row["graphs_equal"] = torch.equal(logits["on_blocks"], logits["on_graphs"])
             row["graphs_vs_blocks"] = row["ttft_replay_on_blocks_s"] / row["ttft_replay_on_graphs_s"]
+        if length in args.profile:
+            trace = str(Path(args.out) / f"prefill-trace-{length}.json")
+            row["profile"] = profile_summary(lambda: ttft(model, ids, 0), trace, top=15)
         print(row, flush=True)
         result["rows"].append(row)
         save_results(result, args.name, args.out)  # after every length: a run cut short keeps what it measured

@@ -1,6 +1,8 @@
 """Benchmark helpers that run anywhere (dsflash_compile/benchmarking.py)."""
 
-from dsflash_compile.benchmarking import print_table
+import torch
+
+from dsflash_compile.benchmarking import print_table, profile_summary
 
 
 def test_print_table_aligns_scales_and_marks_missing_values(capsys):
@@ -10,3 +12,11 @@ def test_print_table_aligns_scales_and_marks_missing_values(capsys):
                                                     "     1    25.0     -",
                                                     "    64       -     -",
                                                     "     8       -     -"]
+
+
+def test_profile_summary_counts_what_a_step_ran(tmp_path):
+    x = torch.randn(64, 64)
+    summary = profile_summary(lambda: (x @ x).relu().sum(), str(tmp_path / "trace.json"), top=2)
+    assert summary["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert summary["kernels"] >= 3 and summary["wall_us"] > 0 and len(summary["top"]) == 2
+    assert (tmp_path / "trace.json").stat().st_size > 0
