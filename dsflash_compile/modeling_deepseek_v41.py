@@ -95,7 +95,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         from .init import init_module  # random presets only; kept apart from the math
 
-        if any(p.is_meta for p in module.parameters(recurse=False)):
+        if any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))):
             return  # built on the meta device by from_pretrained: the checkpoint fills it
         init_module(module, self.config.get_text_config())
 
