@@ -279,7 +279,11 @@ def load_into(module_state: dict, folder, *, device, dtype_overrides: dict | Non
     problems = []
     if overrides:
         problems.append(f"dtype_overrides for unknown tensors: {', '.join(sorted(overrides))}")
-    missing = [n for n in target if n not in reader.entries]
+    # projections the model holds encoded (weights="native") but the checkpoint stores dequantized, without a
+    # scale (convert.py's wo_a): one problem each, named below, rather than a missing scale and a wrong dtype
+    dequantized = {n for n, info in reader.entries.items() if weight_format(n) in raw and weight_format(n) != FP8_ROWS
+                   and n.endswith(".weight") and info.stored in ("BF16", "F16", "F32")}
+    missing = [n for n in target if n not in reader.entries and n[: -len(".scale")] + ".weight" not in dequantized]
     unexpected = [n for n in reader.entries if n not in target]
     if missing:
         problems.append(f"missing {len(missing)} tensors: {', '.join(missing)}")
@@ -289,7 +293,10 @@ def load_into(module_state: dict, folder, *, device, dtype_overrides: dict | Non
         info = reader.entries.get(name)
         if info is None:
             continue
-        if info.shape != shape:
+        if name in dequantized:
+            problems.append(f"{name}: stored dequantized ({info.stored}, as convert.py writes attn.wo_a), but the "
+                            f"model holds it in its release format (weights='native'); load with weights='bf16'")
+        elif info.shape != shape:
             problems.append(f"{name}: wrong shape: expected {list(shape)}, found {list(info.shape)}")
         elif not _convertible(info.dtype, dtype):
             what = f"{info.stored} (dequantized to {info.dtype})" if info.fmt else info.stored
