@@ -78,6 +78,8 @@ def fp8_block_linear_triton(x, weight, scale, groups=1, splits=None, block_m=Non
     """bf16 [..., N] as the reference. splits / block sizes / warps: None picks the defaults (for sweeps)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     (m, _), (n, k) = rows.shape, weight.shape
+    if m == 0:
+        return x.new_empty(*x.shape[:-1], n)
     block_m = block_m or (16 if m <= 16 else 64)
     block_n = block_n or block_n_for(n // groups)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)

@@ -166,7 +166,10 @@ def main() -> None:
     with torch.device("cuda"):
         model = DeepseekV41ForCausalLM(config).eval()
     result = {**run_metadata(), "preset": args.preset, "overrides": overrides, "context": args.context,
-              "build_s": time.perf_counter() - start, "batches": {}}
+              "build_s": time.perf_counter() - start, "model_bytes_on_gpu": torch.cuda.memory_allocated(),
+              "batches": {}}
+    print(f"{args.preset} with {args.weights} weights: {result['model_bytes_on_gpu'] / 2 ** 30:.2f} GiB on the GPU",
+          flush=True)
     bandwidth, rate = copy_bandwidth(), matmul_rate()
     max_batch, max_length = max(args.batch), args.context + 4 * args.steps + 64
     gen = torch.Generator(device="cuda").manual_seed(0)
