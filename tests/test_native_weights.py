@@ -335,6 +335,20 @@ def test_native_load_of_a_dequantized_projection_is_named(tmp_path):
     assert DeepseekV41ForCausalLM.from_pretrained(tmp_path, weights="bf16") is not None
 
 
+@requires_golden
+def test_native_load_takes_experts_stored_as_u8(tmp_path, native_model):
+    """MXFP4 experts stored as U8 (the reader accepts I8 or U8) load into the native I8 buffers unchanged."""
+    for f in TINY_A.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    tensors = load_file(TINY_A / "model.safetensors")
+    name = "layers.0.ffn.experts.3.w2.weight"
+    tensors[name] = tensors[name].view(torch.uint8)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    loaded = DeepseekV41ForCausalLM.from_pretrained(tmp_path, weights="native")
+    expert = loaded.model.layers[0].ffn.experts[3].w2.weight
+    assert expert.dtype == torch.int8 and torch.equal(expert, native_model.model.layers[0].ffn.experts[3].w2.weight)
+
+
 # ----------------------------------------------------------------------------------- CUDA
 
 
