@@ -8,8 +8,9 @@ x [..., G * K] is G groups of K inputs and group g's N / G outputs read only gro
 
 The reference dequantizes the weight (exact in bf16) and multiplies as the bf16 model does
 (`layers.block_diagonal_linear`, QuantLinear's product), so on CPU a model holding FP8 weights gives the bf16 model's bits. On CUDA
-the Triton kernel (fp8_linear_triton.py) dequantizes tiles in registers; shapes it does not take run the
-reference.
+the Triton kernel (fp8_linear_triton.py) dequantizes tiles in registers (decode: a few rows, bound by the
+weight's bytes); prefill-sized inputs and shapes it does not take run the reference (the weight dequantized
+once, then cuBLAS).
 """
 
 import torch

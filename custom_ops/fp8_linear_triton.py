@@ -23,6 +23,11 @@ from .attention_triton import _dot, _e4m3_rows, _num_sms
 
 BLOCK_K = 128
 PROGRAMS_PER_SM = 2
+# Above this many rows (prefill) the op dequantizes the weight once and multiplies with cuBLAS (its reference):
+# this kernel converts every weight tile again for each block of rows, ~5 CUDA-core instructions per value,
+# which at large row counts costs more than the tensor-core work. A first guess: scripts/bench_native.py
+# --tokens 1 8 64 256 1024 4096 measures the crossover on the H200.
+MAX_ROWS = 256
 
 
 @triton.jit
@@ -61,9 +66,10 @@ def block_n_for(n_per_group: int) -> int:
 
 
 def kernel_fits(x, weight, scale, groups) -> bool:
-    """The inputs this kernel takes (else the op runs its reference): bf16 activations, an E4M3 weight whose
-    groups hold a multiple of 32 outputs (so an output block never straddles two groups)."""
-    return (x.dtype == torch.bfloat16 and weight.dtype == torch.float8_e4m3fn and weight.dim() == 2
+    """The inputs this kernel takes (else the op runs its reference): at most MAX_ROWS rows of bf16
+    activations, an E4M3 weight whose groups hold a multiple of 32 outputs (so an output block never
+    straddles two groups)."""
+    return (x.dtype == torch.bfloat16 and x.numel() <= MAX_ROWS * x.shape[-1] and weight.dtype == torch.float8_e4m3fn and weight.dim() == 2
             and scale.dtype == torch.float8_e8m0fnu and groups >= 1 and weight.shape[0] % groups == 0
             and (weight.shape[0] // groups) % 32 == 0 and x.shape[-1] == groups * weight.shape[1])
 

@@ -7,6 +7,8 @@
                      bf16 stacks, 384 experts, top-6 of random routing, w1 (and w3: same shape) and w2
 
     python scripts/bench_native.py            (writes benchmarks/results/native-<date>.json)
+    python scripts/bench_native.py --tokens 1 8 64 256 1024 4096     (also where cuBLAS on a weight dequantized
+                                              once overtakes the kernel: fp8_linear_triton.MAX_ROWS)
 
 Correctness first (each point against the op's reference, worst error relative to sum |x| |w|), then
 CUDA-graph replay times (median; launches excluded) and the achieved bandwidth: bytes of the weights the

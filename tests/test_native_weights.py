@@ -353,11 +353,11 @@ def test_native_load_takes_experts_stored_as_u8(tmp_path, native_model):
 
 
 @requires_cuda
-@pytest.mark.parametrize("rows", [1, 8, 64, 300])
+@pytest.mark.parametrize("rows", [1, 8, 64, 256, 300])
 @pytest.mark.parametrize("shape", [(1280, 5120, 1), (32768, 1280, 1), (8192, 4096, 8), (5120, 8192, 1)])
 def test_fp8_block_linear_cuda_release_shapes(rows, shape):
-    """The registered CUDA op (Triton) at the release's projection shapes (wq_a, wq_b, wo_a, wo_b) against
-    the reference on the GPU, and opcheck of the CUDA kernel."""
+    """The registered CUDA op at the release's projection shapes (wq_a, wq_b, wo_a, wo_b) against the
+    reference on the GPU (Triton up to MAX_ROWS rows, the reference's cuBLAS product above), and opcheck."""
     n, k, groups = shape
     x, weight, scale = fp8_case(rows, n, k, groups, device="cuda")
     got = ops.fp8_block_linear(x, weight, scale, groups)
