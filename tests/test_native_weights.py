@@ -29,21 +29,21 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 def fp8_case(rows, n, k, groups=1, seed=0, device="cpu"):
     """x bf16 [rows, groups * k] and an FP8 weight [n, k] whose tiles use different scales."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, groups * k, generator=g).bfloat16()
-    w = torch.randn(n, k, generator=g) * k ** -0.5 * torch.rand(n, k, generator=g).mul(8).exp2()
-    weight, scale = formats.quant_fp8_block(w)
-    return x.to(device), weight.to(device), scale.to(device)
+    g = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(rows, groups * k, generator=g, device=device).bfloat16()
+    w = torch.randn(n, k, generator=g, device=device) * k ** -0.5
+    weight, scale = formats.quant_fp8_block(w * torch.rand(n, k, generator=g, device=device).mul(8).exp2())
+    return x, weight, scale
 
 
 def mxfp4_case(counts, n, k, seed=0, device="cpu"):
     """x bf16 [sum(counts), k] sorted by expert, stacked MXFP4 experts [E, n, k/2], offsets int32 [E]."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(sum(counts), k, generator=g).bfloat16()
-    encoded = [formats.quant_mxfp4(torch.randn(n, k, generator=g) * k ** -0.5) for _ in counts]
+    g = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(sum(counts), k, generator=g, device=device).bfloat16()
+    encoded = [formats.quant_mxfp4(torch.randn(n, k, generator=g, device=device) * k ** -0.5) for _ in counts]
     weight, scale = (torch.stack(t) for t in zip(*encoded))
-    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
-    return x.to(device), weight.to(device), scale.to(device), offsets.to(device)
+    offsets = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+    return x, weight, scale, offsets
 
 
 def bf16_linear(weight, groups=1, storage="fp8"):
