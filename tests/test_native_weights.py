@@ -222,7 +222,7 @@ def native_model():
 
 
 def prefill_and_decode(model, steps=2):
-    ids, dec = fixture()["inputs"]["prompt_ids"], fixture()["inputs"]["decode_input_ids"]
+    ids, dec = (fixture()["inputs"][k].to(model.device) for k in ("prompt_ids", "decode_input_ids"))
     cache = model.new_cache(1, ids.shape[1] + steps)
     with torch.no_grad():
         logits = [model(ids, cache=cache).logits]
