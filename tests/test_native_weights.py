@@ -132,6 +132,7 @@ FP8_CASES = {
     "ragged_rows_and_inputs": (19, 96, 200, 1, None),
     "split_k": (5, 64, 384, 1, 3),
     "groups": (3, 128, 64, 2, None),
+    "groups_split_k": (2, 128, 384, 2, 3),
     "block_m_64": (33, 32, 64, 1, 1),
 }
 # name: (rows per expert, outputs, inputs)
