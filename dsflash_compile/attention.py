@@ -14,7 +14,7 @@ from . import custom_ops  # noqa: F401  (registers torch.ops.dsflash)
 from .cache import LayerCache
 from .configuration_deepseek_v41 import DeepseekV41TextConfig, LayerRole
 from .context import ForwardContext
-from .layers import Linear, QuantLinear, RMSNorm
+from .layers import Linear, RMSNorm, quant_linear
 from .quant import fp4_qdq_e4m3, fp4_qdq_ue8m0, fp8_qdq
 from .rope import apply_rope, rotation
 
@@ -81,7 +81,7 @@ class Indexer(nn.Module):
         self.topk = config.index_topk
         self.candidate_blocks, self.candidate_block_size = config.candidate_topk_blocks, config.candidate_block_size
         self.quantize = config.quantize_dequantize
-        self.wq_b = QuantLinear(config.q_lora_rank, self.heads * self.head_dim, self.quantize)
+        self.wq_b = quant_linear(config, config.q_lora_rank, self.heads * self.head_dim, self.quantize)
         self.weights_proj = Linear(config.hidden_size, self.heads)
         if role.is_kv_source:
             self.wk = Linear(config.head_dim, self.head_dim)
@@ -121,14 +121,15 @@ class Attention(nn.Module):
         self.quantize = config.quantize_dequantize
         self.emulate_stale_keys = config.emulate_reference_index_key_pointer
         eps = config.rms_norm_eps
-        self.wq_a = QuantLinear(config.hidden_size, config.q_lora_rank, self.quantize)
+        self.wq_a = quant_linear(config, config.hidden_size, config.q_lora_rank, self.quantize)
         self.q_norm = RMSNorm(config.q_lora_rank, eps)
-        self.wq_b = QuantLinear(config.q_lora_rank, self.heads * self.head_dim, self.quantize)
-        self.wkv = QuantLinear(config.hidden_size, self.head_dim, self.quantize)
+        self.wq_b = quant_linear(config, config.q_lora_rank, self.heads * self.head_dim, self.quantize)
+        self.wkv = quant_linear(config, config.hidden_size, self.head_dim, self.quantize)
         self.kv_norm = RMSNorm(self.head_dim, eps)
-        # Block-diagonal over groups (each group projects only its own heads), hence an einsum.
-        self.wo_a = QuantLinear(self.heads * self.head_dim // self.groups, self.groups * self.o_rank, False)
-        self.wo_b = QuantLinear(self.groups * self.o_rank, config.hidden_size, self.quantize)
+        # Block-diagonal over groups: each group projects only its own heads.
+        self.wo_a = quant_linear(config, self.heads * self.head_dim // self.groups, self.groups * self.o_rank, False,
+                                 groups=self.groups)
+        self.wo_b = quant_linear(config, self.groups * self.o_rank, config.hidden_size, self.quantize)
         self.attn_sink = nn.Parameter(torch.zeros(self.heads, dtype=torch.float32))
         self.compressor = Compressor(config, role.ratio) if role.is_kv_source else None
         self.indexer = Indexer(config, role) if role.is_index_source else None
@@ -167,9 +168,7 @@ class Attention(nn.Module):
                        cache.compressed_format if role.ratio else cache.window_format)
         ops.record_write_(ring, kv, ctx.window_slots, cache.window_format)
 
-        wo_a = self.wo_a.weight.view(self.groups, self.o_rank, -1)
-        z = torch.einsum("bsgd,grd->bsgr", o.view(batch, seq, self.groups, -1), wo_a)
-        return self.wo_b(z.flatten(2)), topk
+        return self.wo_b(self.wo_a(o.flatten(2))), topk
 
     def _reference_key_layer(self, cache, wrote: torch.Tensor) -> int:
         """Which layer's index keys this KV source scores. Its own, unless the config emulates the

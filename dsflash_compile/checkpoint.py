@@ -255,6 +255,11 @@ def _convertible(src: torch.dtype, dst: torch.dtype) -> bool:
     return src == dst or (src, dst) in _EXACT_WIDENING or (src, dst) == (torch.float32, torch.bfloat16)
 
 
+def _same_bytes(name: str, src: torch.dtype, dst: torch.dtype) -> bool:
+    """Packed E2M1 bytes stored as U8 for a model that holds them as the release's I8: the same codes."""
+    return weight_format(name) == MXFP4 and name.endswith(".weight") and (src, dst) == (torch.uint8, torch.int8)
+
+
 def _exact_cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = t.to(dtype)
     back = out.to(t.dtype)
@@ -279,7 +284,11 @@ def load_into(module_state: dict, folder, *, device, dtype_overrides: dict | Non
     problems = []
     if overrides:
         problems.append(f"dtype_overrides for unknown tensors: {', '.join(sorted(overrides))}")
-    missing = [n for n in target if n not in reader.entries]
+    # projections the model holds encoded (weights="native") but the checkpoint stores dequantized, without a
+    # scale (convert.py's wo_a): one problem each, named below, rather than a missing scale and a wrong dtype
+    dequantized = {n for n, info in reader.entries.items() if weight_format(n) in raw and weight_format(n) != FP8_ROWS
+                   and n.endswith(".weight") and info.stored in ("BF16", "F16", "F32")}
+    missing = [n for n in target if n not in reader.entries and n[: -len(".scale")] + ".weight" not in dequantized]
     unexpected = [n for n in reader.entries if n not in target]
     if missing:
         problems.append(f"missing {len(missing)} tensors: {', '.join(missing)}")
@@ -289,9 +298,12 @@ def load_into(module_state: dict, folder, *, device, dtype_overrides: dict | Non
         info = reader.entries.get(name)
         if info is None:
             continue
-        if info.shape != shape:
+        if name in dequantized:
+            problems.append(f"{name}: stored dequantized ({info.stored}, as convert.py writes attn.wo_a), but the "
+                            f"model holds it in its release format (weights='native'); load with weights='bf16'")
+        elif info.shape != shape:
             problems.append(f"{name}: wrong shape: expected {list(shape)}, found {list(info.shape)}")
-        elif not _convertible(info.dtype, dtype):
+        elif not (_convertible(info.dtype, dtype) or _same_bytes(name, info.dtype, dtype)):
             what = f"{info.stored} (dequantized to {info.dtype})" if info.fmt else info.stored
             problems.append(f"{name}: wrong dtype: {what} in the checkpoint cannot be converted exactly to {dtype}")
     if problems:
@@ -299,7 +311,9 @@ def load_into(module_state: dict, folder, *, device, dtype_overrides: dict | Non
     loaded = {}
     for name, t in reader.items(device):
         dtype = target[name][1]
-        if t.dtype != dtype:
+        if _same_bytes(name, t.dtype, dtype):
+            t = t.view(dtype)
+        elif t.dtype != dtype:
             t = t.to(dtype) if (t.dtype, dtype) in _EXACT_WIDENING else _exact_cast(name, t, dtype)
         loaded[name] = t
     return loaded

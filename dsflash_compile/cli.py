@@ -4,7 +4,7 @@
   dsflash generate --model PATH --prompt-ids 0 17 42   a checkpoint folder in the release layout
   dsflash bench serve [options]                        the latency-throughput curve (serve_bench.py)
   dsflash bench plot RESULTS.json                      its PNG
-  dsflash bench attention|indexer|prefill|decode|mhc|router [script options]   the scripts/ benchmarks
+  dsflash bench attention|indexer|prefill|decode|mhc|router|native [script options]   the scripts/ benchmarks
 """
 
 from __future__ import annotations
@@ -32,10 +32,13 @@ def build_model(args):
     from .modeling_deepseek_v41 import DeepseekV41ForCausalLM
     from .presets import preset_model
 
-    device, replay = torch.device(args.device), {"swa_bounded_replay": args.swa_bounded_replay}
+    device = torch.device(args.device)
+    # from_pretrained's default for checkpoints, applied to the random presets too
+    weights = args.weights or ("native" if device.type == "cuda" else "bf16")
+    options = {"swa_bounded_replay": args.swa_bounded_replay, "weights": weights}
     if args.model:
-        return DeepseekV41ForCausalLM.from_pretrained(args.model, device_map=device, **replay)
-    return preset_model(args.preset, device, args.seed, **replay)
+        return DeepseekV41ForCausalLM.from_pretrained(args.model, device_map=device, **options)
+    return preset_model(args.preset, device, args.seed, **options)
 
 
 def cmd_generate(args) -> int:
@@ -83,6 +86,7 @@ BENCH_SCRIPTS = {
     "decode": ("compile_and_profile.py", "a preset's decode step: day-zero vs compiled, kernels, floor"),
     "mhc": ("bench_mhc.py", "fused mHC seam vs eager and plain torch.compile"),
     "router": ("bench_router.py", "fused router vs eager and plain torch.compile"),
+    "native": ("bench_native.py", "FP8 / MXFP4 native-weight kernels vs bf16 projections and grouped GEMMs"),
 }
 
 
@@ -151,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-new-tokens", type=int, default=16)
     gen.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--weights", choices=["native", "bf16"],
+                     help="FP8/MXFP4 projections kept as stored (native) or dequantized to bf16 (default: native "
+                          "on CUDA, bf16 on the CPU)")
     gen.add_argument("--no-swa-bounded-replay", dest="swa_bounded_replay", action="store_false",
                      help="run every layer on every prompt token (bounded replay is on by default: the layers "
                           "after the last KV source see only the prompt's last window of tokens)")

@@ -111,6 +111,11 @@ class DeepseekV41TextConfig(PreTrainedConfig):
     # only on the last `sliding_window` tokens, their window attention seeing nothing below the first.
     # Off: every layer runs on every token (equal to full recomputation).
     swa_bounded_replay: bool = True
+    # Ours: how the quantized projections are held in memory. "native": as the release stores them (FP8
+    # E4M3 + UE8M0 32x32 tile scales; routed experts packed MXFP4), multiplied by the dsflash ops;
+    # "bf16": dequantized (exactly) to bf16 at load. None: from_pretrained picks native on CUDA and bf16
+    # elsewhere; a model built directly from a config holds bf16. Both give the same values.
+    weights: str | None = None
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -124,6 +129,11 @@ class DeepseekV41TextConfig(PreTrainedConfig):
             self.rope_scaling = {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
                                  "original_max_position_embeddings": 65536}
         self.validate_schedule()
+
+    @property
+    def native_weights(self) -> bool:
+        """The quantized projections are held in their release formats (`weights == "native"`)."""
+        return self.weights == "native"
 
     # -- roles -------------------------------------------------------------------------------------
     @property
@@ -224,6 +234,8 @@ class DeepseekV41TextConfig(PreTrainedConfig):
                  f"{len(self.engram_layer_ids)} engram_layer_ids")
         if self.engram_layer_ids and self.engram_head_dim % 32 and self.quantize_dequantize:
             fail("engram_head_dim", f"{self.engram_head_dim} must be a multiple of 32 (FP8 groups of 32)")
+        if self.weights not in (None, "native", "bf16"):
+            fail("weights", f"{self.weights!r} must be 'native' (the release's FP8/MXFP4 storage), 'bf16' or None")
         if self.sliding_window <= 0:
             fail("sliding_window", f"{self.sliding_window} must be positive")
         if self.scoring_func != "sqrtsoftplus":

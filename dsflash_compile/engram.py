@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .configuration_deepseek_v41 import DeepseekV41TextConfig
-from .layers import QuantLinear
+from .layers import quant_linear
 
 
 class EngramTable(nn.Module):
@@ -29,7 +29,7 @@ class Engram(nn.Module):
         self.dim, self.hc, self.eps = config.hidden_size, config.hc_mult, config.rms_norm_eps
         cols = (config.engram_max_ngram_size - 1) * config.engram_n_heads
         self.embed = EngramTable(rows, config.engram_head_dim)
-        self.wkv = QuantLinear(cols * config.engram_head_dim, self.dim * (self.hc + 1), config.quantize_dequantize)
+        self.wkv = quant_linear(config, cols * config.engram_head_dim, self.dim * (self.hc + 1), config.quantize_dequantize)
         self.q_weight = nn.Parameter(torch.ones(self.hc, self.dim, dtype=torch.bfloat16))
         self.k_weight = nn.Parameter(torch.ones(self.hc, self.dim, dtype=torch.bfloat16))
 

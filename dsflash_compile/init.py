@@ -9,15 +9,19 @@ from torch import nn
 
 from . import formats
 from .configuration_deepseek_v41 import DeepseekV41TextConfig
-from .layers import Linear, QuantLinear, RMSNorm
+from .layers import Linear, NativeQuantLinear, QuantLinear, RMSNorm
+
+
+@torch.no_grad()
+def encode_to_storage(weight: torch.Tensor, storage: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` in its release format: (codes, UE8M0 scales), FP8 32x32 tiles or MXFP4."""
+    return (formats.quant_mxfp4 if storage == "mxfp4" else formats.quant_fp8_block)(weight.float())
 
 
 @torch.no_grad()
 def snap_to_storage(weight: torch.Tensor, storage: str) -> torch.Tensor:
     """The nearest value of `weight` representable in its release format (bf16)."""
-    if storage == "mxfp4":
-        return formats.dequant_mxfp4(*formats.quant_mxfp4(weight.float()))
-    return formats.dequant_fp8_block(*formats.quant_fp8_block(weight.float()))
+    return (formats.dequant_mxfp4 if storage == "mxfp4" else formats.dequant_fp8_block)(*encode_to_storage(weight, storage))
 
 
 @torch.no_grad()
@@ -33,6 +37,11 @@ def init_module(module: nn.Module, config: DeepseekV41TextConfig) -> None:
             hc = config.hc_mult
             base[2 * hc:].view(hc, hc).fill_diagonal_(1.0)  # comb starts near the identity
             getattr(module, f"hc_{seam}_scale").fill_(1.0)
+    elif isinstance(module, NativeQuantLinear):  # the same draws as QuantLinear's, kept encoded
+        draw = torch.randn(module.out_features, module.in_features, device=module.weight.device) * std
+        weight, scale = encode_to_storage(draw, module.storage)
+        module.weight.copy_(weight)
+        module.scale.copy_(scale)
     elif isinstance(module, QuantLinear):
         module.weight.copy_(snap_to_storage(torch.randn_like(module.weight, dtype=torch.float32) * std, module.storage))
     elif isinstance(module, (Linear, nn.Linear, nn.Embedding)):

@@ -1,5 +1,7 @@
 """Small building blocks shared by the model: RMSNorm and the release's quantized-input linear."""
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,26 +22,79 @@ class RMSNorm(nn.Module):
         return (self.weight.float() * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
 
+def block_diagonal_linear(x: torch.Tensor, weight: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """x [..., groups * K] times weight [N, K]^T, group g's N / groups outputs reading only group g's inputs
+    (the attention's grouped `wo_a`, hence an einsum); groups = 1 is F.linear."""
+    if groups == 1:
+        return F.linear(x, weight)
+    z = torch.einsum("...gd,grd->...gr", x.unflatten(-1, (groups, -1)), weight.view(groups, -1, weight.shape[1]))
+    return z.flatten(-2)
+
+
 class QuantLinear(nn.Module):
     """A projection stored in the release as FP8 (32x32 tiles) or MXFP4: the weight is held here
     dequantized (exactly) in bf16, and with `quantize_input` the activation is FP8 quantize-dequantized
-    in groups of 32 first, as the release's GEMMs do. The product accumulates in fp32, output bf16."""
+    in groups of 32 first, as the release's GEMMs do. The product accumulates in fp32, output bf16.
+    groups > 1: block-diagonal (see block_diagonal_linear); in_features is then per group."""
 
-    def __init__(self, in_features: int, out_features: int, quantize_input: bool = True, storage: str = "fp8"):
+    def __init__(self, in_features: int, out_features: int, quantize_input: bool = True, storage: str = "fp8",
+                 groups: int = 1):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.groups = in_features, out_features, groups
         self.quantize_input = quantize_input
         self.storage = storage  # release format of the weight: "fp8" (32x32 tiles) or "mxfp4"
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.bfloat16))
+        self.hold_weight()
+
+    def hold_weight(self) -> None:
+        self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantize_input:
             x = fp8_qdq(x)
-        return F.linear(x.to(self.weight.dtype), self.weight)
+        return self.product(x)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return block_diagonal_linear(x.to(self.weight.dtype), self.weight, self.groups)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, quantize_input={self.quantize_input}, "
-                f"storage={self.storage}")
+                f"storage={self.storage}, groups={self.groups}")
+
+
+class NativeQuantLinear(QuantLinear):
+    """The same projection with its weight kept as the release stores it (config `weights="native"`): the
+    checkpoint's bytes as buffers under the checkpoint's names, `weight` (E4M3 [out, in], or for "mxfp4"
+    packed E2M1 int8 [out, in/2]) and `scale` (UE8M0: one per 32x32 tile, or per 32 inputs of a row). The
+    product runs in the dsflash ops, which dequantize on the fly (exactly) and on CPU round as QuantLinear."""
+
+    def hold_weight(self) -> None:
+        rows, cols = self.out_features, self.in_features
+        if self.storage == "mxfp4":
+            if self.groups != 1:
+                raise ValueError("NativeQuantLinear: MXFP4 weights (the routed experts) have no groups")
+            weight = torch.empty(rows, cols // 2, dtype=torch.int8)
+            scale = torch.empty(rows, math.ceil(cols / 32), dtype=torch.float8_e8m0fnu)
+        else:
+            weight = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+            scale = torch.empty(math.ceil(rows / 32), math.ceil(cols / 32), dtype=torch.float8_e8m0fnu)
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.bfloat16)
+        if self.storage == "fp8":
+            return torch.ops.dsflash.fp8_block_linear(x, self.weight, self.scale, self.groups)
+        rows = x.reshape(-1, x.shape[-1])  # one expert: a grouped product with a single group
+        offsets = torch.full((1,), rows.shape[0], dtype=torch.int32, device=x.device)
+        out = torch.ops.dsflash.mxfp4_grouped_mm(rows, self.weight[None], self.scale[None], offsets)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def quant_linear(config, in_features: int, out_features: int, quantize_input: bool = True, storage: str = "fp8",
+                 groups: int = 1) -> QuantLinear:
+    """The projection class the config's `weights` asks for: bf16 (QuantLinear) or native (NativeQuantLinear)."""
+    cls = NativeQuantLinear if config.native_weights else QuantLinear
+    return cls(in_features, out_features, quantize_input, storage, groups)
 
 
 class Linear(nn.Linear):

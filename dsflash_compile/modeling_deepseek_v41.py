@@ -95,7 +95,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         from .init import init_module  # random presets only; kept apart from the math
 
-        if any(p.is_meta for p in module.parameters(recurse=False)):
+        if any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))):
             return  # built on the meta device by from_pretrained: the checkpoint fills it
         init_module(module, self.config.get_text_config())
 
@@ -106,7 +106,8 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
 
         device_map: None/"cpu", "cuda", "cuda:N", "auto" or a one-device dict. engram_token_map: overrides
         the folder's `engram_token_map.safetensors` / `tokenizer.json`. Other keyword arguments set
-        DeepseekV41TextConfig fields (e.g. quantize_dequantize=False)."""
+        DeepseekV41TextConfig fields (e.g. quantize_dequantize=False, or weights="native" / "bf16": FP8 and
+        MXFP4 projections kept as stored or dequantized; by default native on CUDA, bf16 elsewhere)."""
         from .pretrained import load_pretrained
 
         if model_args:

@@ -8,6 +8,9 @@ Two ways to run the routed experts, with the same math and the same summation or
     used (a sync), so it cannot live in a captured CUDA graph;
   - grouped (after `stack_experts()`): (token, slot) pairs sorted by expert, one grouped GEMM per
     projection over the stacked weights; no host syncs and static shapes, so it compiles to one graph.
+    With native weights (config `weights="native"`) the stacks are the MXFP4 bytes and scales and the
+    grouped GEMM is `dsflash::mxfp4_grouped_mm`; such a model is stacked from the start (and again after
+    from_pretrained assigns the loaded tensors), so it runs grouped unless told otherwise.
 """
 
 import torch
@@ -15,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_deepseek_v41 import DeepseekV41TextConfig
-from .layers import QuantLinear
+from .layers import quant_linear
 from .quant import fp8_qdq
 
 
@@ -51,9 +54,9 @@ class Expert(nn.Module):
         super().__init__()
         dim, inter, q = config.hidden_size, config.moe_intermediate_size, config.quantize_dequantize
         self.limit = config.swiglu_limit
-        self.w1 = QuantLinear(dim, inter, q, storage)
-        self.w2 = QuantLinear(inter, dim, q, storage)
-        self.w3 = QuantLinear(dim, inter, q, storage)
+        self.w1 = quant_linear(config, dim, inter, q, storage)
+        self.w2 = quant_linear(config, inter, dim, q, storage)
+        self.w3 = quant_linear(config, dim, inter, q, storage)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         gate, up = self.w1(x).float(), self.w3(x).float()
@@ -73,8 +76,12 @@ class MoE(nn.Module):
         self.gate = Gate(config)
         self.experts = nn.ModuleList(Expert(config, "mxfp4") for _ in range(config.n_routed_experts))
         self.shared_experts = Expert(config, "fp8")
-
+        self.native = config.native_weights
+        # the experts' tensors: bf16 `weight`, or native `weight` (packed E2M1) and `scale` (UE8M0)
+        self.leaves = ("weight", "scale") if self.native else ("weight",)
         self.grouped = False  # set by stack_experts()
+        if self.native:
+            self.stack_experts()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, x = x.shape, x.reshape(-1, x.shape[-1])
@@ -92,15 +99,42 @@ class MoE(nn.Module):
         return y
 
     def stack_experts(self) -> None:
-        """Hold each routed projection of all experts in one [E, out, in] tensor; every expert's weight
-        becomes a view of its slice (no extra memory; names and checkpoints unchanged). Call it after
-        the model is on its device: moving the model later copies the views apart (still correct)."""
+        """Hold each routed projection's tensors of all experts in one [E, ...] tensor; every expert's tensor
+        becomes a view of its slice (no extra memory; names and checkpoints unchanged). Moving the model
+        later keeps them views (see _apply). A stale stack (tensors assigned since) is rebuilt."""
         for name in ("w1", "w2", "w3"):
-            stacked = torch.stack([getattr(e, name).weight.detach() for e in self.experts])
-            for e, weight in zip(self.experts, stacked):
-                getattr(e, name).weight = nn.Parameter(weight, requires_grad=False)
-            self.register_buffer(f"{name}_stacked", stacked, persistent=False)  # not a checkpoint tensor
+            for leaf in self.leaves:
+                stacked = torch.stack([getattr(getattr(e, name), leaf).detach() for e in self.experts])
+                self.register_buffer(f"{name}_{leaf}_stacked", stacked, persistent=False)  # not a checkpoint tensor
+        self._view_experts()
         self.grouped = True
+
+    def _view_experts(self) -> None:
+        for name in ("w1", "w2", "w3"):
+            for leaf in self.leaves:
+                stacked = getattr(self, f"{name}_{leaf}_stacked")
+                for e, t in zip(self.experts, stacked):
+                    linear = getattr(e, name)
+                    if leaf in linear._parameters:
+                        setattr(linear, leaf, nn.Parameter(t, requires_grad=False))
+                    else:
+                        setattr(linear, leaf, t)
+
+    def _apply(self, fn, recurse=True):
+        # .to()/.cuda() convert each expert's view and the stack separately: point the experts back at the
+        # converted stack (else each expert would hold a second copy; for native weights on the GPU, of
+        # the largest tensors of the model)
+        super()._apply(fn, recurse)
+        if self.grouped:
+            self._view_experts()
+        return self
+
+    def _grouped_mm(self, xs: torch.Tensor, name: str, offsets: torch.Tensor) -> torch.Tensor:
+        """xs [pairs, in] (sorted by expert) times each pair's expert's projection `name`."""
+        if self.native:
+            return torch.ops.dsflash.mxfp4_grouped_mm(xs, getattr(self, f"{name}_weight_stacked"),
+                                                      getattr(self, f"{name}_scale_stacked"), offsets)
+        return torch._grouped_mm(xs, getattr(self, f"{name}_weight_stacked").transpose(1, 2), offs=offsets)
 
     def _routed_grouped(self, x, weights, ids) -> torch.Tensor:
         """The routed experts as grouped GEMMs over (token, slot) pairs sorted by expert."""
@@ -112,13 +146,12 @@ class MoE(nn.Module):
         offsets = counts.cumsum(0, dtype=torch.int32)
         first = self.experts[0]
         xs = (fp8_qdq(x) if first.w1.quantize_input else x)[order // k]
-        gate = torch._grouped_mm(xs, self.w1_stacked.transpose(1, 2), offs=offsets).float()
-        up = torch._grouped_mm(xs, self.w3_stacked.transpose(1, 2), offs=offsets).float()
+        gate = self._grouped_mm(xs, "w1", offsets).float()
+        up = self._grouped_mm(xs, "w3", offsets).float()
         if first.limit > 0:
             gate, up = gate.clamp(max=first.limit), up.clamp(-first.limit, first.limit)
         h = (weights.flatten()[order].unsqueeze(1) * (F.silu(gate) * up)).to(x.dtype)
-        out = torch._grouped_mm(fp8_qdq(h) if first.w2.quantize_input else h,
-                                self.w2_stacked.transpose(1, 2), offs=offsets)
+        out = self._grouped_mm(fp8_qdq(h) if first.w2.quantize_input else h, "w2", offsets)
         # Back to each token's slots in ascending expert id, summed one by one (the loop's order).
         rank = torch.empty_like(order)
         rank[order] = torch.arange(order.numel(), device=x.device)

@@ -1,7 +1,9 @@
 """`from_pretrained` / `save_pretrained` for the released checkpoint layout (no hub downloads).
 
 The model is built on the meta device (no memory, no random init), then every tensor is read once from
-the folder, shard by shard, dequantized exactly where the release stores FP8/MXFP4, and assigned in place.
+the folder, shard by shard, and assigned in place. Where the release stores FP8/MXFP4, `weights="native"`
+(the default on CUDA) keeps the stored bytes and scales; `weights="bf16"` (the default elsewhere)
+dequantizes them exactly to bf16.
 Names: the checkpoint's official names are the model's parameter names without the `model.` prefix.
 """
 
@@ -56,8 +58,10 @@ def load_pretrained(cls, folder, config=None, device_map=None, dtype=None, engra
         if not hasattr(text, key):
             raise TypeError(f"from_pretrained got an unexpected argument {key!r} (not a DeepseekV41TextConfig field)")
         setattr(text, key, value)
-    text.validate_schedule()
     device = resolve_device(device_map)
+    if text.weights is None:
+        text.weights = "native" if device.type == "cuda" else "bf16"
+    text.validate_schedule()
 
     with torch.device("meta"):
         model = cls(config)
@@ -69,6 +73,10 @@ def load_pretrained(cls, folder, config=None, device_map=None, dtype=None, engra
         if t.device.type == "cpu" and t.data_ptr() % 64:
             loaded[name] = t.clone()
     model.load_state_dict({to_module(n): t for n, t in loaded.items()}, assign=True, strict=True)
+    del loaded  # the experts' loaded tensors are freed as the stacks below replace them
+    if text.native_weights:
+        for layer in model.model.layers:  # assign replaced the stacked views with the loaded tensors
+            layer.ffn.stack_experts()
     model.model.rebuild_buffers(device)
     if text.engram_layer_ids:
         # explicit map > the folder's map file or tokenizer > identity (only valid when sizes agree)

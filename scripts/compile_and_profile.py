@@ -85,21 +85,24 @@ def matmul_rate() -> float:
 
 
 def floor(model, batch: int, context: int, bandwidth: float, flops_rate: float) -> dict:
-    """Bytes that must move in one decode step (weights once: everything but the embedding and Engram
-    tables (one row each per token) and the routed experts no token picked; caches once: each layer's
-    window + top-k compressed rows + the index keys its indexer scores) and its FLOPs."""
+    """Bytes that must move in one decode step (weights once, as held (bf16, or FP8/MXFP4 bytes + scales with
+    native weights): everything but the embedding and Engram tables (one row each per token) and the routed
+    experts no token picked; caches once: each layer's window + top-k compressed rows + the index keys its
+    indexer scores) and its FLOPs."""
     text = model.model.text_config
     experts_used = min(text.n_routed_experts, batch * text.num_experts_per_tok)
     weight_bytes = flops = 0
-    for name, p in model.named_parameters():
-        size = p.numel() * p.element_size()
+    for name, t in model.state_dict().items():  # checkpoint tensors: stacked experts are not counted twice
+        size = t.numel() * t.element_size()
         if ".embed." in name or name.startswith("model.embed"):
             continue
+        # weights multiply one value per element (two for packed E2M1 bytes); scales multiply nothing
+        values = 0 if name.endswith(".scale") else t.numel() * (2 if t.dtype == torch.int8 else 1)
         if ".ffn.experts." in name:
             size *= experts_used / text.n_routed_experts
-            flops += 2 * batch * text.num_experts_per_tok / text.n_routed_experts * p.numel()
+            flops += 2 * batch * text.num_experts_per_tok / text.n_routed_experts * values
         else:
-            flops += 2 * batch * p.numel()
+            flops += 2 * batch * values
         weight_bytes += size
     rec = {"window": records.record_bytes("fp8", text.head_dim), "compressed": records.record_bytes("nvfp4", text.head_dim),
            "index": records.record_bytes("mxfp4", text.index_head_dim)}
@@ -133,20 +136,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--variants", default="day-zero,no-passes,passes")
     parser.add_argument("--layers", type=int, help="override num_hidden_layers (keeps the preset's schedule prefix)")
+    parser.add_argument("--weights", choices=["native", "bf16"], default="bf16",
+                        help="FP8/MXFP4 projections kept as stored (native) or dequantized to bf16")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     variants = args.variants.split(",")
 
-    overrides = {}
+    overrides = {"weights": args.weights}
     if args.layers:
         base = preset_config(args.preset).text_config
-        overrides = {"num_hidden_layers": args.layers, "compress_ratios": base.compress_ratios[:args.layers]}
+        overrides |= {"num_hidden_layers": args.layers, "compress_ratios": base.compress_ratios[:args.layers]}
     config = preset_config(args.preset, **overrides)
     start = time.perf_counter()
     with torch.device("cuda"):
         model = DeepseekV41ForCausalLM(config).eval()
     result = {**run_metadata(), "preset": args.preset, "overrides": overrides, "context": args.context,
-              "build_s": time.perf_counter() - start, "batches": {}}
+              "build_s": time.perf_counter() - start, "model_bytes_on_gpu": torch.cuda.memory_allocated(),
+              "batches": {}}
+    print(f"{args.preset} with {args.weights} weights: {result['model_bytes_on_gpu'] / 2 ** 30:.2f} GiB on the GPU",
+          flush=True)
     bandwidth, rate = copy_bandwidth(), matmul_rate()
     max_batch, max_length = max(args.batch), args.context + 4 * args.steps + 64
     gen = torch.Generator(device="cuda").manual_seed(0)

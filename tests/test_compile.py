@@ -119,9 +119,11 @@ def test_chunk_plan_splits_the_remainder_where_padding_costs_more():
 
 
 @torch.no_grad()
-def test_inductor_with_passes_matches_eager(fresh_dynamo):
-    """The real thing on CPU: Inductor code generation with our passes (fused router and mHC seams)."""
-    model = tiny_model()
+@pytest.mark.parametrize("weights", ["bf16", "native"])
+def test_inductor_with_passes_matches_eager(fresh_dynamo, weights):
+    """The real thing on CPU: Inductor code generation with our passes (fused router and mHC seams), with
+    the projections held in bf16 or in their release formats (the dsflash ops leave every pattern matching)."""
+    model = tiny_model(weights=weights)
     ids = prompts(2, 12)
     want = model(ids).logits
     with inductor_config.patch(force_disable_caches=True):  # so the passes run (and count) here

@@ -1,0 +1,70 @@
+"""`dsflash::mxfp4_grouped_mm`: the routed experts' grouped GEMM with their weights kept in MXFP4.
+
+    weight int8 [E, N, K/2] (packed E2M1, element 2k in the low nibble), scale UE8M0 [E, N, K/32]
+    rows [offsets[e-1], offsets[e]) of x (offsets[-1] = 0) are multiplied by expert e's weight:
+    out[r, n] = sum_k x[r, k] * e2m1(weight[e, n, k]) * scale[e, n, k // 32]
+
+The same contract as `torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)` over bf16 stacked weights
+(moe.py's grouped path), with rows sorted by expert; rows past offsets[-1] are zero. Only experts that
+have rows are read: the reference dequantizes just those (one host sync for the list, the reference
+being the CPU path) and multiplies each as the bf16 model's expert loop does (F.linear over the same
+rows), so on CPU a model holding MXFP4 experts gives the bf16 model's bits. On CUDA the Triton kernel
+(mxfp4_experts_triton.py) needs no host sync and dequantizes in registers.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dsflash_compile import formats
+
+
+@torch.library.custom_op("dsflash::mxfp4_grouped_mm", mutates_args=())
+def mxfp4_grouped_mm(x: Tensor, weight: Tensor, scale: Tensor, offsets: Tensor) -> Tensor:
+    """x bf16 [P, K]; weight int8 [E, N, K/2]; scale float8_e8m0fnu [E, N, K/32]; offsets int32 [E]
+    (cumulative row counts). Returns bf16 [P, N]."""
+    return mxfp4_grouped_mm_reference(x, weight, scale, offsets)
+
+
+def check_inputs(x: Tensor, weight: Tensor, scale: Tensor, offsets: Tensor) -> None:
+    if x.dtype != torch.bfloat16 or x.dim() != 2:
+        raise TypeError(f"mxfp4_grouped_mm: x must be bf16 [rows, K], got {x.dtype} {tuple(x.shape)}")
+    if weight.dim() != 3 or weight.dtype != torch.int8 or scale.dtype != torch.float8_e8m0fnu:
+        raise TypeError(f"mxfp4_grouped_mm: weight must be int8 [E, N, K/2] and scale float8_e8m0fnu, got "
+                        f"{weight.dtype} {tuple(weight.shape)} and {scale.dtype}")
+    experts, n, half = weight.shape
+    if x.shape[1] != 2 * half or tuple(scale.shape) != (experts, n, -(-2 * half // formats.BLOCK)):
+        raise ValueError(f"mxfp4_grouped_mm: x {tuple(x.shape)}, weight {tuple(weight.shape)} and scale "
+                         f"{tuple(scale.shape)} do not fit (K = 2 x packed columns, one scale per 32 inputs)")
+    if tuple(offsets.shape) != (experts,) or offsets.dtype != torch.int32:
+        raise ValueError(f"mxfp4_grouped_mm: offsets must be int32 [{experts}], got {offsets.dtype} {tuple(offsets.shape)}")
+
+
+def mxfp4_grouped_mm_reference(x, weight, scale, offsets):
+    """Per expert with rows: dequantize (exact in bf16), then the bf16 expert's F.linear."""
+    check_inputs(x, weight, scale, offsets)
+    out = x.new_zeros(x.shape[0], weight.shape[1])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[start:end] = F.linear(x[start:end], formats.dequant_mxfp4(weight[e], scale[e], x.dtype))
+        start = end
+    return out
+
+
+@mxfp4_grouped_mm.register_fake
+def _(x, weight, scale, offsets):
+    check_inputs(x, weight, scale, offsets)
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+try:  # Triton is optional on CPU machines
+    from . import mxfp4_experts_triton
+except ImportError:  # pragma: no cover - CPU machines without triton
+    mxfp4_experts_triton = None
+
+if mxfp4_experts_triton is not None:
+    @mxfp4_grouped_mm.register_kernel("cuda")
+    def _(x, weight, scale, offsets):
+        check_inputs(x, weight, scale, offsets)
+        return mxfp4_experts_triton.mxfp4_grouped_mm_triton(x, weight, scale, offsets)

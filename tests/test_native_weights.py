@@ -1,0 +1,409 @@
+"""Native weights (issue 9): FP8 32x32-tile projections and MXFP4 routed experts held as the release stores
+them, multiplied by `dsflash::fp8_block_linear` and `dsflash::mxfp4_grouped_mm` (CPU).
+
+The ops' references dequantize exactly and multiply as the bf16 model does, so on CPU a native model gives
+the bf16 model's logits bit for bit (the golden fixture's tolerance is not even needed). The Triton kernels
+run here under the interpreter at small sizes (in a subprocess, see interp.py) against the references, and
+are compiled for sm_90 to catch register spills; their GPU runs are in the CUDA tests at the end.
+"""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch._dynamo.utils import counters
+
+import dsflash_compile
+from dsflash_compile import DeepseekV41ForCausalLM, formats, preset_config
+from dsflash_compile.checkpoint import FP8_BLOCK, MXFP4, CheckpointError, weight_format
+from dsflash_compile.configuration_deepseek_v41 import ScheduleError
+from dsflash_compile.layers import NativeQuantLinear, QuantLinear
+from golden import TINY_A, fixture, load_model, requires_golden
+from hopper import check_compiles_for_hopper
+from interp import report, requires_interpreter, run_interpreted
+
+ops = torch.ops.dsflash
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def fp8_case(rows, n, k, groups=1, seed=0, device="cpu"):
+    """x bf16 [rows, groups * k] and an FP8 weight [n, k] whose tiles use different scales."""
+    g = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(rows, groups * k, generator=g, device=device).bfloat16()
+    w = torch.randn(n, k, generator=g, device=device) * k ** -0.5
+    weight, scale = formats.quant_fp8_block(w * torch.rand(n, k, generator=g, device=device).mul(8).exp2())
+    return x, weight, scale
+
+
+def mxfp4_case(counts, n, k, seed=0, device="cpu"):
+    """x bf16 [sum(counts), k] sorted by expert, stacked MXFP4 experts [E, n, k/2], offsets int32 [E]."""
+    g = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(sum(counts), k, generator=g, device=device).bfloat16()
+    encoded = [formats.quant_mxfp4(torch.randn(n, k, generator=g, device=device) * k ** -0.5) for _ in counts]
+    weight, scale = (torch.stack(t) for t in zip(*encoded))
+    offsets = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+    return x, weight, scale, offsets
+
+
+def bf16_linear(weight, groups=1, storage="fp8"):
+    """The bf16 model's projection holding `weight` (dequantized)."""
+    linear = QuantLinear(weight.shape[1], weight.shape[0], quantize_input=False, storage=storage, groups=groups)
+    linear.weight.data = weight
+    return linear
+
+
+def opcheck(op, args):
+    """torch.library.opcheck without its schema test, whose before/after comparison (allclose) has no float8
+    kernels; that test's point, no input mutated, is checked here on the bytes instead."""
+    before = [a.clone() for a in args if isinstance(a, torch.Tensor)]
+    torch.library.opcheck(op, args, test_utils=("test_autograd_registration", "test_faketensor",
+                                                "test_aot_dispatch_dynamic"))
+    op(*args)
+    after = [a for a in args if isinstance(a, torch.Tensor)]
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, after))
+
+
+# ----------------------------------------------------------------------------------- the references
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_fp8_block_linear_rounds_as_the_bf16_projection(groups):
+    """Bit for bit the bf16 QuantLinear holding the dequantized weight (3-D activations, ragged tiles)."""
+    x, weight, scale = fp8_case(7, 96, 80, groups)
+    x = x.view(1, 7, -1)
+    want = bf16_linear(formats.dequant_fp8_block(weight, scale), groups)(x)
+    assert torch.equal(ops.fp8_block_linear(x, weight, scale, groups), want)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_fp8_block_linear_opcheck(groups):
+    opcheck(ops.fp8_block_linear.default, (*fp8_case(5, 64, 96, groups), groups))
+
+
+def test_fp8_block_linear_errors_name_the_problem():
+    x, weight, scale = fp8_case(3, 64, 64)
+    with pytest.raises(TypeError, match="activations must be bf16"):
+        ops.fp8_block_linear(x.float(), weight, scale)
+    with pytest.raises(ValueError, match="do not split into groups=3"):
+        ops.fp8_block_linear(x, weight, scale, 3)
+    with pytest.raises(ValueError, match="x has 64 inputs"):
+        ops.fp8_block_linear(x, weight, scale, 2)
+    with pytest.raises(ValueError, match="scale has shape"):
+        ops.fp8_block_linear(x, weight, scale[:1])
+
+
+def test_mxfp4_grouped_mm_rounds_as_the_expert_loop_and_reads_only_selected_experts():
+    """Each expert's rows equal the bf16 expert's F.linear bit for bit; experts without rows are never read
+    (their scales poisoned with NaN change nothing); rows past the last offset are zero."""
+    x, weight, scale, offsets = mxfp4_case([3, 0, 5, 0, 1], 64, 96)
+    poisoned = scale.clone()
+    poisoned.view(torch.uint8)[[1, 3]] = 255  # UE8M0 NaN
+    got = ops.mxfp4_grouped_mm(x, weight, poisoned, offsets)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        want = bf16_linear(formats.dequant_mxfp4(weight[e], scale[e]), storage="mxfp4")(x[start:end])
+        assert torch.equal(got[start:end], want), e
+        start = end
+    short = offsets.clone()
+    short[-1] = 8  # the last row belongs to no expert
+    assert torch.equal(ops.mxfp4_grouped_mm(x, weight, scale, short)[8], torch.zeros(64, dtype=torch.bfloat16))
+
+
+def test_mxfp4_grouped_mm_opcheck():
+    opcheck(ops.mxfp4_grouped_mm.default, mxfp4_case([2, 0, 3], 32, 64))
+
+
+def test_mxfp4_grouped_mm_errors_name_the_problem():
+    x, weight, scale, offsets = mxfp4_case([2, 1], 32, 64)
+    with pytest.raises(ValueError, match="offsets must be int32"):
+        ops.mxfp4_grouped_mm(x, weight, scale, offsets.long())
+    with pytest.raises(ValueError, match="do not fit"):
+        ops.mxfp4_grouped_mm(x[:, :32], weight, scale, offsets)
+    with pytest.raises(TypeError, match="weight must be int8"):
+        ops.mxfp4_grouped_mm(x, weight.view(torch.uint8), scale, offsets)
+
+
+# ------------------------------------------------------------------------------ the Triton kernels
+
+# name: (rows, outputs, inputs, groups, K splits (None: default))
+FP8_CASES = {
+    "decode_one_token": (1, 64, 256, 1, None),
+    "ragged_rows_and_inputs": (19, 96, 200, 1, None),
+    "split_k": (5, 64, 384, 1, 3),
+    "groups": (3, 128, 64, 2, None),
+    "groups_split_k": (2, 128, 384, 2, 3),
+    "block_m_64": (33, 32, 64, 1, 1),
+}
+# name: (rows per expert, outputs, inputs)
+MXFP4_CASES = {
+    "decode_one_row_per_expert": ([1, 0, 1, 1, 0, 0, 1], 64, 128),
+    "more_rows_than_a_tile": ([17, 0, 2, 33], 96, 64),
+    "one_expert_ragged_inputs": ([0, 5, 0], 32, 96),
+}
+
+
+def relative_error(got, want, mag) -> float:
+    """Worst |got - want| relative to sum |x| |w| (the summation order moves results by about one bf16
+    rounding of the larger of the two)."""
+    return float(((got.float() - want.float()).abs() / mag.clamp_min(1e-30)).max())
+
+
+def interpreter_checks():
+    """Entry point of the subprocess: every case against the op's reference."""
+    from dsflash_compile.custom_ops.fp8_linear import fp8_block_linear_reference
+    from dsflash_compile.custom_ops.fp8_linear_triton import fp8_block_linear_triton
+    from dsflash_compile.custom_ops.mxfp4_experts import mxfp4_grouped_mm_reference
+    from dsflash_compile.custom_ops.mxfp4_experts_triton import mxfp4_grouped_mm_triton
+
+    for name, (rows, n, k, groups, splits) in FP8_CASES.items():
+        x, weight, scale = fp8_case(rows, n, k, groups)
+        block_m = 64 if name == "block_m_64" else None
+        got = fp8_block_linear_triton(x, weight, scale, groups, splits=splits, block_m=block_m)
+        want = fp8_block_linear_reference(x, weight, scale, groups)
+        mag = fp8_block_linear_reference(x.abs(), weight.float().abs().to(torch.float8_e4m3fn), scale, groups)
+        report(dict(name="fp8_" + name, err=relative_error(got, want, mag.float())))
+    for name, (counts, n, k) in MXFP4_CASES.items():
+        x, weight, scale, offsets = mxfp4_case(counts, n, k)
+        got = mxfp4_grouped_mm_triton(x, weight, scale, offsets)
+        want = mxfp4_grouped_mm_reference(x, weight, scale, offsets)
+        mag = mxfp4_grouped_mm_reference(x.abs(), weight & 0x77, scale, offsets)  # sign bits cleared: |w|
+        report(dict(name="mxfp4_" + name, err=relative_error(got, want, mag.float())))
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted("test_native_weights", "interpreter_checks")
+
+
+@requires_interpreter
+@pytest.mark.parametrize("name", ["fp8_" + n for n in FP8_CASES] + ["mxfp4_" + n for n in MXFP4_CASES])
+def test_kernel_matches_reference(interpreted, name):
+    assert interpreted[name]["err"] <= 2 ** -7, interpreted[name]
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_fp8_kernel_compiles_for_hopper(partial):
+    from dsflash_compile.custom_ops import fp8_linear_triton
+
+    args = dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", out_ptr="*fp32" if partial else "*bf16", M="i32", N="i32",
+                K="i32", x_stride="i32", n_per_group="i32", k_blocks_per_split="i32")
+    constexprs = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PARTIAL=partial, FP32_DOT=False)
+    check_compiles_for_hopper(fp8_linear_triton, ("_fp8_linear_kernel", args, constexprs, 4))
+
+
+def test_mxfp4_kernel_compiles_for_hopper():
+    from dsflash_compile.custom_ops import mxfp4_experts_triton
+
+    args = dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", offsets_ptr="*i32", tile_expert_ptr="*i32",
+                tile_first_ptr="*i32", out_ptr="*bf16", E="i32", N="i32", K="i32")
+    constexprs = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, FP32_DOT=False)
+    check_compiles_for_hopper(mxfp4_experts_triton, ("_mxfp4_grouped_kernel", args, constexprs, 4))
+
+
+# ----------------------------------------------------------------------------------- the model
+
+
+def held_bytes(model) -> int:
+    """Bytes of every parameter and buffer, each storage once (stacked experts and their views share)."""
+    storages = {}
+    for t in (*model.parameters(), *model.buffers()):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+@pytest.fixture(scope="module")
+def bf16_model():
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def native_model():
+    return load_model(weights="native")
+
+
+def prefill_and_decode(model, steps=2):
+    ids, dec = (fixture()["inputs"][k].to(model.device) for k in ("prompt_ids", "decode_input_ids"))
+    cache = model.new_cache(1, ids.shape[1] + steps)
+    with torch.no_grad():
+        logits = [model(ids, cache=cache).logits]
+        logits += [model(dec[:, i:i + 1], cache=cache).logits for i in range(steps)]
+    return torch.cat(logits, 1)
+
+
+@requires_golden
+def test_cpu_default_is_bf16(bf16_model):
+    assert bf16_model.config.text_config.weights == "bf16"
+    assert type(bf16_model.model.layers[0].attn.wq_a) is QuantLinear
+
+
+@requires_golden
+def test_native_logits_equal_bf16_logits(bf16_model, native_model):
+    """Prefill (100 tokens) and 2 decode steps on the golden fixture: the same logits bit for bit."""
+    assert torch.equal(prefill_and_decode(native_model), prefill_and_decode(bf16_model))
+
+
+@requires_golden
+def test_native_model_holds_the_checkpoint_bytes(bf16_model, native_model):
+    """Every FP8 / MXFP4 projection holds exactly the file's weight and scale tensors (no bf16 copy), and
+    the model's memory shrinks by the difference between bf16 and the stored bytes."""
+    stored = load_file(TINY_A / "model.safetensors")
+    state = {k.removeprefix("model."): v for k, v in native_model.state_dict().items()}
+    quantized = [n for n in stored if weight_format(n) in (FP8_BLOCK, MXFP4)]
+    assert quantized and all(torch.equal(state[n].view(torch.uint8), stored[n].view(torch.uint8)) for n in quantized)
+    assert all(m.weight.dtype in (torch.float8_e4m3fn, torch.int8)
+               for m in native_model.modules() if isinstance(m, QuantLinear))
+    encoded = sum(stored[n].nbytes for n in quantized)
+    as_bf16 = sum(2 * state[n].numel() * (2 if weight_format(n) == MXFP4 else 1)
+                  for n in quantized if n.endswith(".weight"))
+    native, bf16 = held_bytes(native_model), held_bytes(bf16_model)
+    print(f"weights held: native {native} B, bf16 {bf16} B (projections {encoded} B encoded, {as_bf16} B as bf16)")
+    assert bf16 - native == as_bf16 - encoded
+
+
+@requires_golden
+def test_native_save_writes_the_same_bytes_and_reloads(native_model, bf16_model, tmp_path):
+    native_model.save_pretrained(tmp_path)
+    saved, stored = load_file(tmp_path / "model.safetensors"), load_file(TINY_A / "model.safetensors")
+    assert saved.keys() == stored.keys()
+    assert all(torch.equal(saved[n].view(torch.uint8), stored[n].view(torch.uint8))
+               for n in stored if weight_format(n) in (FP8_BLOCK, MXFP4))
+    ids = fixture()["inputs"]["prompt_ids"]
+    reloaded = DeepseekV41ForCausalLM.from_pretrained(tmp_path, swa_bounded_replay=False, weights="bf16")
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, bf16_model(ids).logits)
+
+
+def test_experts_stay_views_of_their_stack_after_a_move():
+    """Moving a stacked model (here: a copy of every tensor) leaves one copy of the experts, not two."""
+    model = DeepseekV41ForCausalLM(preset_config("tiny", weights="native"))
+    moe = model.model.layers[0].ffn
+    model._apply(torch.clone)
+    base = moe.w1_weight_stacked.untyped_storage().data_ptr()
+    assert all(e.w1.weight.untyped_storage().data_ptr() == base for e in moe.experts)
+    assert all(e.w2.scale.untyped_storage().data_ptr() == moe.w2_scale_stacked.untyped_storage().data_ptr()
+               for e in moe.experts)
+
+
+@torch.no_grad()
+def test_random_native_model_equals_random_bf16_model():
+    """A preset built with native weights draws the same values as the bf16 one (kept encoded)."""
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for weights in ("native", "bf16"):
+        torch.manual_seed(0)
+        logits.append(DeepseekV41ForCausalLM(preset_config("tiny", weights=weights)).eval()(ids).logits)
+    assert torch.equal(*logits)
+
+
+@torch.no_grad()
+def test_native_model_compiles_without_graph_breaks():
+    """dsflash_compile.compile on a native model (the "eager" backend: Dynamo's capture with fullgraph, which
+    fails on any graph break; the ops' fake kernels under AOT dispatch are opcheck's part above): a prefill
+    chunk through the compiled blocks equals the eager model's, with no graph break."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(preset_config("tiny", weights="native")).eval()
+    ids = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(1))
+    want = model(ids).logits
+    dsflash_compile.compile(model, max_batch=2, max_length=64, batch_buckets=(2,), prefill_buckets=(16,),
+                            backend="eager", passes=False)
+    try:
+        got = model(ids, cache=model.compiled_runner.fresh_cache(2, 64)).logits
+        assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"]
+        assert torch.equal(got, want)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_unknown_weights_option_is_named():
+    with pytest.raises(ScheduleError, match="weights: 'fp4'"):
+        preset_config("tiny", weights="fp4")
+
+
+@requires_golden
+def test_native_load_of_a_dequantized_projection_is_named(tmp_path):
+    """convert.py writes wo_a dequantized (bf16, no scale): native loading says so and what to do."""
+    for f in TINY_A.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    tensors = load_file(TINY_A / "model.safetensors")
+    name = "layers.0.attn.wo_a"
+    tensors[name + ".weight"] = formats.dequant_fp8_block(tensors.pop(name + ".weight"), tensors.pop(name + ".scale"))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"wo_a.weight: stored dequantized \(BF16.*load with weights='bf16'"):
+        DeepseekV41ForCausalLM.from_pretrained(tmp_path, weights="native")
+    assert DeepseekV41ForCausalLM.from_pretrained(tmp_path, weights="bf16") is not None
+
+
+@requires_golden
+def test_native_load_takes_experts_stored_as_u8(tmp_path, native_model):
+    """MXFP4 experts stored as U8 (the reader accepts I8 or U8) load into the native I8 buffers unchanged."""
+    for f in TINY_A.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    tensors = load_file(TINY_A / "model.safetensors")
+    name = "layers.0.ffn.experts.3.w2.weight"
+    tensors[name] = tensors[name].view(torch.uint8)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    loaded = DeepseekV41ForCausalLM.from_pretrained(tmp_path, weights="native")
+    expert = loaded.model.layers[0].ffn.experts[3].w2.weight
+    assert expert.dtype == torch.int8 and torch.equal(expert, native_model.model.layers[0].ffn.experts[3].w2.weight)
+
+
+# ----------------------------------------------------------------------------------- CUDA
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 8, 64, 256, 300])
+@pytest.mark.parametrize("shape", [(1280, 5120, 1), (32768, 1280, 1), (8192, 4096, 8), (5120, 8192, 1)])
+def test_fp8_block_linear_cuda_release_shapes(rows, shape):
+    """The registered CUDA op at the release's projection shapes (wq_a, wq_b, wo_a, wo_b) against the
+    reference on the GPU (Triton up to MAX_ROWS rows, the reference's cuBLAS product above), and opcheck."""
+    n, k, groups = shape
+    x, weight, scale = fp8_case(rows, n, k, groups, device="cuda")
+    got = ops.fp8_block_linear(x, weight, scale, groups)
+    from dsflash_compile.custom_ops.fp8_linear import fp8_block_linear_reference
+
+    want = fp8_block_linear_reference(x, weight, scale, groups)
+    mag = fp8_block_linear_reference(x.abs(), weight.float().abs().to(torch.float8_e4m3fn), scale, groups)
+    assert relative_error(got, want, mag.float()) <= 2 ** -7
+    if rows == 8:
+        opcheck(ops.fp8_block_linear.default, (x, weight, scale, groups))
+
+
+@requires_cuda
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_mxfp4_grouped_mm_cuda_release_shapes(tokens):
+    """384 experts, top-6, D = 5120, intermediate 2304 (w1) against the reference; CUDA-graph capture."""
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(384, generator=g)[:6] for _ in range(tokens)]).flatten()
+    counts = torch.bincount(ids, minlength=384).tolist()
+    x, weight, scale, offsets = mxfp4_case(counts, 2304, 5120, device="cuda")
+    from dsflash_compile.custom_ops.mxfp4_experts import mxfp4_grouped_mm_reference
+
+    got = ops.mxfp4_grouped_mm(x, weight, scale, offsets)
+    want = mxfp4_grouped_mm_reference(x, weight, scale, offsets)
+    mag = mxfp4_grouped_mm_reference(x.abs(), weight & 0x77, scale, offsets)
+    assert relative_error(got, want, mag.float()) <= 2 ** -7
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.mxfp4_grouped_mm(x, weight, scale, offsets)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, got)
+    opcheck(ops.mxfp4_grouped_mm.default, (x, weight, scale, offsets))
+
+
+@requires_cuda
+@requires_golden
+def test_native_cuda_model_matches_bf16_within_golden_bounds():
+    """On the GPU (the default there is native) the Triton ops' summation order differs from cuBLAS's: logits
+    stay within the golden fixture's end-to-end bound and agree on the argmax."""
+    from golden import probe
+
+    native = load_model(device_map="cuda")
+    assert native.config.text_config.weights == "native"
+    bf16 = load_model(device_map="cuda", weights="bf16")
+    got, want = prefill_and_decode(native).cpu(), prefill_and_decode(bf16).cpu()
+    assert (got - want).abs().max() <= probe("prefill_logits", "max_abs")
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
