@@ -5,4 +5,4 @@ registered for CUDA (`register_kernel("cuda")`) and the reference stays the CPU 
 """
 
 from . import attention, indexer, records, router, topk  # noqa: F401  (registration side effects)
-from . import mhc  # noqa: F401  (registration side effects: the mHC seam ops)
+from . import mhc, mhc_split  # noqa: F401  (registration side effects: the mHC seam ops, fused and split)

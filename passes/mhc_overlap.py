@@ -1,0 +1,97 @@
+"""mHC overlap (issue 8): split each fused seam of at most `max_tokens` tokens so that its mixes run on a side
+CUDA stream beside the next sublayer (custom_ops/mhc_split.py has the ops and why this is legal).
+
+    mhc_seam(out, X, q, C, p_lag, fn, scale, base, w)      (X', normed) = mhc_seam_input(out, X, q, C, p_lag, w)
+      -> (X', normed, p, q', C')                      =>    (p, q', C') = mhc_mixes(X', fn, scale, base)
+                                                            ... the next sublayer, on the current stream ...
+                                                            mhc_join_(p, q', C')    before the first reader
+    mhc_entry_seam(X, p_lag, fn, scale, base, w)      =>    normed = mhc_entry_input(X, p_lag, w); mhc_mixes(X, ...)
+
+Runs after the mHC fusion pass. The token count must be static (the compiled decode and prefill graphs are):
+above the cutoff a seam keeps its one launch, because the mixes then take longer than the sublayer they would
+hide behind (measured by scripts/bench_overlap.py). Only seams with fp32 `fn` are split, where the fused op's
+kernel and the split ops' kernels run (bit for bit the same values); the readers of the mixes are at least the
+next seam's ops, which also read X', so X' stays alive (and unreused by Inductor) until after the join.
+"""
+
+import operator
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._guards import detect_fake_mode
+
+ops = torch.ops.dsflash
+
+
+def _tokens(streams: torch.fx.Node) -> int | None:
+    """Tokens of a seam's streams [..., hc, D], or None if not a static count."""
+    lead = streams.meta["val"].shape[:-2]
+    if not all(isinstance(n, int) for n in lead):
+        return None
+    tokens = 1
+    for n in lead:
+        tokens *= n
+    return tokens
+
+
+def _call(graph: torch.fx.Graph, op, args: tuple, outputs: int):
+    """Insert op(*args) (at the graph's insertion point) with its fake value; its `outputs` getitems."""
+    vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+    fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)]) or FakeTensorMode()
+    with fake_mode:
+        val = op(*vals)
+    node = graph.call_function(op, args)
+    node.meta["val"] = val
+    if not outputs:
+        return node
+    items = []
+    for i in range(outputs):
+        item = graph.call_function(operator.getitem, (node, i))
+        item.meta["val"] = val[i]
+        items.append(item)
+    return items
+
+
+class MhcOverlapPass:
+    name = "mhc_overlap"
+
+    def __init__(self, max_tokens: int):
+        """Split seams of at most max_tokens tokens."""
+        self.options = {"max_tokens": max_tokens}
+
+    def apply(self, graph: torch.fx.Graph) -> int:
+        """Split every fused seam within the cutoff; returns how many were split."""
+        split = 0
+        for target in (ops.mhc_seam.default, ops.mhc_entry_seam.default):
+            for node in list(graph.find_nodes(op="call_function", target=target)):
+                split += self._split(graph, node)
+        return split
+
+    def _split(self, graph: torch.fx.Graph, node: torch.fx.Node) -> int:
+        entry = node.target is ops.mhc_entry_seam.default
+        if entry:
+            streams, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters = node.args
+        else:
+            out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters = node.args
+        tokens = _tokens(streams)
+        if tokens is None or tokens > self.options["max_tokens"] or fn.meta["val"].dtype != torch.float32:
+            return 0
+        with graph.inserting_before(node):
+            if entry:
+                inputs = [_call(graph, ops.mhc_entry_input.default, (streams, pre_lagged, norm_weight, norm_eps), 0)]
+                mixed = streams
+            else:
+                inputs = _call(graph, ops.mhc_seam_input.default,
+                               (out, streams, post, comb, pre_lagged, norm_weight, norm_eps), 2)
+                mixed = inputs[0]
+            mixes = _call(graph, ops.mhc_mixes.default, (mixed, fn, scale, base, norm_eps, hc_eps, iters), 3)
+        for item in list(node.users):
+            item.replace_all_uses_with((inputs + mixes)[item.args[1]])
+            graph.erase_node(item)
+        graph.erase_node(node)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        first_reader = min((user for item in mixes for user in item.users), key=order.__getitem__,
+                           default=mixes[-1].next)
+        with graph.inserting_before(first_reader):
+            _call(graph, ops.mhc_join_.default, tuple(mixes), 0)
+        return 1

@@ -1,0 +1,193 @@
+"""mHC overlap (issue 8): the split seam ops (custom_ops/mhc_split.py) equal the fused ones bit for bit, the
+overlap pass (passes/mhc_overlap.py) splits the tiny model's seams and joins before every reader, and
+compile() gives the same bits with overlap on and off. On the CPU the side stream is the current stream;
+the GPU tests (skipped here) check the decode CUDA graph and that the mixes run on another stream."""
+
+import collections
+import json
+
+import pytest
+import torch
+
+import dsflash_compile
+from dsflash_compile.passes import MhcFusionPass, MhcOverlapPass
+from test_compile import fresh_dynamo, prompts, tiny_model  # noqa: F401  (fresh_dynamo: a fixture)
+from test_mhc_fusion import HC_EPS, ITERS, NORM_EPS, compiling, seam_args, tiny_layer_loop  # noqa: F401
+
+ops = torch.ops.dsflash
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream and CUDA graphs need a GPU")
+
+
+def split_seam(out, streams, post, comb, pre_lagged, fn, scale, base, weight):
+    """The five outputs of mhc_seam, from the split ops (joined)."""
+    new, normed = ops.mhc_seam_input(out, streams, post, comb, pre_lagged, weight, NORM_EPS)
+    mixes = ops.mhc_mixes(new, fn, scale, base, NORM_EPS, HC_EPS, ITERS)
+    ops.mhc_join_(*mixes)
+    return (new, normed, *mixes)
+
+
+def split_entry_seam(streams, pre_lagged, fn, scale, base, weight):
+    mixes = ops.mhc_mixes(streams, fn, scale, base, NORM_EPS, HC_EPS, ITERS)
+    ops.mhc_join_(*mixes)
+    return (ops.mhc_entry_input(streams, pre_lagged, weight, NORM_EPS), *mixes)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+@pytest.mark.parametrize("lead", [(1,), (2, 3), (20,)])
+def test_split_ops_equal_the_fused_ops(device, lead):
+    """On CUDA the same Triton kernel with half its work switched off: the same bits as one launch."""
+    out, streams, post, comb, pre_lagged, fn, scale, base, weight = (t.to(device) for t in seam_args(lead))
+    fused = ops.mhc_seam(out, streams, post, comb, pre_lagged, fn, scale, base, weight, NORM_EPS, HC_EPS, ITERS)
+    got = split_seam(out, streams, post, comb, pre_lagged, fn, scale, base, weight)
+    assert all(torch.equal(g, w) for g, w in zip(got, fused, strict=True))
+    fused = ops.mhc_entry_seam(streams, pre_lagged, fn, scale, base, weight, NORM_EPS, HC_EPS, ITERS)
+    got = split_entry_seam(streams, pre_lagged, fn, scale, base, weight)
+    assert all(torch.equal(g, w) for g, w in zip(got, fused, strict=True))
+
+
+def test_split_ops_opcheck():
+    out, streams, post, comb, pre_lagged, fn, scale, base, weight = seam_args((3,))
+    torch.library.opcheck(ops.mhc_seam_input.default, (out, streams, post, comb, pre_lagged, weight, NORM_EPS))
+    torch.library.opcheck(ops.mhc_entry_input.default, (streams, pre_lagged, weight, NORM_EPS))
+    torch.library.opcheck(ops.mhc_mixes.default, (streams, fn, scale, base, NORM_EPS, HC_EPS, ITERS))
+    torch.library.opcheck(ops.mhc_join_.default, tuple(t.clone() for t in (pre_lagged, post, comb)))
+
+
+def test_split_op_names_a_wrong_shape():
+    out, streams, post, comb, pre_lagged, fn, scale, base, weight = seam_args((2,))
+    with pytest.raises(ValueError, match="comb has shape"):
+        ops.mhc_seam_input(out, streams, post, comb[..., :-1], pre_lagged, weight, NORM_EPS)
+    with pytest.raises(ValueError, match="fn has shape"):
+        ops.mhc_mixes(streams, fn[:, :-1], scale, base, NORM_EPS, HC_EPS, ITERS)
+
+
+class SplitSeams:
+    """Post-grad pass: the mHC fusion, then the overlap split; keeps counts and the graph's dsflash ops."""
+
+    def __init__(self, max_tokens=16):
+        self.fusion, self.overlap = MhcFusionPass(NORM_EPS, HC_EPS, ITERS), MhcOverlapPass(max_tokens)
+        self.matches, self.splits, self.ops, self.joins_first = [], [], [], []
+
+    def __call__(self, graph):
+        self.matches.append(self.fusion.apply(graph))
+        self.splits.append(self.overlap.apply(graph))
+        self.ops.append(collections.Counter(str(n.target) for n in graph.nodes if str(n.target).startswith("dsflash")))
+        self.joins_first.append(joins_precede_readers(graph))
+
+
+def joins_precede_readers(graph) -> bool:
+    """Every mhc_mixes output is read first by the mhc_join_ of those outputs (nothing reads them earlier)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in graph.find_nodes(op="call_function", target=ops.mhc_mixes.default):
+        items = list(node.users)
+        readers = sorted({r for item in items for r in item.users}, key=order.__getitem__)
+        if not readers or readers[0].target is not ops.mhc_join_.default or set(readers[0].args) != set(items):
+            return False
+    return True
+
+
+def test_every_seam_of_the_tiny_model_is_split(compiling):
+    """The tiny model's layer loop at 2 x 3 = 6 tokens: the 18 fused seams (15 full, 3 entry) are all split,
+    each joined before its mixes' first reader (the next seam; before Engram and the final norm Inductor's
+    kernels), and the output has the same bits as with the seams fused."""
+    layer_loop, inputs = tiny_layer_loop()
+    args = inputs(2, 3)
+    fused = compiling(MhcFusionPass(NORM_EPS, HC_EPS, ITERS).apply, layer_loop)(*args)
+    torch._dynamo.reset()
+    seams = SplitSeams()
+    got = compiling(seams, layer_loop)(*args)
+    assert seams.matches == [18] and seams.splits == [18] and seams.joins_first == [True]
+    assert seams.ops == [{"dsflash.mhc_seam_input.default": 15, "dsflash.mhc_entry_input.default": 3,
+                          "dsflash.mhc_mixes.default": 18, "dsflash.mhc_join_.default": 18}]
+    assert torch.equal(got, fused)
+
+
+def test_seams_above_the_cutoff_stay_fused(compiling):
+    layer_loop, inputs = tiny_layer_loop()
+    seams = SplitSeams(max_tokens=5)
+    compiling(seams, layer_loop)(*inputs(2, 3))
+    assert seams.matches == [18] and seams.splits == [0]
+    assert seams.ops == [{"dsflash.mhc_seam.default": 15, "dsflash.mhc_entry_seam.default": 3}]
+
+
+@torch.no_grad()
+def test_compiled_decode_same_bits_with_overlap_on_and_off(fresh_dynamo):  # noqa: F811
+    """compile() with Inductor and our passes on the tiny model, teacher-forced prefill (2 x 16 = 32 tokens:
+    above the cutoff, fused) and 3 decode steps (2 tokens: split): the same logits with overlap on and off."""
+    model = tiny_model()
+    ids = prompts(2, 19)
+
+    def run(overlap):
+        torch._dynamo.reset()
+        dsflash_compile.compile(model, max_batch=2, max_length=32, batch_buckets=(2,), prefill_buckets=(16,),
+                                mhc_overlap=overlap)
+        cache = model.compiled_runner.fresh_cache(2, 32)
+        logits = [model(ids[:, :16], cache=cache, logits_to_keep=1).logits]
+        logits += [model(ids[:, t:t + 1], cache=cache).logits for t in range(16, 19)]
+        return logits, dict(model.compiled_runner.pass_manager.matches)
+
+    on, matches_on = run(True)
+    off, matches_off = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
+    assert "mhc_overlap" not in matches_off
+    assert matches_on["mhc_overlap"] == matches_on["mhc_fusion"] // 2  # the decode graphs' seams, not prefill's
+
+
+# -- on a GPU --------------------------------------------------------------------------------------
+
+def teacher_forced(model, cache, ids, prompt):
+    logits = [model(ids[:, :prompt], cache=cache, logits_to_keep=1).logits]
+    return logits + [model(ids[:, t:t + 1], cache=cache).logits for t in range(prompt, ids.shape[1])]
+
+
+@requires_cuda
+@torch.no_grad()
+def test_cuda_graph_decode_same_bits_with_overlap_on_and_off(fresh_dynamo):  # noqa: F811
+    """The captured decode graph (the side stream forked from and joined to the capturing stream) gives the
+    same logits with overlap on as with it off (one fused launch per seam), replay after replay."""
+    model = tiny_model().cuda()
+    ids = prompts(2, 28).cuda()
+    results = {}
+    for overlap in (True, False):
+        torch._dynamo.reset()
+        dsflash_compile.compile(model, max_batch=2, max_length=64, batch_buckets=(2,), prefill_buckets=(32,),
+                                mhc_overlap=overlap)
+        runner = model.compiled_runner
+        results[overlap] = [teacher_forced(model, runner.fresh_cache(2, 64), ids, 20) for _ in range(2)]
+        assert list(runner.graphs) == [2]
+        assert runner.pass_manager.matches.get("mhc_overlap", 0) == (runner.pass_manager.matches["mhc_fusion"] // 2
+                                                                     if overlap else 0)
+    for first, second in (results[True], results[False]), (results[True][0], results[True][1]):
+        for step, (a, b) in enumerate(zip(first, second, strict=True)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)) if isinstance(a, list) else torch.equal(a, b), step
+
+
+def kernel_streams(prof, path, name) -> set:
+    """The CUDA streams the kernels named `name` ran on, from the profiler's Chrome trace."""
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    return {e["args"]["stream"] for e in events if e.get("cat") == "kernel" and e.get("name") == name}
+
+
+@requires_cuda
+@torch.no_grad()
+def test_mixes_kernel_runs_on_another_stream(fresh_dynamo, tmp_path):  # noqa: F811
+    """Compiled decode without graphs (kernels keep their launch stream in the profile): the seam kernel runs
+    on two streams with overlap on, one with it off (the side stream is not used)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = tiny_model().cuda()
+    ids = prompts(2, 18).cuda()
+    seen = {}
+    for overlap in (True, False):
+        torch._dynamo.reset()
+        dsflash_compile.compile(model, max_batch=2, max_length=32, batch_buckets=(2,), prefill_buckets=(16,),
+                                mhc_overlap=overlap, cuda_graphs=False)
+        cache = model.compiled_runner.fresh_cache(2, 32)
+        model(ids[:, :16], cache=cache, logits_to_keep=1)
+        model(ids[:, 16:17], cache=cache)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(ids[:, 17:18], cache=cache)
+            torch.cuda.synchronize()
+        seen[overlap] = kernel_streams(prof, tmp_path / f"trace-{overlap}.json", "_seam_kernel")
+    assert len(seen[True]) == 2 and len(seen[False]) == 1, seen
