@@ -10,9 +10,12 @@ import pytest
 import torch
 
 import dsflash_compile
+from dsflash_compile.compiled import CompileOptions
+from dsflash_compile.layers import RMSNorm
 from dsflash_compile.passes import MhcFusionPass, MhcOverlapPass
-from test_compile import fresh_dynamo, prompts, tiny_model  # noqa: F401  (fresh_dynamo: a fixture)
-from test_mhc_fusion import HC_EPS, ITERS, NORM_EPS, compiling, seam_args, tiny_layer_loop  # noqa: F401
+from test_compile import distinct_roles, fresh_dynamo, prompts, tiny_model  # noqa: F401  (fresh_dynamo: a fixture)
+from test_mhc_fusion import (HC_EPS, ITERS, NORM_EPS, compiling, one_seam, seam_args,  # noqa: F401  (compiling: a
+                             tiny_layer_loop)                                          # fixture)
 
 ops = torch.ops.dsflash
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream and CUDA graphs need a GPU")
@@ -103,34 +106,30 @@ def test_every_seam_of_the_tiny_model_is_split(compiling):
 
 
 def test_seams_above_the_cutoff_stay_fused(compiling):
-    layer_loop, inputs = tiny_layer_loop()
+    """One seam of 6 tokens with a cutoff of 5: fused, one launch."""
+    norm = RMSNorm(64, NORM_EPS)
+    args = seam_args((2, 3))
+    norm.weight.data = args[-1]
     seams = SplitSeams(max_tokens=5)
-    compiling(seams, layer_loop)(*inputs(2, 3))
-    assert seams.matches == [18] and seams.splits == [0]
-    assert seams.ops == [{"dsflash.mhc_seam.default": 15, "dsflash.mhc_entry_seam.default": 3}]
+    compiling(seams, one_seam(norm))(*args[:-1])
+    assert seams.matches == [1] and seams.splits == [0]
+    assert seams.ops == [{"dsflash.mhc_seam.default": 1}]
 
 
-@torch.no_grad()
-def test_compiled_decode_same_bits_with_overlap_on_and_off(fresh_dynamo):  # noqa: F811
-    """compile() with Inductor and our passes on the tiny model, teacher-forced prefill (2 x 16 = 32 tokens:
-    above the cutoff, fused) and 3 decode steps (2 tokens: split): the same logits with overlap on and off."""
-    model = tiny_model()
-    ids = prompts(2, 19)
+def test_compile_options_set_the_cutoff(fresh_dynamo):  # noqa: F811
+    """compile() installs the overlap pass after the fusion pass with the options' cutoff, or not at all with
+    mhc_overlap=False. (That compiled outputs keep their bits is the tiny layer loop's test above on the CPU,
+    and the decode graph's test below on a GPU: a CPU compile of the whole tiny model takes minutes.)"""
+    def passes(**options):
+        dsflash_compile.compile(tiny_model(), max_batch=2, max_length=32, backend="eager", **options)
+        manager = torch._inductor.config.post_grad_custom_post_pass
+        return [(type(p).__name__, p.options.get("max_tokens")) for p in manager.passes]
 
-    def run(overlap):
-        torch._dynamo.reset()
-        dsflash_compile.compile(model, max_batch=2, max_length=32, batch_buckets=(2,), prefill_buckets=(16,),
-                                mhc_overlap=overlap)
-        cache = model.compiled_runner.fresh_cache(2, 32)
-        logits = [model(ids[:, :16], cache=cache, logits_to_keep=1).logits]
-        logits += [model(ids[:, t:t + 1], cache=cache).logits for t in range(16, 19)]
-        return logits, dict(model.compiled_runner.pass_manager.matches)
-
-    on, matches_on = run(True)
-    off, matches_off = run(False)
-    assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
-    assert "mhc_overlap" not in matches_off
-    assert matches_on["mhc_overlap"] == matches_on["mhc_fusion"] // 2  # the decode graphs' seams, not prefill's
+    assert CompileOptions().mhc_overlap and CompileOptions().mhc_overlap_max_tokens == 16
+    assert passes(mhc_overlap_max_tokens=8)[1:] == [("MhcFusionPass", None), ("MhcOverlapPass", 8)]
+    assert passes(mhc_overlap=False)[1:] == [("MhcFusionPass", None)]
+    with pytest.raises(ValueError, match="mhc_overlap_max_tokens"):
+        CompileOptions(mhc_overlap_max_tokens=0)
 
 
 # -- on a GPU --------------------------------------------------------------------------------------
@@ -147,19 +146,18 @@ def test_cuda_graph_decode_same_bits_with_overlap_on_and_off(fresh_dynamo):  # n
     same logits with overlap on as with it off (one fused launch per seam), replay after replay."""
     model = tiny_model().cuda()
     ids = prompts(2, 28).cuda()
-    results = {}
+    runs = {}
     for overlap in (True, False):
         torch._dynamo.reset()
         dsflash_compile.compile(model, max_batch=2, max_length=64, batch_buckets=(2,), prefill_buckets=(32,),
                                 mhc_overlap=overlap)
         runner = model.compiled_runner
-        results[overlap] = [teacher_forced(model, runner.fresh_cache(2, 64), ids, 20) for _ in range(2)]
+        runs[overlap] = [teacher_forced(model, runner.fresh_cache(2, 64), ids, 20) for _ in range(2)]
         assert list(runner.graphs) == [2]
-        assert runner.pass_manager.matches.get("mhc_overlap", 0) == (runner.pass_manager.matches["mhc_fusion"] // 2
-                                                                     if overlap else 0)
-    for first, second in (results[True], results[False]), (results[True][0], results[True][1]):
-        for step, (a, b) in enumerate(zip(first, second, strict=True)):
-            assert all(torch.equal(x, y) for x, y in zip(a, b)) if isinstance(a, list) else torch.equal(a, b), step
+        # prefill (2 x 32 tokens) stays fused; the decode graph's blocks (2 tokens) split both seams
+        assert runner.pass_manager.matches.get("mhc_overlap", 0) == (2 * distinct_roles(model) if overlap else 0)
+    for a, b, c in zip(*runs[True], runs[False][0], strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 def kernel_streams(prof, path, name) -> set:
