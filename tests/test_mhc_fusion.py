@@ -204,10 +204,10 @@ class StandIn(nn.Module):
         return (out, None) if len(context) > 1 else out
 
 
-def tiny_layer_loop(seed=0):
+def tiny_layer_loop(layers=None, seed=0):
     """(layer_loop, inputs): the tiny model's layer loop (DeepseekV41Model.run: Engram where configured, then
-    each block, then the final collapse and norm) with attention and MoE stood in for, and
-    inputs(batch, seq) -> its arguments."""
+    each block, then the final collapse and norm) over its first `layers` blocks (None: all) with attention
+    and MoE stood in for, and inputs(batch, seq) -> its arguments."""
     torch.manual_seed(seed)
     model = DeepseekV41ForCausalLM(preset_config("tiny")).eval().model
     for block in model.layers:
@@ -219,7 +219,7 @@ def tiny_layer_loop(seed=0):
     def layer_loop(ids, hash_ids):
         streams = model.embed(ids).unsqueeze(2).repeat(1, 1, model.hc, 1)
         pre_mix = torch.nn.functional.one_hot(torch.zeros_like(ids), model.hc).float()
-        for block in model.layers:
+        for block in model.layers[:layers]:
             if block.engram is not None:
                 streams = block.engram(streams, hash_ids)
             streams, pre_mix = block(streams, pre_mix, *context)[:2]

@@ -8,14 +8,17 @@ import json
 
 import pytest
 import torch
+from torch._inductor import config as inductor_config
 
 import dsflash_compile
 from dsflash_compile.compiled import CompileOptions
 from dsflash_compile.layers import RMSNorm
 from dsflash_compile.passes import MhcFusionPass, MhcOverlapPass
 from test_compile import distinct_roles, fresh_dynamo, prompts, tiny_model  # noqa: F401  (fresh_dynamo: a fixture)
-from test_mhc_fusion import (HC_EPS, ITERS, NORM_EPS, compiling, one_seam, seam_args,  # noqa: F401  (compiling: a
-                             tiny_layer_loop)                                          # fixture)
+from hopper import check_compiles_for_hopper
+from interp import report, requires_interpreter, run_interpreted
+from test_mhc_fusion import (HC_EPS, ITERS, KERNEL_ARGS, KERNEL_CASES, NORM_EPS, compiling,  # noqa: F401  (a fixture)
+                             one_seam, seam_args, tiny_layer_loop)
 
 ops = torch.ops.dsflash
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream and CUDA graphs need a GPU")
@@ -89,19 +92,20 @@ def joins_precede_readers(graph) -> bool:
     return True
 
 
-def test_every_seam_of_the_tiny_model_is_split(compiling):
-    """The tiny model's layer loop at 2 x 3 = 6 tokens: the 18 fused seams (15 full, 3 entry) are all split,
-    each joined before its mixes' first reader (the next seam; before Engram and the final norm Inductor's
-    kernels), and the output has the same bits as with the seams fused."""
-    layer_loop, inputs = tiny_layer_loop()
+def test_the_tiny_models_seams_are_split(compiling):
+    """The tiny model's first 3 layers (Engram before layers 1 and 2) at 2 x 3 = 6 tokens: the 6 fused seams
+    (3 full, 3 entry: block 0's and the two after Engram) are all split, each joined before its mixes' first
+    reader (the next seam's op, or Inductor's kernels: the hc_post before Engram, the final collapse), and the
+    output has the same bits as with the seams fused."""
+    layer_loop, inputs = tiny_layer_loop(layers=3)
     args = inputs(2, 3)
     fused = compiling(MhcFusionPass(NORM_EPS, HC_EPS, ITERS).apply, layer_loop)(*args)
     torch._dynamo.reset()
     seams = SplitSeams()
     got = compiling(seams, layer_loop)(*args)
-    assert seams.matches == [18] and seams.splits == [18] and seams.joins_first == [True]
-    assert seams.ops == [{"dsflash.mhc_seam_input.default": 15, "dsflash.mhc_entry_input.default": 3,
-                          "dsflash.mhc_mixes.default": 18, "dsflash.mhc_join_.default": 18}]
+    assert seams.matches == [6] and seams.splits == [6] and seams.joins_first == [True]
+    assert seams.ops == [{"dsflash.mhc_seam_input.default": 3, "dsflash.mhc_entry_input.default": 3,
+                          "dsflash.mhc_mixes.default": 6, "dsflash.mhc_join_.default": 6}]
     assert torch.equal(got, fused)
 
 
@@ -152,7 +156,8 @@ def test_cuda_graph_decode_same_bits_with_overlap_on_and_off(fresh_dynamo):  # n
         dsflash_compile.compile(model, max_batch=2, max_length=64, batch_buckets=(2,), prefill_buckets=(32,),
                                 mhc_overlap=overlap)
         runner = model.compiled_runner
-        runs[overlap] = [teacher_forced(model, runner.fresh_cache(2, 64), ids, 20) for _ in range(2)]
+        with inductor_config.patch(force_disable_caches=True):  # so the passes run (and count) here
+            runs[overlap] = [teacher_forced(model, runner.fresh_cache(2, 64), ids, 20) for _ in range(2)]
         assert list(runner.graphs) == [2]
         # prefill (2 x 32 tokens) stays fused; the decode graph's blocks (2 tokens) split both seams
         assert runner.pass_manager.matches.get("mhc_overlap", 0) == (2 * distinct_roles(model) if overlap else 0)
@@ -189,3 +194,45 @@ def test_mixes_kernel_runs_on_another_stream(fresh_dynamo, tmp_path):  # noqa: F
             torch.cuda.synchronize()
         seen[overlap] = kernel_streams(prof, tmp_path / f"trace-{overlap}.json", "_seam_kernel")
     assert len(seen[True]) == 2 and len(seen[False]) == 1, seen
+
+
+# -- the kernel's halves, under the interpreter and compiled for sm_90 ------------------------------
+
+def interpreter_checks():
+    """Entry point of the subprocess: the split launches against the one-launch seam, same bits."""
+    from dsflash_compile.custom_ops.mhc_triton import mhc_seam_triton
+
+    for name, (lead, dim) in KERNEL_CASES.items():
+        out, streams, post, comb, pre_lagged, fn, scale, base, weight = seam_args(lead, dim=dim)
+        consts = (NORM_EPS, HC_EPS, ITERS)
+        fused = mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, weight, *consts)
+        inputs = mhc_seam_triton(out, streams, post, comb, pre_lagged, None, None, None, weight, *consts, mixes=False)
+        mixes = mhc_seam_triton(None, inputs[0], None, None, None, fn, scale, base, None, *consts, collapse=False)
+        entry = mhc_seam_triton(None, streams, None, None, pre_lagged, fn, scale, base, weight, *consts)
+        entry_input = mhc_seam_triton(None, streams, None, None, pre_lagged, None, None, None, weight, *consts,
+                                      mixes=False)
+        entry_mixes = mhc_seam_triton(None, streams, None, None, None, fn, scale, base, None, *consts, collapse=False)
+        report(dict(name=name, seam=[torch.equal(a, b) for a, b in zip(fused, inputs + mixes, strict=True)],
+                    entry=[torch.equal(a, b) for a, b in zip(entry, entry_input + entry_mixes, strict=True)]))
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted("test_mhc_overlap", "interpreter_checks")
+
+
+@requires_interpreter
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_kernel_halves_equal_the_one_launch_seam(interpreted, name):
+    assert all(interpreted[name]["seam"]) and all(interpreted[name]["entry"]), interpreted[name]
+
+
+@pytest.mark.parametrize("has_post, mixes", [(True, False), (False, False), (False, True)])
+def test_kernel_halves_compile_for_hopper(has_post, mixes):
+    """Release dims, decode-sized blocks: the input launch (with and without the expansion) and the mixes
+    launch compile for sm_90 without spills."""
+    from dsflash_compile.custom_ops import mhc_triton
+
+    constexprs = dict(HC=4, D=5120, BLOCK_D=mhc_triton.BLOCK_D, BLOCK_T=1, PART=32, CHUNKS_PAD=128,
+                      NORM_BLOCK=mhc_triton.NORM_BLOCK, HAS_POST=has_post, MIXES=mixes, COLLAPSE=not mixes)
+    check_compiles_for_hopper(mhc_triton, ("_seam_kernel", KERNEL_ARGS, constexprs, 4))
