@@ -3,10 +3,11 @@ side stream (custom_ops/side_stream.py), and the join before the mixes' first re
 
 With X the streams a seam receives (mhc.py gives the math):
 
-    mhc_seam_input(out, X, q, C, p_lagged, w)  -> (X', normed)    X' = post(out, X, q, C); normed = rms(pre(X', p_lagged))
-    mhc_entry_input(X, p_lagged, w)            -> normed          the same without the expansion
-    mhc_mixes(X', fn, scale, base)             -> (p, q, C)       forked: runs beside the next sublayer
-    mhc_join_(p, q, C)                                            the current stream waits for the fork
+    mhc_seam_input(out, X, q, C, p_lagged, w) -> (X', normed)    X' = post(out, X, q, C)
+                                                                 normed = rms(pre(X', p_lagged))
+    mhc_entry_input(X, p_lagged, w)           -> normed          the same without the expansion
+    mhc_mixes(X', fn, scale, base)            -> (p, q, C)       forked: runs beside the next sublayer
+    mhc_join_(p, q, C)                                           the current stream waits for the fork
 
 Lagged mHC is what makes this legal: the mixes a seam computes are first read one seam later (after the
 sublayer), so only that reader waits. `mhc_join_` is declared to mutate its arguments, though it only waits:
@@ -21,16 +22,8 @@ import torch
 from torch import Tensor
 
 from . import side_stream
-from .mhc import _mixes_like, check_seam_args, rms_norm
+from .mhc import check_seam_args, mixes_like, rms_norm
 from dsflash_compile.mhc import hc_mixes, hc_post, hc_pre
-
-
-def _check(out, streams, post, comb, pre_lagged, norm_weight) -> None:
-    """check_seam_args for the input ops (they take no mix parameters)."""
-    hc, dim = streams.shape[-2:]
-    mix = (2 + hc) * hc
-    params = (streams.new_empty(mix, hc * dim), streams.new_empty(3), streams.new_empty(mix))
-    check_seam_args(out, streams, post, comb, pre_lagged, *params, norm_weight)
 
 
 def seam_input_reference(out, streams, post, comb, pre_lagged, norm_weight, norm_eps):
@@ -50,7 +43,7 @@ def mixes_reference(streams, fn, scale, base, norm_eps, hc_eps, iters):
 def mhc_seam_input(out: Tensor, streams: Tensor, post: Tensor, comb: Tensor, pre_lagged: Tensor, norm_weight: Tensor,
                    norm_eps: float) -> tuple[Tensor, Tensor]:
     """(new streams bf16 [..., hc, D], normed bf16 [..., D]); arguments as dsflash::mhc_seam's."""
-    _check(out, streams, post, comb, pre_lagged, norm_weight)
+    check_seam_args(out, streams, post, comb, pre_lagged, None, None, None, norm_weight)
     return seam_input_reference(out, streams, post, comb, pre_lagged, norm_weight, norm_eps)
 
 
@@ -62,7 +55,7 @@ def _(out, streams, post, comb, pre_lagged, norm_weight, norm_eps):
 @torch.library.custom_op("dsflash::mhc_entry_input", mutates_args=())
 def mhc_entry_input(streams: Tensor, pre_lagged: Tensor, norm_weight: Tensor, norm_eps: float) -> Tensor:
     """normed bf16 [..., D] of the streams as given."""
-    _check(None, streams, None, None, pre_lagged, norm_weight)
+    check_seam_args(None, streams, None, None, pre_lagged, None, None, None, norm_weight)
     return entry_input_reference(streams, pre_lagged, norm_weight, norm_eps)
 
 
@@ -71,23 +64,18 @@ def _(streams, pre_lagged, norm_weight, norm_eps):
     return streams.new_empty(streams.shape[:-2] + streams.shape[-1:])
 
 
-def _check_mixes(streams, fn, scale, base) -> None:
-    check_seam_args(None, streams, None, None, streams.new_empty(streams.shape[:-1]), fn, scale, base,
-                    streams.new_empty(streams.shape[-1]))
-
-
 @torch.library.custom_op("dsflash::mhc_mixes", mutates_args=())
 def mhc_mixes(streams: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm_eps: float, hc_eps: float,
               iters: int) -> tuple[Tensor, Tensor, Tensor]:
     """(pre, post, comb) fp32 of the streams, forked onto the side stream on CUDA; join with mhc_join_."""
-    _check_mixes(streams, fn, scale, base)
+    check_seam_args(None, streams, None, None, None, fn, scale, base, None)
     return side_stream.fork(streams.device, lambda: mixes_reference(streams, fn, scale, base, norm_eps, hc_eps, iters),
                             [streams, fn, scale, base])
 
 
 @mhc_mixes.register_fake
 def _(streams, fn, scale, base, norm_eps, hc_eps, iters):
-    return _mixes_like(streams)
+    return mixes_like(streams)
 
 
 @torch.library.custom_op("dsflash::mhc_join_", mutates_args=("pre", "post", "comb"))
@@ -106,7 +94,7 @@ if mhc_triton is not None:
     # whose fn is fp32 (mhc_overlap.py), so a split seam runs its kernel exactly where the fused one would
     @mhc_seam_input.register_kernel("cuda")
     def _(out, streams, post, comb, pre_lagged, norm_weight, norm_eps):
-        _check(out, streams, post, comb, pre_lagged, norm_weight)
+        check_seam_args(out, streams, post, comb, pre_lagged, None, None, None, norm_weight)
         if not mhc_triton.kernel_fits(streams):
             return seam_input_reference(out, streams, post, comb, pre_lagged, norm_weight, norm_eps)
         return mhc_triton.mhc_seam_triton(out, streams, post, comb, pre_lagged, None, None, None, norm_weight,
@@ -114,7 +102,7 @@ if mhc_triton is not None:
 
     @mhc_entry_input.register_kernel("cuda")
     def _(streams, pre_lagged, norm_weight, norm_eps):
-        _check(None, streams, None, None, pre_lagged, norm_weight)
+        check_seam_args(None, streams, None, None, pre_lagged, None, None, None, norm_weight)
         if not mhc_triton.kernel_fits(streams):
             return entry_input_reference(streams, pre_lagged, norm_weight, norm_eps)
         return mhc_triton.mhc_seam_triton(None, streams, None, None, pre_lagged, None, None, None, norm_weight,
@@ -122,7 +110,7 @@ if mhc_triton is not None:
 
     @mhc_mixes.register_kernel("cuda")
     def _(streams, fn, scale, base, norm_eps, hc_eps, iters):
-        _check_mixes(streams, fn, scale, base)
+        check_seam_args(None, streams, None, None, None, fn, scale, base, None)
         if not mhc_triton.kernel_fits(streams, fn):
             def mixes():
                 return mixes_reference(streams, fn, scale, base, norm_eps, hc_eps, iters)

@@ -5,7 +5,8 @@
 
 What it sets up (SYSTEM.md, the compiler):
   - our FX passes in Inductor (`passes.install`) and the routed experts stacked for grouped GEMMs (no
-    host syncs in the MoE);
+    host syncs in the MoE); in graphs of at most `mhc_overlap_max_tokens` tokens (decode) each mHC seam's
+    mixes run on a side CUDA stream beside the next sublayer (passes/mhc_overlap.py; mhc_overlap=False: off);
   - regional compilation: every decoder block is compiled (fullgraph, static shapes). Blocks get their
     cache tensors as arguments (cache.LayerCache), so all layers of one role share one compiled graph
     per shape: compile time grows with the number of roles (about six), not of layers (40);

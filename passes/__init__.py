@@ -37,4 +37,5 @@ def install(text_config, mhc_overlap_tokens: int = 0) -> DsflashPassManager:
     return manager
 
 
-__all__ = ["DsflashPassManager", "MhcFusionPass", "MhcOverlapPass", "RouterFusionPass", "install", "keep_model_rounding", "use"]
+__all__ = ["DsflashPassManager", "MhcFusionPass", "MhcOverlapPass", "RouterFusionPass", "install",
+           "keep_model_rounding", "use"]

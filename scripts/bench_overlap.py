@@ -10,14 +10,15 @@ captured as decode CUDA graphs for every batch size before any timing:
              what the extra launch costs without the overlap.
 Then `--repeats` rounds, each timing every variant at every batch size (`--steps` consecutive steps, median;
 the variant order rotates per round so drift does not favour one). Per batch: median over rounds, min and
-max, and fused / overlap. A profiler trace of one overlap step per batch (Chrome JSON) shows the forked
-mixes; `concurrent_us` sums the time seam kernels ran while another kernel was running (about zero when
-fused). The JSON goes to --out via dsflash_compile.benchmarking; it is rewritten after each phase.
+max, and fused / overlap. A profiler trace of one overlap step per batch (Chrome JSON, gzipped) shows the
+forked mixes; `concurrent_us` sums the time seam kernels ran while another kernel was running (about zero
+when fused). The JSON goes to --out via dsflash_compile.benchmarking; it is rewritten after each phase.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import statistics
@@ -137,6 +138,9 @@ def main() -> None:
         trace = os.path.join(args.out, f"overlap-trace-{args.preset}-b{batch}.json")
         row["overlap_profile"] = profile_step(steps["overlap"][batch], trace)
         row["overlap_concurrent_us"] = concurrent_us(trace)
+        with open(trace, "rb") as raw, gzip.open(trace + ".gz", "wb") as packed:  # as the other traces are kept
+            packed.write(raw.read())
+        os.remove(trace)
         fused_trace = os.path.join(args.out, f"fused-trace-{args.preset}-b{batch}.json")
         profile_step(steps["fused"][batch], fused_trace)
         row["fused_concurrent_us"] = concurrent_us(fused_trace)

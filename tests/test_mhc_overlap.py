@@ -5,10 +5,12 @@ the GPU tests (skipped here) check the decode CUDA graph and that the mixes run 
 
 import collections
 import json
+import re
 
 import pytest
 import torch
 from torch._inductor import config as inductor_config
+from torch._inductor.utils import run_and_get_code
 
 import dsflash_compile
 from dsflash_compile.compiled import CompileOptions
@@ -92,6 +94,23 @@ def joins_precede_readers(graph) -> bool:
     return True
 
 
+def forks_overlap_kernels(code: str) -> bool:
+    """In Inductor's generated `call`, every mhc_mixes call is followed by a kernel of the next sublayer
+    before its mhc_join_: the scheduler did not move the fork down to the join, so there is work to overlap."""
+    body = code[code.index("def call("):]
+    calls = re.findall(r"torch\.ops\.\w+\.(\w+)\.default\(|extern_kernels\.(\w+)\("
+                       r"|(?:cpp_fused|triton)_(\w+)(?:\.run)?\(", body)
+    forked = False
+    for op in ("".join(call) for call in calls):
+        if op == "mhc_mixes":
+            forked = True
+        elif op == "mhc_join_" and forked:
+            return False
+        elif op not in ("mhc_join_", "mhc_seam_input", "mhc_entry_input"):
+            forked = False
+    return True
+
+
 def test_the_tiny_models_seams_are_split(compiling):
     """The tiny model's first 3 layers (Engram before layers 1 and 2) at 2 x 3 = 6 tokens: the 6 fused seams
     (3 full, 3 entry: block 0's and the two after Engram) are all split, each joined before its mixes' first
@@ -102,8 +121,9 @@ def test_the_tiny_models_seams_are_split(compiling):
     fused = compiling(MhcFusionPass(NORM_EPS, HC_EPS, ITERS).apply, layer_loop)(*args)
     torch._dynamo.reset()
     seams = SplitSeams()
-    got = compiling(seams, layer_loop)(*args)
+    got, (code,) = run_and_get_code(compiling(seams, layer_loop), *args)
     assert seams.matches == [6] and seams.splits == [6] and seams.joins_first == [True]
+    assert forks_overlap_kernels(code)
     assert seams.ops == [{"dsflash.mhc_seam_input.default": 3, "dsflash.mhc_entry_input.default": 3,
                           "dsflash.mhc_mixes.default": 6, "dsflash.mhc_join_.default": 6}]
     assert torch.equal(got, fused)
