@@ -7,7 +7,7 @@ With X the streams a seam receives (mhc.py gives the math):
                                                                  normed = rms(pre(X', p_lagged))
     mhc_entry_input(X, p_lagged, w)           -> normed          the same without the expansion
     mhc_mixes(X', fn, scale, base)            -> (p, q, C)       forked: runs beside the next sublayer
-    mhc_join_(p, q, C)                                           the current stream waits for the fork
+    mhc_join_(p, q, C, after)                                    the current stream waits for the fork
 
 Lagged mHC is what makes this legal: the mixes a seam computes are first read one seam later (after the
 sublayer), so only that reader waits. `mhc_join_` is declared to mutate its arguments, though it only waits:
@@ -79,8 +79,10 @@ def _(streams, fn, scale, base, norm_eps, hc_eps, iters):
 
 
 @torch.library.custom_op("dsflash::mhc_join_", mutates_args=("pre", "post", "comb"))
-def mhc_join_(pre: Tensor, post: Tensor, comb: Tensor) -> None:
-    """The current stream waits for the forked mixes (pre, post, comb) before anything reads them."""
+def mhc_join_(pre: Tensor, post: Tensor, comb: Tensor, after: list[Tensor]) -> None:
+    """The current stream waits for the forked mixes (pre, post, comb) before anything reads them. `after`:
+    the sublayer's results, only read so that Inductor issues the join after the sublayer (with no input
+    from it, its scheduler moves the join up to the fork and nothing overlaps)."""
     side_stream.join(pre.device)
 
 

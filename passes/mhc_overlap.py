@@ -4,7 +4,8 @@ CUDA stream beside the next sublayer (custom_ops/mhc_split.py has the ops and wh
     mhc_seam(out, X, q, C, p_lag, fn, scale, base, w)      (X', normed) = mhc_seam_input(out, X, q, C, p_lag, w)
       -> (X', normed, p, q', C')                      =>    (p, q', C') = mhc_mixes(X', fn, scale, base)
                                                             ... the next sublayer, on the current stream ...
-                                                            mhc_join_(p, q', C')    before the first reader
+                                                            mhc_join_(p, q', C', after the sublayer)
+                                                                                    before the first reader
     mhc_entry_seam(X, p_lag, fn, scale, base, w)      =>    normed = mhc_entry_input(X, p_lag, w); mhc_mixes(X, ...)
 
 Runs after the mHC fusion pass. The token count must be static (the compiled decode and prefill graphs are):
@@ -36,8 +37,8 @@ def _tokens(streams: torch.fx.Node) -> int | None:
 
 def _call(graph: torch.fx.Graph, op, args: tuple, outputs: int):
     """Insert op(*args) (at the graph's insertion point) with its fake value; its `outputs` getitems."""
-    vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
-    fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)]) or FakeTensorMode()
+    vals = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
+    fake_mode = detect_fake_mode(vals) or FakeTensorMode()
     with fake_mode:
         val = op(*vals)
     node = graph.call_function(op, args)
@@ -50,6 +51,26 @@ def _call(graph: torch.fx.Graph, op, args: tuple, outputs: int):
         item.meta["val"] = val[i]
         items.append(item)
     return items
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    """A node that only reinterprets its input (no kernel reads data); post-grad graphs spell views reshape."""
+    return node.op == "call_function" and (node.target is torch.ops.aten.reshape.default
+                                           or getattr(node.target, "is_view", False))
+
+
+def _views_and_readers(items: list[torch.fx.Node]) -> tuple[set, set]:
+    """The views taken of `items` (transitively) and the nodes that read them or their views."""
+    views, readers, todo = set(), set(), list(items)
+    while todo:
+        for user in todo.pop().users:
+            if _is_view(user):
+                if user not in views:
+                    views.add(user)
+                    todo.append(user)
+            else:
+                readers.add(user)
+    return views, readers
 
 
 class MhcOverlapPass:
@@ -90,8 +111,16 @@ class MhcOverlapPass:
             graph.erase_node(item)
         graph.erase_node(node)
         order = {n: i for i, n in enumerate(graph.nodes)}
-        first_reader = min((user for item in mixes for user in item.users), key=order.__getitem__,
-                           default=mixes[-1].next)
+        views, readers = _views_and_readers(mixes)
+        first_reader = min(readers, key=order.__getitem__, default=mixes[-1].next)
+        # the sublayer: what runs between the fork and the first reader; its results read at or after that
+        # reader are the join's `after`, so Inductor keeps the join behind the sublayer
+        between = [n for n in list(graph.nodes)[order[mixes[-1]] + 1:order[first_reader]] if n not in views]
+        after = [n for n in between if isinstance(n.meta.get("val"), torch.Tensor)
+                 and any(order[user] >= order[first_reader] for user in n.users)]
         with graph.inserting_before(first_reader):
-            _call(graph, ops.mhc_join_.default, tuple(mixes), 0)
+            _call(graph, ops.mhc_join_.default, (*mixes, after), 0)
+        for view in sorted(views, key=order.__getitem__):  # views of the mixes move behind the join too
+            if order[view] < order[first_reader]:
+                first_reader.prepend(view)
         return 1

@@ -16,6 +16,7 @@ import dsflash_compile
 from dsflash_compile.compiled import CompileOptions
 from dsflash_compile.layers import RMSNorm
 from dsflash_compile.passes import MhcFusionPass, MhcOverlapPass
+from dsflash_compile.passes.mhc_overlap import _views_and_readers
 from test_compile import distinct_roles, fresh_dynamo, prompts, tiny_model  # noqa: F401  (fresh_dynamo: a fixture)
 from hopper import check_compiles_for_hopper
 from interp import report, requires_interpreter, run_interpreted
@@ -30,14 +31,15 @@ def split_seam(out, streams, post, comb, pre_lagged, fn, scale, base, weight):
     """The five outputs of mhc_seam, from the split ops (joined)."""
     new, normed = ops.mhc_seam_input(out, streams, post, comb, pre_lagged, weight, NORM_EPS)
     mixes = ops.mhc_mixes(new, fn, scale, base, NORM_EPS, HC_EPS, ITERS)
-    ops.mhc_join_(*mixes)
+    ops.mhc_join_(*mixes, [normed])
     return (new, normed, *mixes)
 
 
 def split_entry_seam(streams, pre_lagged, fn, scale, base, weight):
     mixes = ops.mhc_mixes(streams, fn, scale, base, NORM_EPS, HC_EPS, ITERS)
-    ops.mhc_join_(*mixes)
-    return (ops.mhc_entry_input(streams, pre_lagged, weight, NORM_EPS), *mixes)
+    normed = ops.mhc_entry_input(streams, pre_lagged, weight, NORM_EPS)
+    ops.mhc_join_(*mixes, [normed])
+    return (normed, *mixes)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
@@ -58,7 +60,7 @@ def test_split_ops_opcheck():
     torch.library.opcheck(ops.mhc_seam_input.default, (out, streams, post, comb, pre_lagged, weight, NORM_EPS))
     torch.library.opcheck(ops.mhc_entry_input.default, (streams, pre_lagged, weight, NORM_EPS))
     torch.library.opcheck(ops.mhc_mixes.default, (streams, fn, scale, base, NORM_EPS, HC_EPS, ITERS))
-    torch.library.opcheck(ops.mhc_join_.default, tuple(t.clone() for t in (pre_lagged, post, comb)))
+    torch.library.opcheck(ops.mhc_join_.default, (*(t.clone() for t in (pre_lagged, post, comb)), [out]))
 
 
 def test_split_op_names_a_wrong_shape():
@@ -84,12 +86,13 @@ class SplitSeams:
 
 
 def joins_precede_readers(graph) -> bool:
-    """Every mhc_mixes output is read first by the mhc_join_ of those outputs (nothing reads them earlier)."""
+    """Every mhc_mixes output (or view of one) is first used by the mhc_join_ of those outputs."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     for node in graph.find_nodes(op="call_function", target=ops.mhc_mixes.default):
         items = list(node.users)
-        readers = sorted({r for item in items for r in item.users}, key=order.__getitem__)
-        if not readers or readers[0].target is not ops.mhc_join_.default or set(readers[0].args) != set(items):
+        views, readers = _views_and_readers(items)
+        first = min(views | readers, key=order.__getitem__, default=None)
+        if first is None or first.target is not ops.mhc_join_.default or set(first.args[:3]) != set(items):
             return False
     return True
 
