@@ -8,18 +8,24 @@ CUDA stream beside the next sublayer (custom_ops/mhc_split.py has the ops and wh
                                                                                     before the first reader
     mhc_entry_seam(X, p_lag, fn, scale, base, w)      =>    normed = mhc_entry_input(X, p_lag, w); mhc_mixes(X, ...)
 
+The join goes before the first node that reads the mixes' data (views of them move behind it) and also
+takes the sublayer's results: without them Inductor's scheduler, seeing no input of the join produced by the
+sublayer, issues the join right after the fork and nothing overlaps.
+
 Runs after the mHC fusion pass. The token count must be static (the compiled decode and prefill graphs are):
-above the cutoff a seam keeps its one launch, because the mixes then take longer than the sublayer they would
-hide behind (measured by scripts/bench_overlap.py). Only seams with fp32 `fn` are split, where the fused op's
-kernel and the split ops' kernels run (bit for bit the same values); the readers of the mixes are at least the
-next seam's ops, which also read X', so X' stays alive (and unreused by Inductor) until after the join.
+above the cutoff a seam keeps its one launch, where the mixes would take longer than the sublayer they hide
+behind (the cutoff is to be measured with scripts/bench_overlap.py). Only seams with fp32 `fn` are split:
+there the fused op and the split ops both run their Triton kernels, which give the same bits. The readers of
+the mixes include the next seam's ops, which also read X', so X' stays alive (and unreused by Inductor)
+until after the join.
 """
 
+import math
 import operator
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 ops = torch.ops.dsflash
 
@@ -27,12 +33,7 @@ ops = torch.ops.dsflash
 def _tokens(streams: torch.fx.Node) -> int | None:
     """Tokens of a seam's streams [..., hc, D], or None if not a static count."""
     lead = streams.meta["val"].shape[:-2]
-    if not all(isinstance(n, int) for n in lead):
-        return None
-    tokens = 1
-    for n in lead:
-        tokens *= n
-    return tokens
+    return math.prod(lead) if all(isinstance(n, int) for n in lead) else None
 
 
 def _call(graph: torch.fx.Graph, op, args: tuple, outputs: int):
