@@ -114,7 +114,7 @@ def forks_overlap_kernels(code: str) -> bool:
     return True
 
 
-def test_the_tiny_models_seams_are_split(compiling):
+def test_the_tiny_models_seams_are_split(compiling):  # noqa: F811
     """The tiny model's first 3 layers (Engram before layers 1 and 2) at 2 x 3 = 6 tokens: the 6 fused seams
     (3 full, 3 entry: block 0's and the two after Engram) are all split, each joined before its mixes' first
     reader (the next seam's op, or Inductor's kernels: the hc_post before Engram, the final collapse), and the
@@ -132,7 +132,7 @@ def test_the_tiny_models_seams_are_split(compiling):
     assert torch.equal(got, fused)
 
 
-def test_seams_above_the_cutoff_stay_fused(compiling):
+def test_seams_above_the_cutoff_stay_fused(compiling):  # noqa: F811
     """One seam of 6 tokens with a cutoff of 5: fused, one launch."""
     norm = RMSNorm(64, NORM_EPS)
     args = seam_args((2, 3))
