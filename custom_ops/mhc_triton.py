@@ -12,7 +12,13 @@ normalises the block's collapsed rows in place and resets the counter for the ne
 Rounding points are the reference's: fp32 math, bf16 casts of the new streams and of the collapse.
 Any token count runs the same kernel: large counts use blocks of up to 16 tokens, which reuse the fn tile.
 The counters are shared with the router kernel (router_triton.py) and a launch leaves them at zero: one
-seam or router in flight per device.
+seam or router in flight per device on the "main" lane.
+
+The overlapped seam (mhc_split.py, issue 8) launches this kernel twice with half of it switched off by the
+constexprs MIXES and COLLAPSE: the sublayer's input (expansion, collapse, RMSNorm) and the mixes (GEMV,
+sigmoids, Sinkhorn) of the new streams. Each half runs the same expressions over the same chunks in the same
+order as the one launch, so the values are the same bits. The mixes half runs on a side stream beside the
+router and seam kernels, so it counts on its own "side" lane.
 """
 
 import torch
