@@ -41,7 +41,8 @@ def seam_reference(out, streams, post, comb, pre_lagged, fn, scale, base, norm_w
 
 
 def check_seam_args(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight) -> None:
-    """Clear errors for shapes the seam cannot take (out/post/comb may be None: the entry seam)."""
+    """Clear errors for shapes the seam cannot take (out/post/comb may be None: the entry seam; any other
+    argument but the streams may be None where an op does not take it: the split ops of mhc_split.py)."""
     if streams.dim() < 3:
         raise ValueError(f"mhc seam: streams must be [..., hc, D], got shape {tuple(streams.shape)}")
     *lead, hc, dim = streams.shape
@@ -51,7 +52,7 @@ def check_seam_args(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
     if out is not None:
         expected.update(out=(out, lead + (dim,)), post=(post, lead + (hc,)), comb=(comb, lead + (hc, hc)))
     for name, (tensor, shape) in expected.items():
-        if tuple(tensor.shape) != shape:
+        if tensor is not None and tuple(tensor.shape) != shape:
             raise ValueError(f"mhc seam: {name} has shape {tuple(tensor.shape)}; expected {shape} for streams "
                              f"{tuple(streams.shape)}")
 
@@ -70,7 +71,7 @@ def mhc_seam(out: Tensor, streams: Tensor, post: Tensor, comb: Tensor, pre_lagge
 
 @mhc_seam.register_fake
 def _(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters):
-    return (torch.empty_like(streams), torch.empty_like(out), *_mixes_like(streams))
+    return (torch.empty_like(streams), torch.empty_like(out), *mixes_like(streams))
 
 
 @torch.library.custom_op("dsflash::mhc_entry_seam", mutates_args=())
@@ -85,10 +86,10 @@ def mhc_entry_seam(streams: Tensor, pre_lagged: Tensor, fn: Tensor, scale: Tenso
 
 @mhc_entry_seam.register_fake
 def _(streams, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters):
-    return (streams.new_empty(streams.shape[:-2] + streams.shape[-1:]), *_mixes_like(streams))
+    return (streams.new_empty(streams.shape[:-2] + streams.shape[-1:]), *mixes_like(streams))
 
 
-def _mixes_like(streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def mixes_like(streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Empty (pre, post, comb) fp32 for streams [..., hc, D]."""
     lead, hc = streams.shape[:-2], streams.shape[-2]
     return (streams.new_empty(lead + (hc,), dtype=torch.float32), streams.new_empty(lead + (hc,), dtype=torch.float32),

@@ -12,7 +12,13 @@ normalises the block's collapsed rows in place and resets the counter for the ne
 Rounding points are the reference's: fp32 math, bf16 casts of the new streams and of the collapse.
 Any token count runs the same kernel: large counts use blocks of up to 16 tokens, which reuse the fn tile.
 The counters are shared with the router kernel (router_triton.py) and a launch leaves them at zero: one
-seam or router in flight per device.
+seam or router in flight per device on the "main" lane.
+
+The overlapped seam (mhc_split.py, issue 8) launches this kernel twice with half of it switched off by the
+constexprs MIXES and COLLAPSE: the sublayer's input (expansion, collapse, RMSNorm) and the mixes (GEMV,
+sigmoids, Sinkhorn) of the new streams. Each half runs the same expressions over the same chunks in the same
+order as the one launch, so the values are the same bits. The mixes half runs on a side stream beside the
+router and seam kernels, so it counts on its own "side" lane.
 """
 
 import torch
@@ -25,7 +31,8 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
                  new_streams_ptr, normed_ptr, pre_out_ptr, post_out_ptr, comb_out_ptr, partial_ptr, counter_ptr,
                  N, norm_eps, hc_eps, iters,
                  HC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                 PART: tl.constexpr, CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr, HAS_POST: tl.constexpr):
+                 PART: tl.constexpr, CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr, HAS_POST: tl.constexpr,
+                 MIXES: tl.constexpr = True, COLLAPSE: tl.constexpr = True):
     block = tl.program_id(0)
     chunk = tl.program_id(1)
     chunks = tl.num_programs(1)
@@ -34,8 +41,9 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
     d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
     in_d = d < D
     col = tl.arange(0, PART)  # partial row: MIX mix dot products, the streams' and the collapse's sum of squares
-    fn = tl.load(fn_ptr + col[:, None, None] * (HC * D) + i[None, :, None] * D + d[None, None, :],
-                 mask=(col < MIX)[:, None, None] & in_d[None, None, :], other=0.0)
+    if MIXES:
+        fn = tl.load(fn_ptr + col[:, None, None] * (HC * D) + i[None, :, None] * D + d[None, None, :],
+                     mask=(col < MIX)[:, None, None] & in_d[None, None, :], other=0.0)
     sd = i[:, None] * D + d[None, :]
     for t in range(BLOCK_T):
         row = (block * BLOCK_T + t).to(tl.int64)
@@ -48,13 +56,21 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
                 y = (q[:, None] * o[None, :] + tl.sum(c[:, :, None] * x[:, None, :], axis=0)).to(tl.bfloat16)
                 tl.store(new_streams_ptr + row * HC * D + sd, y, mask=in_d[None, :])
                 x = y.to(tl.float32)
-            mix = tl.sum(tl.sum(fn * x[None, :, :], axis=2), axis=1)
-            p = tl.load(pre_lag_ptr + row * HC + i)
-            collapsed = tl.sum(p[:, None] * x, axis=0).to(tl.bfloat16)
-            tl.store(normed_ptr + row * D + d, collapsed, mask=in_d)
-            cf = collapsed.to(tl.float32)
-            part = tl.where(col == MIX, tl.sum(tl.sum(x * x, axis=1), axis=0),
-                            tl.where(col == MIX + 1, tl.sum(cf * cf, axis=0), mix))
+            # the split launches (MIXES or COLLAPSE off) store zeros for the sums they skip and compute the
+            # others with the same expressions, so their results equal the one-launch seam's bit for bit
+            mix = tl.zeros((PART,), dtype=tl.float32)
+            streams_ss = 0.0
+            collapse_ss = 0.0
+            if MIXES:
+                mix = tl.sum(tl.sum(fn * x[None, :, :], axis=2), axis=1)
+                streams_ss = tl.sum(tl.sum(x * x, axis=1), axis=0)
+            if COLLAPSE:
+                p = tl.load(pre_lag_ptr + row * HC + i)
+                collapsed = tl.sum(p[:, None] * x, axis=0).to(tl.bfloat16)
+                tl.store(normed_ptr + row * D + d, collapsed, mask=in_d)
+                cf = collapsed.to(tl.float32)
+                collapse_ss = tl.sum(cf * cf, axis=0)
+            part = tl.where(col == MIX, streams_ss, tl.where(col == MIX + 1, collapse_ss, mix))
             tl.store(partial_ptr + (row * chunks + chunk) * PART + col, part)
 
     tl.debug_barrier()  # every thread's stores are issued before the release below
@@ -64,49 +80,51 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
             if row < N:
                 _finish_token(row, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr, pre_out_ptr,
                               post_out_ptr, comb_out_ptr, norm_eps, hc_eps, iters, HC, D, PART, CHUNKS_PAD,
-                              NORM_BLOCK)
+                              NORM_BLOCK, MIXES, COLLAPSE)
         tl.atomic_xchg(counter_ptr + block, 0)
 
 
 @triton.jit
 def _finish_token(row, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr, pre_out_ptr, post_out_ptr,
                   comb_out_ptr, norm_eps, hc_eps, iters, HC: tl.constexpr, D: tl.constexpr, PART: tl.constexpr,
-                  CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr):
-    """Sum one token's partials over the chunks, then mixes -> (pre, post, Sinkhorn comb) and the RMSNorm."""
+                  CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr, MIXES: tl.constexpr, COLLAPSE: tl.constexpr):
+    """Sum one token's partials over the chunks, then mixes -> (pre, post, Sinkhorn comb) and the RMSNorm
+    (each where its flag is on)."""
     MIX: tl.constexpr = (2 + HC) * HC
     i = tl.arange(0, HC)
     ch = tl.arange(0, CHUNKS_PAD)
     rows = partial_ptr + (row * chunks + ch) * PART
     live = ch < chunks
     # .cg: bypass L1 (not coherent across SMs) to read what the other programs wrote
-    pre_dot = tl.sum(tl.load(rows[:, None] + i[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg"), 0)
-    post_dot = tl.sum(tl.load(rows[:, None] + HC + i[None, :], mask=live[:, None], other=0.0,
-                              cache_modifier=".cg"), 0)
-    comb_dot = tl.sum(tl.load(rows[:, None, None] + 2 * HC + i[None, :, None] * HC + i[None, None, :],
-                              mask=live[:, None, None], other=0.0, cache_modifier=".cg"), 0)
-    streams_ss = tl.sum(tl.load(rows + MIX, mask=live, other=0.0, cache_modifier=".cg"), 0)
-    collapse_ss = tl.sum(tl.load(rows + MIX + 1, mask=live, other=0.0, cache_modifier=".cg"), 0)
-
-    rms = tl.math.rsqrt(streams_ss / (HC * D) + norm_eps)
-    pre = tl.sigmoid(pre_dot * rms * tl.load(scale_ptr) + tl.load(base_ptr + i)) + hc_eps
-    post = 2 * tl.sigmoid(post_dot * rms * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + i))
-    comb = comb_dot * rms * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + i[:, None] * HC + i[None, :])
-    comb = tl.exp(comb - tl.max(comb, axis=1)[:, None])
-    comb = comb / tl.sum(comb, axis=1)[:, None] + hc_eps
-    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-    for _ in range(iters - 1):
-        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+    if MIXES:
+        pre_dot = tl.sum(tl.load(rows[:, None] + i[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg"), 0)
+        post_dot = tl.sum(tl.load(rows[:, None] + HC + i[None, :], mask=live[:, None], other=0.0,
+                                  cache_modifier=".cg"), 0)
+        comb_dot = tl.sum(tl.load(rows[:, None, None] + 2 * HC + i[None, :, None] * HC + i[None, None, :],
+                                  mask=live[:, None, None], other=0.0, cache_modifier=".cg"), 0)
+        streams_ss = tl.sum(tl.load(rows + MIX, mask=live, other=0.0, cache_modifier=".cg"), 0)
+        rms = tl.math.rsqrt(streams_ss / (HC * D) + norm_eps)
+        pre = tl.sigmoid(pre_dot * rms * tl.load(scale_ptr) + tl.load(base_ptr + i)) + hc_eps
+        post = 2 * tl.sigmoid(post_dot * rms * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + i))
+        comb = comb_dot * rms * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + i[:, None] * HC + i[None, :])
+        comb = tl.exp(comb - tl.max(comb, axis=1)[:, None])
+        comb = comb / tl.sum(comb, axis=1)[:, None] + hc_eps
         comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-    tl.store(pre_out_ptr + row * HC + i, pre)
-    tl.store(post_out_ptr + row * HC + i, post)
-    tl.store(comb_out_ptr + row * HC * HC + i[:, None] * HC + i[None, :], comb)
+        for _ in range(iters - 1):
+            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        tl.store(pre_out_ptr + row * HC + i, pre)
+        tl.store(post_out_ptr + row * HC + i, post)
+        tl.store(comb_out_ptr + row * HC * HC + i[:, None] * HC + i[None, :], comb)
 
-    rstd = tl.math.rsqrt(collapse_ss / D + norm_eps)
-    for d0 in range(0, D, NORM_BLOCK):
-        d = d0 + tl.arange(0, NORM_BLOCK)
-        x = tl.load(normed_ptr + row * D + d, mask=d < D, other=0.0, cache_modifier=".cg").to(tl.float32)
-        w = tl.load(weight_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-        tl.store(normed_ptr + row * D + d, (w * (x * rstd)).to(tl.bfloat16), mask=d < D)
+    if COLLAPSE:
+        collapse_ss = tl.sum(tl.load(rows + MIX + 1, mask=live, other=0.0, cache_modifier=".cg"), 0)
+        rstd = tl.math.rsqrt(collapse_ss / D + norm_eps)
+        for d0 in range(0, D, NORM_BLOCK):
+            d = d0 + tl.arange(0, NORM_BLOCK)
+            x = tl.load(normed_ptr + row * D + d, mask=d < D, other=0.0, cache_modifier=".cg").to(tl.float32)
+            w = tl.load(weight_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+            tl.store(normed_ptr + row * D + d, (w * (x * rstd)).to(tl.bfloat16), mask=d < D)
 
 
 BLOCK_D = 64
@@ -116,10 +134,11 @@ _counters: dict = {}
 _outgrown: list = []  # smaller buffers replaced by larger ones, never freed
 
 
-def kernel_fits(streams, fn) -> bool:
-    """The shapes and dtypes this kernel takes (else the op runs its reference): bf16 streams, hc a power of 2."""
+def kernel_fits(streams, fn=None) -> bool:
+    """The shapes and dtypes this kernel takes (else the op runs its reference): bf16 streams, hc a power of 2,
+    fp32 fn (None: a launch without the mixes)."""
     hc = streams.shape[-2]
-    return streams.dtype == torch.bfloat16 and hc & (hc - 1) == 0 and fn.dtype == torch.float32
+    return streams.dtype == torch.bfloat16 and hc & (hc - 1) == 0 and (fn is None or fn.dtype == torch.float32)
 
 
 def _tokens_per_program(tokens: int) -> int:
@@ -127,33 +146,40 @@ def _tokens_per_program(tokens: int) -> int:
     return 1 if tokens <= 16 else min(16, triton.next_power_of_2(tokens) // 16)
 
 
-def _block_counters(device: torch.device, blocks: int) -> torch.Tensor:
-    """Zeroed int32 counters, kept per device (each launch leaves them at zero) so a call needs no memset."""
-    buf = _counters.get(device)
+def _block_counters(device: torch.device, blocks: int, lane: str = "main") -> torch.Tensor:
+    """Zeroed int32 counters, kept per device and lane (each launch leaves them at zero) so a call needs no
+    memset. Kernels of one lane never run at the same time; the mixes launch of an overlapped seam runs on
+    the side stream beside the router and seam kernels, so it counts on lane "side"."""
+    key = (device, lane)
+    buf = _counters.get(key)
     if buf is not None and buf.numel() >= blocks:
         return buf
     buf = torch.zeros(max(blocks, _COUNTER_SLOTS), dtype=torch.int32, device=device)
     if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():  # never keep a graph-pool buffer
-        if device in _counters:  # graphs captured earlier still point at the old buffer: keep it alive
-            _outgrown.append(_counters[device])
-        _counters[device] = buf
+        if key in _counters:  # graphs captured earlier still point at the old buffer: keep it alive
+            _outgrown.append(_counters[key])
+        _counters[key] = buf
     return buf
 
 
 def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters,
-                    block_t=None, block_d=BLOCK_D, num_warps=4):
+                    block_t=None, block_d=BLOCK_D, num_warps=4, mixes=True, collapse=True):
     """Both ops: with out/post/comb None (the entry seam) returns (normed, pre, post, comb), else
     (new streams, normed, pre, post, comb); shapes as the ops' references. block_t (tokens per program),
-    block_d (columns per program) and num_warps override the launch (scripts/sweep_mhc.py)."""
+    block_d (columns per program) and num_warps override the launch (scripts/sweep_mhc.py).
+    The split seam (custom_ops/mhc_split.py) launches the same kernel twice: mixes=False (fn, scale, base
+    unused) returns the outputs above without (pre, post, comb); collapse=False (pre_lagged, norm_weight
+    unused; out/post/comb None) returns (pre, post, comb) only, counting on the side lane."""
     *lead, hc, dim = streams.shape
     tokens = streams.numel() // (hc * dim)
     flat = streams.reshape(tokens, hc, dim).contiguous()
     has_post = out is not None
     new_streams = torch.empty_like(flat) if has_post else flat
-    normed = flat.new_empty(tokens, dim)
-    pre_out = flat.new_empty(tokens, hc, dtype=torch.float32)
-    post_out = torch.empty_like(pre_out)
-    comb_out = flat.new_empty(tokens, hc, hc, dtype=torch.float32)
+    unused = flat  # any tensor, for the pointers a launch's flags leave unread
+    normed = flat.new_empty(tokens, dim) if collapse else unused
+    pre_out = flat.new_empty(tokens, hc, dtype=torch.float32) if mixes else unused
+    post_out = torch.empty_like(pre_out) if mixes else unused
+    comb_out = flat.new_empty(tokens, hc, hc, dtype=torch.float32) if mixes else unused
     part = triton.next_power_of_2((2 + hc) * hc + 2)
     chunks = triton.cdiv(dim, block_d)
     block_t = block_t or _tokens_per_program(tokens)
@@ -163,17 +189,20 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
         _seam_kernel[(blocks, chunks)](
             out.reshape(tokens, dim).contiguous() if has_post else flat,
             flat,
-            post.reshape(tokens, hc).contiguous() if has_post else pre_out,
-            comb.reshape(tokens, hc, hc).contiguous() if has_post else comb_out,
-            pre_lagged.reshape(tokens, hc).float().contiguous(), fn.contiguous(), scale.float().contiguous(),
-            base.float().contiguous(), norm_weight.contiguous(), new_streams, normed, pre_out, post_out, comb_out,
-            partial, _block_counters(flat.device, blocks), tokens, norm_eps, hc_eps, iters,
-            HC=hc, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, PART=part,
+            post.reshape(tokens, hc).contiguous() if has_post else unused,
+            comb.reshape(tokens, hc, hc).contiguous() if has_post else unused,
+            pre_lagged.reshape(tokens, hc).float().contiguous() if collapse else unused,
+            fn.contiguous() if mixes else unused, scale.float().contiguous() if mixes else unused,
+            base.float().contiguous() if mixes else unused, norm_weight.contiguous() if collapse else unused,
+            new_streams, normed, pre_out, post_out, comb_out,
+            partial, _block_counters(flat.device, blocks, "main" if collapse else "side"), tokens, norm_eps, hc_eps,
+            iters, HC=hc, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, PART=part,
             CHUNKS_PAD=triton.next_power_of_2(chunks), NORM_BLOCK=min(NORM_BLOCK, triton.next_power_of_2(dim)),
-            HAS_POST=has_post, num_warps=num_warps)
+            HAS_POST=has_post, MIXES=mixes, COLLAPSE=collapse, num_warps=num_warps)
     lead = tuple(lead)
-    mixes = (pre_out.view(lead + (hc,)), post_out.view(lead + (hc,)), comb_out.view(lead + (hc, hc)))
-    normed = normed.view(lead + (dim,))
-    if has_post:
-        return (new_streams.view(lead + (hc, dim)), normed, *mixes)
-    return (normed, *mixes)
+    outputs = [new_streams.view(lead + (hc, dim))] if has_post else []
+    if collapse:
+        outputs.append(normed.view(lead + (dim,)))
+    if mixes:
+        outputs += [pre_out.view(lead + (hc,)), post_out.view(lead + (hc,)), comb_out.view(lead + (hc, hc))]
+    return tuple(outputs)

@@ -5,7 +5,8 @@
 
 What it sets up (SYSTEM.md, the compiler):
   - our FX passes in Inductor (`passes.install`) and the routed experts stacked for grouped GEMMs (no
-    host syncs in the MoE);
+    host syncs in the MoE); in graphs of at most `mhc_overlap_max_tokens` tokens (decode) each mHC seam's
+    mixes can run on a side CUDA stream beside the next sublayer (passes/mhc_overlap.py; mhc_overlap=True);
   - regional compilation: every decoder block is compiled (fullgraph, static shapes). Blocks get their
     cache tensors as arguments (cache.LayerCache), so all layers of one role share one compiled graph
     per shape: compile time grows with the number of roles (about six), not of layers (40);
@@ -47,6 +48,11 @@ class CompileOptions:
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # capped at max_batch (which is added)
     prefill_buckets: tuple[int, ...] = (16, 64, 256, 1024, 4096)  # chunk lengths; longer prompts are chunked
     passes: bool = True  # our FX passes (mHC seam and router fusion)
+    # issue 8: seams of at most this many tokens (batch x columns) run their mixes on a side CUDA stream beside
+    # the next sublayer (passes/mhc_overlap.py), joined before the next seam; same bits as one launch per seam.
+    # Off by default until the H200 shows the capture works and the overlap pays (scripts/bench_overlap.py)
+    mhc_overlap: bool = False
+    mhc_overlap_max_tokens: int = 16  # not yet measured on the H200 (scripts/bench_overlap.py)
     cuda_graphs: bool = True  # decode as mode="reduce-overhead" (CUDA only)
     trimmed_graphs: bool = True  # bounded replay's trimmed layers as CUDA graphs too (with cuda_graphs)
     swa_bounded_replay: bool | None = None  # sets the model config's switch (None: keep the config's value)
@@ -56,6 +62,9 @@ class CompileOptions:
         if self.max_batch < 1 or self.max_length < 1:
             raise ValueError(f"CompileOptions: max_batch ({self.max_batch}) and max_length ({self.max_length}) "
                              "must be >= 1")
+        if self.mhc_overlap_max_tokens < 1:
+            raise ValueError(f"CompileOptions.mhc_overlap_max_tokens={self.mhc_overlap_max_tokens}: expected >= 1 "
+                             "(mhc_overlap=False turns the overlap off)")
         for name in ("batch_buckets", "prefill_buckets"):
             buckets = getattr(self, name)
             if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
@@ -108,7 +117,8 @@ class CompiledRunner:
         if text.emulate_reference_index_key_pointer:
             raise ValueError("compile(): DeepseekV41TextConfig.emulate_reference_index_key_pointer needs a host "
                              "sync per layer (it emulates a reference bug); turn it off to compile")
-        self.pass_manager = passes.install(text) if options.passes else None
+        overlap = options.mhc_overlap_max_tokens if options.mhc_overlap else 0
+        self.pass_manager = passes.install(text, mhc_overlap_tokens=overlap) if options.passes else None
         if not options.passes:
             passes.use(None)  # a manager installed earlier would still run
         # Round where the model rounds (its bf16 casts are the reference's rounding points); by default

@@ -204,13 +204,11 @@ class StandIn(nn.Module):
         return (out, None) if len(context) > 1 else out
 
 
-def test_every_seam_of_the_tiny_model_is_fused(compiling):
-    """The tiny model's layer loop (DeepseekV41Model.run: Engram where configured, then each block, then the
-    final collapse and norm; attention and MoE stood in for) at batch 2 x 3 tokens: 9 layers x 2 seams =
-    18 fused seams. Block 0's attention seam and the two after Engram (layers 1 and 2) are entry seams; the
-    other 15 also fuse the previous sublayer's hc_post. The hc_post in front of Engram and the final
-    collapse + norm stay Inductor's."""
-    torch.manual_seed(0)
+def tiny_layer_loop(layers=None, seed=0):
+    """(layer_loop, inputs): the tiny model's layer loop (DeepseekV41Model.run: Engram where configured, then
+    each block, then the final collapse and norm) over its first `layers` blocks (None: all) with attention
+    and MoE stood in for, and inputs(batch, seq) -> its arguments."""
+    torch.manual_seed(seed)
     model = DeepseekV41ForCausalLM(preset_config("tiny")).eval().model
     for block in model.layers:
         block.attn, block.ffn = StandIn(), StandIn()
@@ -221,7 +219,7 @@ def test_every_seam_of_the_tiny_model_is_fused(compiling):
     def layer_loop(ids, hash_ids):
         streams = model.embed(ids).unsqueeze(2).repeat(1, 1, model.hc, 1)
         pre_mix = torch.nn.functional.one_hot(torch.zeros_like(ids), model.hc).float()
-        for block in model.layers:
+        for block in model.layers[:layers]:
             if block.engram is not None:
                 streams = block.engram(streams, hash_ids)
             streams, pre_mix = block(streams, pre_mix, *context)[:2]
@@ -231,6 +229,14 @@ def test_every_seam_of_the_tiny_model_is_fused(compiling):
         rows = min(block.engram.embed.weight.shape[0] for block in model.layers if block.engram is not None)
         return torch.randint(0, 512, (batch, seq)), torch.randint(0, rows, (batch, seq, 6))
 
+    return layer_loop, inputs
+
+
+def test_every_seam_of_the_tiny_model_is_fused(compiling):
+    """The tiny model's layer loop at batch 2 x 3 tokens: 9 layers x 2 seams = 18 fused seams. Block 0's
+    attention seam and the two after Engram (layers 1 and 2) are entry seams; the other 15 also fuse the
+    previous sublayer's hc_post. The hc_post in front of Engram and the final collapse + norm stay Inductor's."""
+    layer_loop, inputs = tiny_layer_loop()
     seams = Seams()
     args = inputs(2, 3)
     torch.testing.assert_close(compiling(seams, layer_loop)(*args), layer_loop(*args), rtol=2 ** -6, atol=2 ** -6)

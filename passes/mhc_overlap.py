@@ -1,0 +1,127 @@
+"""mHC overlap (issue 8): split each fused seam of at most `max_tokens` tokens so that its mixes run on a side
+CUDA stream beside the next sublayer (custom_ops/mhc_split.py has the ops and why this is legal).
+
+    mhc_seam(out, X, q, C, p_lag, fn, scale, base, w)      (X', normed) = mhc_seam_input(out, X, q, C, p_lag, w)
+      -> (X', normed, p, q', C')                      =>    (p, q', C') = mhc_mixes(X', fn, scale, base)
+                                                            ... the next sublayer, on the current stream ...
+                                                            mhc_join_(p, q', C', after the sublayer)
+                                                                                    before the first reader
+    mhc_entry_seam(X, p_lag, fn, scale, base, w)      =>    normed = mhc_entry_input(X, p_lag, w); mhc_mixes(X, ...)
+
+The join goes before the first node that reads the mixes' data (views of them move behind it) and also
+takes the sublayer's results: without them Inductor's scheduler, seeing no input of the join produced by the
+sublayer, issues the join right after the fork and nothing overlaps.
+
+Runs after the mHC fusion pass. The token count must be static (the compiled decode and prefill graphs are):
+above the cutoff a seam keeps its one launch, where the mixes would take longer than the sublayer they hide
+behind (the cutoff is to be measured with scripts/bench_overlap.py). Only seams with fp32 `fn` are split:
+there the fused op and the split ops both run their Triton kernels, which give the same bits. The readers of
+the mixes include the next seam's ops, which also read X', so X' stays alive (and unreused by Inductor)
+until after the join.
+"""
+
+import math
+import operator
+
+import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+ops = torch.ops.dsflash
+
+
+def _tokens(streams: torch.fx.Node) -> int | None:
+    """Tokens of a seam's streams [..., hc, D], or None if not a static count."""
+    lead = streams.meta["val"].shape[:-2]
+    return math.prod(lead) if all(isinstance(n, int) for n in lead) else None
+
+
+def _call(graph: torch.fx.Graph, op, args: tuple, outputs: int):
+    """Insert op(*args) (at the graph's insertion point) with its fake value; its `outputs` getitems."""
+    vals = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
+    fake_mode = detect_fake_mode(vals) or FakeTensorMode()
+    with fake_mode:
+        val = op(*vals)
+    node = graph.call_function(op, args)
+    node.meta["val"] = val
+    if not outputs:
+        return node
+    items = []
+    for i in range(outputs):
+        item = graph.call_function(operator.getitem, (node, i))
+        item.meta["val"] = val[i]
+        items.append(item)
+    return items
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    """A node that only reinterprets its input (no kernel reads data); post-grad graphs spell views reshape."""
+    return node.op == "call_function" and (node.target is torch.ops.aten.reshape.default
+                                           or getattr(node.target, "is_view", False))
+
+
+def _views_and_readers(items: list[torch.fx.Node]) -> tuple[set, set]:
+    """The views taken of `items` (transitively) and the nodes that read them or their views."""
+    views, readers, todo = set(), set(), list(items)
+    while todo:
+        for user in todo.pop().users:
+            if _is_view(user):
+                if user not in views:
+                    views.add(user)
+                    todo.append(user)
+            else:
+                readers.add(user)
+    return views, readers
+
+
+class MhcOverlapPass:
+    name = "mhc_overlap"
+
+    def __init__(self, max_tokens: int):
+        """Split seams of at most max_tokens tokens."""
+        self.options = {"max_tokens": max_tokens}
+
+    def apply(self, graph: torch.fx.Graph) -> int:
+        """Split every fused seam within the cutoff; returns how many were split."""
+        split = 0
+        for target in (ops.mhc_seam.default, ops.mhc_entry_seam.default):
+            for node in list(graph.find_nodes(op="call_function", target=target)):
+                split += self._split(graph, node)
+        return split
+
+    def _split(self, graph: torch.fx.Graph, node: torch.fx.Node) -> int:
+        entry = node.target is ops.mhc_entry_seam.default
+        if entry:
+            streams, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters = node.args
+        else:
+            out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters = node.args
+        tokens = _tokens(streams)
+        if tokens is None or tokens > self.options["max_tokens"] or fn.meta["val"].dtype != torch.float32:
+            return 0
+        with graph.inserting_before(node):
+            if entry:
+                inputs = [_call(graph, ops.mhc_entry_input.default, (streams, pre_lagged, norm_weight, norm_eps), 0)]
+                mixed = streams
+            else:
+                inputs = _call(graph, ops.mhc_seam_input.default,
+                               (out, streams, post, comb, pre_lagged, norm_weight, norm_eps), 2)
+                mixed = inputs[0]
+            mixes = _call(graph, ops.mhc_mixes.default, (mixed, fn, scale, base, norm_eps, hc_eps, iters), 3)
+        for item in list(node.users):
+            item.replace_all_uses_with((inputs + mixes)[item.args[1]])
+            graph.erase_node(item)
+        graph.erase_node(node)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        views, readers = _views_and_readers(mixes)
+        first_reader = min(readers, key=order.__getitem__, default=mixes[-1].next)
+        # the sublayer: what runs between the fork and the first reader; its results read at or after that
+        # reader are the join's `after`, so Inductor keeps the join behind the sublayer
+        between = [n for n in list(graph.nodes)[order[mixes[-1]] + 1:order[first_reader]] if n not in views]
+        after = [n for n in between if isinstance(n.meta.get("val"), torch.Tensor)
+                 and any(order[user] >= order[first_reader] for user in n.users)]
+        with graph.inserting_before(first_reader):
+            _call(graph, ops.mhc_join_.default, (*mixes, after), 0)
+        for view in sorted(views, key=order.__getitem__):  # views of the mixes move behind the join too
+            if order[view] < order[first_reader]:
+                first_reader.prepend(view)
+        return 1
