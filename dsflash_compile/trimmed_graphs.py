@@ -6,9 +6,9 @@ compiled blocks are short and launch-bound, so, like the decode step, they are c
 per batch bucket (the equivalent of compiling them with mode="reduce-overhead", with one replay for the
 whole region instead of one per block), while the layers up to the cut run as the ordinary prefill chunk.
 
-A graph is keyed by the shapes and dtypes of every input tensor (the tail context, streams, pre-mix and
-any Engram ids), so a different input set captures a new graph instead of being copied into the wrong
-buffers. The first call for a key runs the blocks directly on a side stream (that compiles them and does
+A graph is keyed by the layout of every argument (each context field, streams, pre-mix and any Engram
+ids: tensor shapes and dtypes, dict keys, what is None), all derived from the context's fields, so a new
+field or a different input set captures a new graph instead of being copied into the wrong buffers. The first call for a key runs the blocks directly on a side stream (that compiles them and does
 every lazy initialisation, as capture requires) and then captures; capture records kernels without
 running them, so the cache is not written twice.
 """
@@ -22,31 +22,51 @@ import torch
 from .context import ForwardContext
 
 
-def _inputs(ctx: ForwardContext, streams: torch.Tensor, pre_mix: torch.Tensor, hash_ids: dict) -> list[torch.Tensor]:
-    """Every tensor the trimmed part reads, in a fixed order (dict entries by key)."""
-    tensors = [streams, pre_mix, ctx.positions, ctx.lengths_before, ctx.window_idx, ctx.window_slots]
-    for entries in (ctx.rotations, ctx.topk, hash_ids):
-        tensors += [entries[key] for key in sorted(entries)]
-    return tensors + [t for t in (ctx.candidates, ctx.write_floor) if t is not None]
+def _arguments(ctx: ForwardContext, streams, pre_mix, hash_ids: dict) -> list:
+    """The trimmed part's arguments as (name, value) pairs: every field of the context, then the rest."""
+    fields = [(f.name, getattr(ctx, f.name)) for f in dataclasses.fields(ctx)]
+    return fields + [("streams", streams), ("pre_mix", pre_mix), ("hash_ids", hash_ids)]
 
 
-def _signature(ctx: ForwardContext, streams, pre_mix, hash_ids) -> tuple:
-    layout = (tuple(sorted(ctx.rotations)), tuple(sorted(ctx.topk)), tuple(sorted(hash_ids)),
-              ctx.candidates is None, ctx.write_floor is None, ctx.columns_after)
-    return layout + tuple((tuple(t.shape), t.dtype) for t in _inputs(ctx, streams, pre_mix, hash_ids))
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors in a value (dicts by key), in a fixed order: what a replay copies into the graph."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for key in sorted(value) for t in _tensors(value[key])]
+    return []
 
 
-def _static_copy(ctx: ForwardContext, streams, pre_mix, hash_ids):
+def _layout(value):
+    """What a captured graph is specific to: tensor shapes and dtypes, dict keys, None and host values."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.dtype
+    if isinstance(value, dict):
+        return tuple((key, _layout(value[key])) for key in sorted(value))
+    return value if value is None or isinstance(value, (int, float, bool)) else id(value)  # the cache: by identity
+
+
+def _clone(value):
+    """Fixed-address copies of a value's tensors (the cache and host values stay as they are)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {key: _clone(item) for key, item in value.items()}
+    return value
+
+
+def _inputs(ctx: ForwardContext, streams, pre_mix, hash_ids: dict) -> list[torch.Tensor]:
+    return [t for _, value in _arguments(ctx, streams, pre_mix, hash_ids) for t in _tensors(value)]
+
+
+def _signature(ctx: ForwardContext, streams, pre_mix, hash_ids: dict) -> tuple:
+    return tuple((name, _layout(value)) for name, value in _arguments(ctx, streams, pre_mix, hash_ids))
+
+
+def _static_copy(ctx: ForwardContext, streams, pre_mix, hash_ids: dict):
     """Clones of the inputs at fixed addresses (the graph reads these; each call copies into them)."""
-    def clone(t):
-        return None if t is None else t.clone()
-
-    static_ctx = dataclasses.replace(
-        ctx, positions=clone(ctx.positions), lengths_before=clone(ctx.lengths_before),
-        window_idx=clone(ctx.window_idx), window_slots=clone(ctx.window_slots),
-        rotations={k: clone(v) for k, v in ctx.rotations.items()}, topk={k: clone(v) for k, v in ctx.topk.items()},
-        candidates=clone(ctx.candidates), write_floor=clone(ctx.write_floor))
-    return static_ctx, clone(streams), clone(pre_mix), {k: clone(v) for k, v in hash_ids.items()}
+    fields = {f.name: _clone(getattr(ctx, f.name)) for f in dataclasses.fields(ctx)}
+    return dataclasses.replace(ctx, **fields), _clone(streams), _clone(pre_mix), _clone(hash_ids)
 
 
 class TrimmedGraphs:
@@ -62,16 +82,17 @@ class TrimmedGraphs:
         key = _signature(ctx, streams, pre_mix, hash_ids)
         entry = self.graphs.get(key)
         if entry is None:
+            # copied and listed before anything runs: an index source among the trimmed layers adds its top-k
+            # to the context it is given (the live one in the direct run, the static one while capturing),
+            # which would shift the list against a later call's inputs
+            static = _static_copy(ctx, streams, pre_mix, hash_ids)
+            static_inputs = _inputs(*static)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 hidden = self.model.run_trimmed(ctx, cache, streams, pre_mix, hash_ids)
             torch.cuda.current_stream().wait_stream(side)
             hidden.record_stream(torch.cuda.current_stream())  # made on the side stream, used and freed on this one
-            static = _static_copy(ctx, streams, pre_mix, hash_ids)
-            # listed before capture: an index source among the trimmed layers adds its top-k to the static
-            # context while capturing, which would shift the list against the live inputs
-            static_inputs = _inputs(*static)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self.model.run_trimmed(static[0], cache, *static[1:])
