@@ -143,3 +143,32 @@ def test_compile_needs_a_prefill_bucket_as_long_as_the_window():
         dsflash_compile.compile(tiny_model(), max_length=64, prefill_buckets=(4, 8), backend="eager")
     dsflash_compile.compile(tiny_model(), max_length=64, prefill_buckets=(4, 8), backend="eager",
                             swa_bounded_replay=False)
+
+
+@torch.no_grad()
+def test_trimmed_graph_inputs_are_listed_before_the_layers_publish_top_k():
+    """TrimmedGraphs (CUDA) pairs a captured graph's static inputs with each later call's inputs. The tiny
+    model's layer 7 is an index source after the cut: running the trimmed layers adds its top-k to the
+    context they get, so the static copy and its input list must be taken before anything runs (on the
+    H200 a list taken afterwards paired a top-k with the candidates). The listing itself runs on the CPU."""
+    from dsflash_compile import trimmed_graphs
+    from dsflash_compile.context import tail_context
+
+    model = tiny_model(swa_bounded_replay=True)
+    cut = model.model.text_config.last_kv_source_layer + 1
+    cache = model.new_cache(2, 64)
+
+    def trimmed_arguments(seed):
+        ids, mask = left_pad(prompts([40, 40], seed=seed))
+        ctx, streams, pre_mix, hash_ids = model.model.begin(ids, mask, cache, 64)
+        streams, pre_mix = model.model.run_layers(model.model.layers[:cut], ctx, cache, streams, pre_mix, hash_ids)
+        return tail_context(ctx, mask, 16), streams[:, -16:].contiguous(), pre_mix[:, -16:].contiguous(), {}
+
+    first = trimmed_arguments(1)
+    static = trimmed_graphs._static_copy(*first)
+    listed = trimmed_graphs._inputs(*static)
+    model.model.run_trimmed(first[0], cache, *first[1:])  # the first call's direct run
+    assert len(first[0].topk) > len(static[0].topk)  # the run published a top-k into the live context
+    later = trimmed_arguments(2)
+    assert trimmed_graphs._signature(*later) == trimmed_graphs._signature(*static)
+    assert [(t.shape, t.dtype) for t in listed] == [(t.shape, t.dtype) for t in trimmed_graphs._inputs(*later)]
