@@ -98,6 +98,14 @@ def fused_speedups(row: dict) -> None:
         row["fused_vs_compiled"] = (row.get("compiled_graph_s") or float("nan")) / row["fused_graph_s"]
 
 
+def sweep_variant(row: dict, call, agrees, calls: int = 10, replays: int = 20) -> dict:
+    """One launch variant of a sweep (scripts/sweep_*.py): its output checked first (`agrees(call())`),
+    then its CUDA-graph time; both go into `row` ('agrees', 's'), which is printed and returned."""
+    row.update(agrees=bool(agrees(call())), s=time_graph(call, calls=calls, replays=replays))
+    print(row, flush=True)
+    return row
+
+
 def profile_summary(step, trace_path: str | None = None, top: int = 0) -> dict:
     """Run `step` once under torch.profiler: the kernels it launched on the GPU (on a machine without one,
     its CPU operators) with their total time, the step's wall time (far above the kernel time: launch- or

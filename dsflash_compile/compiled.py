@@ -71,7 +71,7 @@ class CompileOptions:
                 raise ValueError(f"CompileOptions.{name}={buckets}: expected increasing positive sizes")
 
 
-def _bucket(buckets: list[int], size: int) -> int:
+def _bucket(buckets, size: int) -> int:
     return buckets[bisect.bisect_left(buckets, size)]
 
 
@@ -98,7 +98,7 @@ def chunk_plan(seq: int, buckets: list[int], window: int | None = None,
 @functools.lru_cache(maxsize=4096)
 def _split(rest: int, buckets: tuple[int, ...], overhead: int) -> tuple[int, tuple[int, ...]]:
     """(cost, ascending pieces) of the cheapest split of `rest` (< the largest bucket) into chunks."""
-    best = (_bucket(list(buckets), rest) + overhead, (rest,))
+    best = (_bucket(buckets, rest) + overhead, (rest,))
     for size in buckets:
         if size < rest:
             cost, pieces = _split(rest - size, buckets, overhead)

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_mhc import HC_EPS, ITERS, NORM_EPS, make_case  # noqa: E402
 
-from dsflash_compile.benchmarking import print_table, run_metadata, save_results, time_graph  # noqa: E402
+from dsflash_compile.benchmarking import print_table, run_metadata, save_results, sweep_variant  # noqa: E402
 from dsflash_compile.custom_ops import mhc_triton  # noqa: E402
 
 COLUMNS = [("tokens", "tokens", "d"), ("tokens/program", "block_t", "d"), ("columns/program", "block_d", "d"),
@@ -31,6 +31,11 @@ def sweep(tokens: int) -> list[dict]:
     args = (c["out"], c["streams"], c["post"], c["comb"], c["pre_lagged"], c["fn"], c["scale"], c["base"],
             c["norm_weight"], NORM_EPS, HC_EPS, ITERS)
     want = mhc_triton.mhc_seam_triton(*args)
+
+    def agrees(got):
+        return torch.equal(got[0], want[0]) and all(
+            (g.float() - w.float()).abs().max().item() <= 1e-5 * max(1.0, w.float().abs().max().item())
+            for g, w in zip(got[1:], want[1:]))
     rows = []
     for block_t, block_d, warps in itertools.product((1, 2, 4, 8, 16), (32, 64, 128, 256), (2, 4, 8)):
         if block_t > max(1, tokens):
@@ -38,13 +43,8 @@ def sweep(tokens: int) -> list[dict]:
 
         def call():
             return mhc_triton.mhc_seam_triton(*args, block_t=block_t, block_d=block_d, num_warps=warps)
-        got = call()
-        agrees = torch.equal(got[0], want[0]) and all(
-            (g.float() - w.float()).abs().max().item() <= 1e-5 * max(1.0, w.float().abs().max().item())
-            for g, w in zip(got[1:], want[1:]))
-        rows.append({"tokens": tokens, "block_t": block_t, "block_d": block_d, "num_warps": warps,
-                     "s": time_graph(call, calls=10, replays=20), "agrees": agrees})
-        print(rows[-1], flush=True)
+        rows.append(sweep_variant({"tokens": tokens, "block_t": block_t, "block_d": block_d, "num_warps": warps},
+                                  call, agrees))
     return rows
 
 

@@ -14,7 +14,7 @@ import itertools
 
 import torch
 
-from dsflash_compile.benchmarking import print_table, run_metadata, save_results, time_graph
+from dsflash_compile.benchmarking import print_table, run_metadata, save_results, sweep_variant, time_graph
 from dsflash_compile.custom_ops import topk_triton
 
 K = 512
@@ -28,6 +28,11 @@ def sweep(rows: int, width: int) -> list[dict]:
     scores = torch.randn(rows, width, device="cuda").bfloat16()
     want = scores.float().topk(K, dim=-1).values[:, -1:]  # the k-th largest value per row
     torch_s = time_graph(lambda: scores.topk(K, dim=-1), calls=2, replays=5)
+
+    def agrees(picks):
+        # bf16 scores tie often: a right answer has k distinct ids whose values all reach the k-th largest
+        picks = picks.long().sort(dim=1).values
+        return bool((scores.float().gather(1, picks) >= want).all()) and bool((picks.diff(dim=1) > 0).all())
     out = [{"rows": rows, "width": width, "path": "torch.topk", "s": torch_s, "vs_torch": 1.0, "agrees": True}]
     variants = [("radix", None, None)] + [("rowwise", c, w) for c, w in itertools.product(
         (1024, 2048, 4096, 8192, 16384, 32768), (4, 8, 16)) if c < width or c == 1024]
@@ -38,13 +43,10 @@ def sweep(rows: int, width: int) -> list[dict]:
         else:
             def call():
                 return topk_triton.select_rowwise(scores, K, chunk, warps)
-        picks = call().long().sort(dim=1).values
-        # bf16 scores tie often: a right answer has k distinct ids whose values all reach the k-th largest
-        agrees = bool((scores.float().gather(1, picks) >= want).all()) and bool((picks.diff(dim=1) > 0).all())
-        s = time_graph(call, calls=2, replays=5)
-        out.append({"rows": rows, "width": width, "path": path, "chunk": chunk, "num_warps": warps, "s": s,
-                    "vs_torch": torch_s / s, "agrees": agrees})
-        print(out[-1], flush=True)
+        row = sweep_variant({"rows": rows, "width": width, "path": path, "chunk": chunk, "num_warps": warps},
+                            call, agrees, calls=2, replays=5)
+        row["vs_torch"] = torch_s / row["s"]
+        out.append(row)
     return out
 
 
@@ -54,9 +56,9 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sweep_topk.py needs a CUDA device")
-    rows = [row for rows, width in SHAPES for row in sweep(rows, width)]
-    print_table(rows, COLUMNS)
-    save_results({**run_metadata(), "rows": rows}, "topk-sweep", args.out)
+    results = [row for rows, width in SHAPES for row in sweep(rows, width)]
+    print_table(results, COLUMNS)
+    save_results({**run_metadata(), "rows": results}, "topk-sweep", args.out)
 
 
 if __name__ == "__main__":

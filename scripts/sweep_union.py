@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_indexer import BLOCK, make_case  # noqa: E402
 
-from dsflash_compile.benchmarking import print_table, run_metadata, save_results, time_graph  # noqa: E402
+from dsflash_compile.benchmarking import print_table, run_metadata, save_results, sweep_variant  # noqa: E402
 from dsflash_compile.custom_ops import indexer_triton  # noqa: E402
 
 COLUMNS = [("context", "context", "d"), ("tokens/group", "tokens_per_group", "d"), ("blocks/step", "union_blocks", "d"),
@@ -28,6 +28,10 @@ def sweep(context: int, prefill: int) -> list[dict]:
     case = make_case(1, context, prefill, torch.Generator(device="cuda").manual_seed(0), 0.3)
     args = (case["q"], case["weights"], case["keys_mxfp4"], case["blocks"], BLOCK, case["visible"], "mxfp4")
     want = indexer_triton.candidate_scores_triton(*args, union=True)
+
+    def agrees(got):
+        return torch.equal(got.isfinite(), want.isfinite()) and \
+            (got.float() - want.float()).nan_to_num().abs().max().item() < 0.05
     rows = []
     # the 11-30 sweep over (2, 4) x (4, 8, 16) x (1, 2, 4) found the smallest union and the most programs
     # fastest (2 x 4, 4 parts): this one goes below and above that corner
@@ -35,12 +39,8 @@ def sweep(context: int, prefill: int) -> list[dict]:
         def call():
             return indexer_triton.candidate_scores_triton(*args, union=True, tokens_per_group=tokens,
                                                           union_blocks=blocks, parts=parts)
-        got = call()
-        agrees = torch.equal(got.isfinite(), want.isfinite()) and \
-            (got.float() - want.float()).nan_to_num().abs().max().item() < 0.05
-        rows.append({"context": context, "tokens_per_group": tokens, "union_blocks": blocks, "parts": parts,
-                     "s": time_graph(call, calls=2, replays=5), "agrees": agrees})
-        print(rows[-1], flush=True)
+        rows.append(sweep_variant({"context": context, "tokens_per_group": tokens, "union_blocks": blocks,
+                                   "parts": parts}, call, agrees, calls=2, replays=5))
     return rows
 
 
