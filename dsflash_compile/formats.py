@@ -45,8 +45,12 @@ _CHUNK_ELEMS = 1 << 22  # ~4M elements per chunk: a few 16 MB temporaries at mos
 
 def e2m1_to_float(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """E2M1 codes (integer tensor, 0..15; higher bits ignored) -> values in `dtype` (code 8 is -0.0)."""
-    table = torch.tensor(E2M1_MAGNITUDES + tuple(-m for m in E2M1_MAGNITUDES), dtype=dtype, device=codes.device)
-    return table[(codes.to(torch.int32) & 15)]
+    # arithmetic, not a lookup table: a table made on the fly is a host-to-device copy, which CUDA graph
+    # capture forbids (and an eager launch pays each call)
+    code = codes.to(torch.int32)
+    exponent, half = (code & 7) >> 1, (code & 1).to(dtype) / 2  # code 1eeh: 2^(e-1) * (1 + h/2); e = 0: h/2
+    magnitude = torch.where(exponent == 0, half, (1 + half) * torch.exp2((exponent - 1).to(dtype)))
+    return torch.where((code & 8) != 0, -magnitude, magnitude)
 
 
 def float_to_e2m1(x: torch.Tensor) -> torch.Tensor:

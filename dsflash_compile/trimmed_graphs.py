@@ -6,11 +6,12 @@ compiled blocks are short and launch-bound, so, like the decode step, they are c
 per batch bucket (the equivalent of compiling them with mode="reduce-overhead", with one replay for the
 whole region instead of one per block), while the layers up to the cut run as the ordinary prefill chunk.
 
-A graph is keyed by the layout of every argument (each context field, streams, pre-mix and any Engram
-ids: tensor shapes and dtypes, dict keys, what is None), all derived from the context's fields, so a new
-field or a different input set captures a new graph instead of being copied into the wrong buffers. The first call for a key runs the blocks directly on a side stream (that compiles them and does
-every lazy initialisation, as capture requires) and then captures; capture records kernels without
-running them, so the cache is not written twice.
+A graph is keyed by the layout of every argument (each context field, streams, pre-mix and any Engram ids:
+tensor shapes and dtypes, dict keys, what is None), all derived from the context's fields, so a new field or
+a different input set captures a new graph instead of being copied into the wrong buffers. The first call
+for a key runs the blocks directly on a side stream, on a copy of its inputs made as the static one is (that
+compiles them for such copies and does every lazy initialisation, as capture requires) and then captures;
+capture records kernels without running them, so the cache is not written twice.
 """
 
 from __future__ import annotations
@@ -87,10 +88,13 @@ class TrimmedGraphs:
             # which would shift the list against a later call's inputs
             static = _static_copy(ctx, streams, pre_mix, hash_ids)
             static_inputs = _inputs(*static)
+            # the direct run reads a copy made as the static one is: if the compiled blocks' guards tell the
+            # copies from the live inputs, they recompile here, not inside the capture (where tracing fails)
+            warm = _static_copy(ctx, streams, pre_mix, hash_ids)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                hidden = self.model.run_trimmed(ctx, cache, streams, pre_mix, hash_ids)
+                hidden = self.model.run_trimmed(warm[0], cache, *warm[1:])
             torch.cuda.current_stream().wait_stream(side)
             hidden.record_stream(torch.cuda.current_stream())  # made on the side stream, used and freed on this one
             graph = torch.cuda.CUDAGraph()
