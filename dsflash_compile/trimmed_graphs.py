@@ -48,9 +48,12 @@ def _layout(value):
 
 
 def _clone(value):
-    """Fixed-address copies of a value's tensors (the cache and host values stay as they are)."""
+    """Fixed-address copies of a value's tensors (the cache and host values stay as they are). A copy is an
+    inference tensor only if the original is: the compiled blocks' guards check dispatch keys, and a model
+    buffer (the RoPE frequencies) copied under inference mode made the H200 recompile every trimmed block."""
     if isinstance(value, torch.Tensor):
-        return value.clone()
+        with torch.inference_mode(value.is_inference()):
+            return value.clone()
     if isinstance(value, dict):
         return {key: _clone(item) for key, item in value.items()}
     return value

@@ -172,3 +172,22 @@ def test_trimmed_graph_inputs_are_listed_before_the_layers_publish_top_k():
     later = trimmed_arguments(2)
     assert trimmed_graphs._signature(*later) == trimmed_graphs._signature(*static)
     assert [(t.shape, t.dtype) for t in listed] == [(t.shape, t.dtype) for t in trimmed_graphs._inputs(*later)]
+
+
+def test_trimmed_graph_static_copy_keeps_inference_and_normal_tensors_apart():
+    """The static copy is made under the caller's inference mode; a model buffer in the context (the RoPE
+    frequencies) must stay a normal tensor, or the compiled blocks' dispatch-key guards recompile them all
+    (on the H200: inside the capture)."""
+    from dsflash_compile import trimmed_graphs
+    from dsflash_compile.context import tail_context
+
+    model = tiny_model(swa_bounded_replay=True)
+    cache = model.new_cache(1, 64)
+    with torch.inference_mode():
+        ids, mask = left_pad(prompts([40], seed=3))
+        ctx, streams, pre_mix, hash_ids = model.model.begin(ids, mask, cache, 64)
+        live = tail_context(ctx, mask, 16), streams[:, -16:].contiguous(), pre_mix[:, -16:].contiguous(), {}
+        static = trimmed_graphs._static_copy(*live)
+    kinds = [t.is_inference() for t in trimmed_graphs._inputs(*live)]
+    assert [t.is_inference() for t in trimmed_graphs._inputs(*static)] == kinds
+    assert not all(kinds) and any(kinds)  # the frequencies are buffers, the rest made under inference mode
