@@ -10,7 +10,8 @@ its partials and bumps a per-block counter; the last program of a block adds the
 normalises the block's collapsed rows in place and resets the counter for the next launch.
 
 Rounding points are the reference's: fp32 math, bf16 casts of the new streams and of the collapse.
-Any token count runs the same kernel: large counts use blocks of up to 16 tokens, which reuse the fn tile.
+Any token count runs the same kernel, one token per program by default (block_t > 1 reuses the fn tile
+over a serial token loop, which the H200 sweep found slower); more than 16 tokens take wider D chunks.
 The counters are shared with the router kernel (router_triton.py) and a launch leaves them at zero: one
 seam or router in flight per device on the "main" lane.
 
@@ -128,6 +129,7 @@ def _finish_token(row, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, nor
 
 
 BLOCK_D = 64
+WIDE_BLOCK_D = 128
 NORM_BLOCK = 1024
 _COUNTER_SLOTS = 4096
 _counters: dict = {}
@@ -141,9 +143,12 @@ def kernel_fits(streams, fn=None) -> bool:
     return streams.dtype == torch.bfloat16 and hc & (hc - 1) == 0 and (fn is None or fn.dtype == torch.float32)
 
 
-def _tokens_per_program(tokens: int) -> int:
-    """1 for decode-sized calls (the most programs); up to 16 for prefill, where the fn tile is reused."""
-    return 1 if tokens <= 16 else min(16, triton.next_power_of_2(tokens) // 16)
+def _columns_per_program(tokens: int) -> int:
+    """BLOCK_D up to 16 tokens (10.5 us for one token on the H200), WIDE_BLOCK_D above: scripts/sweep_mhc.py
+    (H200, 11-30) gave 33 us at 64 tokens and 366 us at 1024 with one token and 128 columns per program,
+    against 84 and 771 us for 16 tokens x 64 columns (the fn tile's reuse does not pay for the serial token
+    loop and the serial finish of a block)."""
+    return BLOCK_D if tokens <= 16 else WIDE_BLOCK_D
 
 
 def _block_counters(device: torch.device, blocks: int, lane: str = "main") -> torch.Tensor:
@@ -163,7 +168,7 @@ def _block_counters(device: torch.device, blocks: int, lane: str = "main") -> to
 
 
 def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters,
-                    block_t=None, block_d=BLOCK_D, num_warps=4, mixes=True, collapse=True):
+                    block_t=1, block_d=None, num_warps=4, mixes=True, collapse=True):
     """Both ops: with out/post/comb None (the entry seam) returns (normed, pre, post, comb), else
     (new streams, normed, pre, post, comb); shapes as the ops' references. block_t (tokens per program),
     block_d (columns per program) and num_warps override the launch (scripts/sweep_mhc.py).
@@ -181,8 +186,8 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
     post_out = torch.empty_like(pre_out) if mixes else unused
     comb_out = flat.new_empty(tokens, hc, hc, dtype=torch.float32) if mixes else unused
     part = triton.next_power_of_2((2 + hc) * hc + 2)
+    block_d = block_d or _columns_per_program(tokens)
     chunks = triton.cdiv(dim, block_d)
-    block_t = block_t or _tokens_per_program(tokens)
     blocks = triton.cdiv(tokens, block_t)
     partial = flat.new_empty(tokens, chunks, part, dtype=torch.float32)
     if tokens:

@@ -41,8 +41,13 @@ from .attention_triton import _num_sms
 BLOCK = 4096  # entries per tile of a pass
 SMALL_BLOCK = 1024  # the tile when all rows together are small (decode): more programs per row
 PROGRAMS_PER_SM = 4
-CHUNK = 16384  # row-wise path: entries of a row one program ranks in registers
-CHUNK_WARPS = 16  # (32 keys per thread at CHUNK)
+# row-wise path: entries of a row one program ranks in registers, and its warps (32 keys per thread). The
+# H200 sweep (scripts/sweep_topk.py, 11-30; 4096 rows x 8K / 16K / 128K) was fastest at 4096 x 4 warps in
+# all three: 0.35 / 0.68 / 5.8 ms against 16384 x 16 warps' - / 0.93 / 6.7 ms, although 32 keys per thread
+# take ~200 registers (one program per SM) on the sm_90 build
+CHUNK = 4096
+CHUNK_WARPS = 4
+FIT_CHUNK = 16384  # rowwise_fits counts programs in chunks this wide (the rule the 11-30 bench measured)
 _KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 KEY_DTYPES = tuple(_KEY_BITS)  # score dtypes the kernels rank
 _BITS_VIEW = {16: torch.int16, 32: torch.int32}
@@ -219,16 +224,11 @@ def _finish_kernel(picks_ptr, values_ptr, visible_ptr, blocks_ptr, out_ptr, widt
     tl.store(out_ptr + row.to(tl.int64) * k + i, pick, mask=present)
 
 
-def rowwise_fits(rows: int, width: int, k: int, device, chunk: int = CHUNK) -> bool:
-    """The row-wise path's choice (shapes only): each stage must shrink the row (2k <= chunk), and the
-    programs (rows x chunks) fill the GPU at least once; fewer rows go to the radix split path."""
-    return 2 * k <= chunk and rows * triton.cdiv(width, chunk) >= _num_sms(device)
-
-
-def _chunk_warps(size: int) -> int:
-    """16 keys per thread below CHUNK (sm_90 build: 114-116 registers at 2K-8K, two or more programs per SM;
-    32 keys per thread take 203-209 at 4K-8K), CHUNK_WARPS from CHUNK up."""
-    return CHUNK_WARPS if size >= CHUNK else max(4, min(CHUNK_WARPS, size // 512))
+def rowwise_fits(rows: int, width: int, k: int, device) -> bool:
+    """The row-wise path's choice (shapes only): each stage must shrink the row (2k <= CHUNK), and the
+    rows fill the GPU at least once in FIT_CHUNK-wide pieces; fewer rows go to the radix split path (decode,
+    where the 11-30 bench measured it 1.7-4.3x faster than torch.topk)."""
+    return 2 * k <= CHUNK and rows * triton.cdiv(width, FIT_CHUNK) >= _num_sms(device)
 
 
 def select_rowwise(scores: torch.Tensor, k: int, chunk: int = CHUNK, num_warps: int | None = None) -> torch.Tensor:
@@ -254,7 +254,7 @@ def select_rowwise(scores: torch.Tensor, k: int, chunk: int = CHUNK, num_warps: 
         # later stages carry the first stage's unsigned keys (< 2^KEY_BITS): the same bisection depth
         _chunk_select_kernel[(rows, chunks)](keys, keys if index is None else index, out_keys, out_index, width, k,
                                              out_width, FIRST=first, LAST=last, KEY_BITS=key_bits,
-                                             CHUNK=size, K_P2=k_p2, num_warps=num_warps or _chunk_warps(size))
+                                             CHUNK=size, K_P2=k_p2, num_warps=num_warps or CHUNK_WARPS)
         if last:
             return picks
         keys, index, width, first = out_keys, out_index, out_width, False

@@ -1,8 +1,8 @@
 """Sweep the fused mHC seam kernel's launch (tokens per program, columns per program, warps) at the release
-dims (hc = 4, D = 5120) and 1 / 16 / 64 / 256 tokens; each variant is checked against the default launch
-first (identical new streams, normed output and mixes within 1e-5). The 11-30 H200 runs showed the kernel
-at 10.5 us for 1 token but 76-81 us for 64 (the batch-64 decode step spends 6 ms in it): this finds the
-launch that scales.
+dims (hc = 4, D = 5120) and 1 / 16 / 64 / 256 tokens; each variant is checked against the reference first,
+within bench_mhc's bounds (bf16 outputs 2^-7 relative, mixes 1e-5: a launch changes only the order of the
+sums). The first sweep (11-30, at 64 and 1024 tokens) set the default launches; the token blocks it found
+slow (16 tokens per program: 2-5x) are left out of the grid.
 
     python scripts/sweep_mhc.py --out benchmarks/results
 """
@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_mhc import HC_EPS, ITERS, NORM_EPS, make_case  # noqa: E402
+from bench_mhc import HC_EPS, ITERS, NORM_EPS, errors, make_case  # noqa: E402
 
 from dsflash_compile.benchmarking import print_table, run_metadata, save_results, sweep_variant  # noqa: E402
 from dsflash_compile.custom_ops import mhc_triton  # noqa: E402
+from dsflash_compile.custom_ops.mhc import entry_seam_reference, seam_reference  # noqa: E402
 
 COLUMNS = [("tokens", "tokens", "d"), ("tokens/program", "block_t", "d"), ("columns/program", "block_d", "d"),
            ("warps", "num_warps", "d"), ("us", "s", ".2f", 1e6), ("agrees", "agrees", "")]
@@ -30,14 +31,14 @@ def sweep(tokens: int) -> list[dict]:
     c = make_case(tokens, torch.Generator(device="cuda").manual_seed(tokens))
     args = (c["out"], c["streams"], c["post"], c["comb"], c["pre_lagged"], c["fn"], c["scale"], c["base"],
             c["norm_weight"], NORM_EPS, HC_EPS, ITERS)
-    want = mhc_triton.mhc_seam_triton(*args)
+    want_streams = seam_reference(*args)[0]
 
-    def agrees(got):
-        return torch.equal(got[0], want[0]) and all(
-            (g.float() - w.float()).abs().max().item() <= 1e-5 * max(1.0, w.float().abs().max().item())
-            for g, w in zip(got[1:], want[1:]))
+    def agrees(got):  # bench_mhc's bounds against the reference (a launch changes the order of the sums only)
+        own = entry_seam_reference(got[0], *args[4:])
+        return (errors(got[:1], [want_streams])["rel"] <= 2 ** -7 and errors(got[1:2], own[:1])["rel"] <= 2 ** -7
+                and errors(got[2:], own[1:])["abs"] <= 1e-5)
     rows = []
-    for block_t, block_d, warps in itertools.product((1, 2, 4, 8, 16), (32, 64, 128, 256), (2, 4, 8)):
+    for block_t, block_d, warps in itertools.product((1, 2, 4), (32, 64, 128, 256), (2, 4, 8)):
         if block_t > max(1, tokens):
             continue
 

@@ -64,10 +64,12 @@ def test_seam_op_names_a_wrong_shape():
 
 # -- the Triton kernel, under the interpreter ------------------------------------------------------
 
-KERNEL_CASES = {  # name: (leading dims, D); D = 96 leaves a partial chunk, 20 tokens use blocks of 2 tokens
-    "decode": ((1,), 64),
-    "batch_seq": ((2, 3), 96),
-    "prefill": ((20,), 64),
+KERNEL_CASES = {  # name: (leading dims, D, launch); D = 96 leaves a partial chunk, 20 tokens take the wide
+    # D chunk (one partial chunk here); "token_blocks": several tokens per program, a short last block
+    "decode": ((1,), 64, {}),
+    "batch_seq": ((2, 3), 96, {}),
+    "prefill": ((20,), 64, {}),
+    "token_blocks": ((7,), 96, {"block_t": 4, "block_d": 32}),
 }
 
 
@@ -83,13 +85,13 @@ def interpreter_checks():
     interpreter does not move the mixes), and the entry variant directly. Twice: the counters reset."""
     from dsflash_compile.custom_ops.mhc_triton import mhc_seam_triton
 
-    for name, (lead, dim) in KERNEL_CASES.items():
+    for name, (lead, dim, launch) in KERNEL_CASES.items():
         out, streams, post, comb, pre_lagged, *params = seam_args(lead, dim=dim)
-        got = mhc_seam_triton(out, streams, post, comb, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)
-        again = mhc_seam_triton(out, streams, post, comb, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)
+        got = mhc_seam_triton(out, streams, post, comb, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS, **launch)
+        again = mhc_seam_triton(out, streams, post, comb, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS, **launch)
         want_new = seam_reference(out, streams, post, comb, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)[0]
         want = entry_seam_reference(got[0], pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)
-        entry = mhc_seam_triton(None, streams, None, None, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)
+        entry = mhc_seam_triton(None, streams, None, None, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS, **launch)
         want_entry = entry_seam_reference(streams, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)
         report(dict(name=name, repeatable=all(torch.equal(a, b) for a, b in zip(got, again)),
                     streams_ulps=bf16_ulps(got[0], want_new), normed_ulps=bf16_ulps(got[1], want[0]),
@@ -121,12 +123,13 @@ KERNEL_ARGS = dict(out_ptr="*bf16", streams_ptr="*bf16", post_ptr="*fp32", comb_
 
 
 @pytest.mark.parametrize("has_post", [True, False])
-@pytest.mark.parametrize("block_t", [1, 16])
-def test_seam_kernel_compiles_for_hopper(has_post, block_t):
-    """Release dims (hc 4, D 5120), decode and prefill token blocks, both ops: sm_90 code, no spills."""
+@pytest.mark.parametrize("block_t, block_d", [(1, 64), (1, 128), (16, 64)])
+def test_seam_kernel_compiles_for_hopper(has_post, block_t, block_d):
+    """Release dims (hc 4, D 5120), the default launches (decode, wider chunks) and a token block, both
+    ops: sm_90 code, no spills."""
     from dsflash_compile.custom_ops import mhc_triton
 
-    constexprs = dict(HC=4, D=5120, BLOCK_D=mhc_triton.BLOCK_D, BLOCK_T=block_t, PART=32, CHUNKS_PAD=128,
+    constexprs = dict(HC=4, D=5120, BLOCK_D=block_d, BLOCK_T=block_t, PART=32, CHUNKS_PAD=128,
                       NORM_BLOCK=mhc_triton.NORM_BLOCK, HAS_POST=has_post)
     check_compiles_for_hopper(mhc_triton, ("_seam_kernel", KERNEL_ARGS, constexprs, 4))
 

@@ -118,7 +118,7 @@ TOPK_KERNELS = {  # name: (kernel, args, constexprs, num_warps), as select_topk 
     f"chunk_select_{bits}bit_first{first}_last{last}_k{kp}": (
         "_chunk_select_kernel", dict(keys_ptr=f"*i{bits if first else 32}", index_ptr="*i32", out_keys_ptr="*i32",
                                      out_index_ptr="*i32", width="i32", k="i32", out_width="i32"),
-        dict(FIRST=first, LAST=last, KEY_BITS=bits if first else 32, CHUNK=16384, K_P2=kp), 16)
+        dict(FIRST=first, LAST=last, KEY_BITS=bits if first else 32, CHUNK=4096, K_P2=kp), 4)  # CHUNK, CHUNK_WARPS
     for bits, first, last in ((16, True, True), (16, True, False), (32, True, False), (32, False, True),
                               (32, False, False)) for kp in (512, 2048)
 }
