@@ -7,9 +7,9 @@ What it sets up (SYSTEM.md, the compiler):
   - our FX passes in Inductor (`passes.install`) and the routed experts stacked for grouped GEMMs (no
     host syncs in the MoE); in graphs of at most `mhc_overlap_max_tokens` tokens (decode) each mHC seam's
     mixes can run on a side CUDA stream beside the next sublayer (passes/mhc_overlap.py; mhc_overlap=True);
-  - regional compilation: every decoder block is compiled (fullgraph, static shapes). Blocks get their
-    cache tensors as arguments (cache.LayerCache), so all layers of one role share one compiled graph
-    per shape: compile time grows with the number of roles (about six), not of layers (40);
+  - regional compilation: every decoder block is compiled (fullgraph; static shapes unless dynamic_shapes).
+    Blocks get their cache tensors as arguments (cache.LayerCache), so all layers of one role share one
+    compiled graph per shape: compile time grows with the number of roles (about six), not of layers (40);
   - one static cache (max_batch x max_length) with fixed tensor addresses, reset in place by every
     generate() call;
   - decode (one new column per row): the whole step (set-up, 40 compiled blocks, head) captured as ONE
@@ -56,6 +56,11 @@ class CompileOptions:
     cuda_graphs: bool = True  # decode as mode="reduce-overhead" (CUDA only)
     trimmed_graphs: bool = True  # bounded replay's trimmed layers as CUDA graphs too (with cuda_graphs)
     swa_bounded_replay: bool | None = None  # sets the model config's switch (None: keep the config's value)
+    # automatic dynamic shapes for the blocks (torch.compile(dynamic=None)): the second size seen in a dimension
+    # (batch bucket, prefill length) compiles one symbolic graph per role that every later size reuses, instead
+    # of one static graph per size (tiny preset, 3 batch x 3 prefill buckets: 34 graphs instead of 66; on the
+    # H200 a flash-40l-e8 graph takes seconds to compile). Off until the H200 shows those kernels as fast
+    dynamic_shapes: bool = False
     backend: str = "inductor"  # torch.compile backend ("eager" / "aot_eager": quick graph checks in tests)
 
     def __post_init__(self):
@@ -143,7 +148,7 @@ class CompiledRunner:
         for limit in ("cache_size_limit", "accumulated_cache_size_limit"):
             setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), graphs))
         for block in model.model.layers:
-            block.compile(backend=options.backend, fullgraph=True, dynamic=False)
+            block.compile(backend=options.backend, fullgraph=True, dynamic=None if options.dynamic_shapes else False)
         self.cuda_graphs = options.cuda_graphs and model.device.type == "cuda"
         self.graphs: dict[int, tuple] = {}  # batch bucket -> (graph, static ids, static mask, static logits)
         self.pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None

@@ -28,7 +28,14 @@ place: the same weights.
 
 Where the time goes: at the --profile concurrencies (default the lowest and highest) the batch's first turn
 runs once more under torch.profiler (for the optimized configuration a prefix-cache hit, as its timed later
-turns are); the point keeps the kernel count, their device time and the top 10 kernels.
+turns are); the point keeps the kernel count, their device time and the top 10 kernels. --profile-configs
+picks the configurations profiled (default optimized: a day-zero turn of flash-40l-e8 launches ~440K kernels
+and takes minutes under the profiler).
+
+Split runs: --resume takes an earlier run's configurations (same preset, device, workload, cache length, turns
+and answer cap, checked) into this one, which runs --configs; e.g. day-zero in one process and optimized (its
+compile takes minutes on flash-40l-e8) in another, within a per-command time limit. Each configuration keeps
+its own run metadata (commit, date, command).
 
 Headlines: TTFT and TPOT at the lowest concurrency, day-zero / optimized (x faster); throughput at a fixed
 speed per user, optimized / day-zero. That speed is the median of day-zero's per-user speeds (p50 per
@@ -40,9 +47,11 @@ point the value is a lower bound (more concurrency might give more), flagged in 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from contextlib import nullcontext
 from fractions import Fraction
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -87,10 +96,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-buckets", type=int, nargs="+",
                         help="optimized: compiled prefill chunk lengths (default: CompileOptions'); fewer compile faster")
     parser.add_argument("--backend", default="inductor", help="optimized: torch.compile backend (eager: CPU checks)")
+    parser.add_argument("--dynamic-shapes", action="store_true",
+                        help="optimized: CompileOptions.dynamic_shapes (one symbolic graph per role from the second "
+                             "batch bucket on: about half the compile time)")
     parser.add_argument("--prefix-cache-gb", type=float, default=8.0, help="optimized: prefix-cache budget (default: 8)")
     parser.add_argument("--profile", type=int, nargs="*",
                         help="concurrencies whose first turn is run once more under torch.profiler, for where the "
                              "time goes (default: the lowest and the highest; none with an empty list)")
+    parser.add_argument("--profile-configs", nargs="+", choices=CONFIGS, default=["optimized"],
+                        help="configurations profiled at those concurrencies (default: optimized; a day-zero turn "
+                             "launches ~440K kernels on flash-40l-e8 and takes minutes under the profiler)")
+    parser.add_argument("--resume", help="an earlier run's JSON on the same workload: its configurations are kept "
+                                         "and --configs run now (day-zero and optimized in separate processes)")
     parser.add_argument("--seed", type=int, default=0, help="weights and workload (default: 0)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for serve-<preset>-<date>.json and .png")
 
@@ -222,6 +239,7 @@ def run_config(model, name: str, entry: dict, sessions, system: list[int], args,
 
         bar.set_description("optimized: compiling")
         options = {"prefill_buckets": tuple(args.prefill_buckets)} if args.prefill_buckets else {}
+        options["dynamic_shapes"] = args.dynamic_shapes
         compile_model(model, max_batch=max(args.concurrency), max_length=max_length, backend=args.backend,
                       batch_buckets=tuple(args.batch_buckets or args.concurrency), swa_bounded_replay=True, **options)
         budget = int(args.prefix_cache_gb * 2 ** 30)
@@ -249,7 +267,7 @@ def run_config(model, name: str, entry: dict, sessions, system: list[int], args,
                 if not day_zero:
                     point["prefix_cache"] = vars(store.stats).copy()
                     point["graphs_compiled_while_timed"] = counters["stats"]["unique_graphs"] - graphs_before
-                if concurrency in args.profile:
+                if concurrency in args.profile and name in args.profile_configs:
                     point["profile"] = profile_summary(
                         lambda: serve_batch(model, sessions[:concurrency], 1, args.max_new_tokens, day_zero), top=10)
             except Exception as error:  # noqa: BLE001 - one failing point (e.g. day-zero out of memory) is reported
@@ -259,6 +277,25 @@ def run_config(model, name: str, entry: dict, sessions, system: list[int], args,
                     torch.cuda.empty_cache()
             entry["concurrency"][str(concurrency)] = point
             saved()
+
+
+RUN_KEYS = ("command", "date", "commit", "device", "torch")
+SAME_KEYS = ("preset", "device", "max_length", "workload")  # what makes two runs' points comparable
+
+
+def resume(result: dict, path: str, configs: list[str]) -> None:
+    """Take the configurations of the run in `path` that are not in `configs` into `result`, after checking
+    that it ran the same workload on the same kind of device (ValueError naming what differs)."""
+    earlier = json.loads(Path(path).read_text())
+    differs = [key for key in SAME_KEYS if earlier.get(key) != json.loads(json.dumps(result[key]))]
+    differs += [f"--{key.replace('_', '-')}" for key in ("turns", "max_new_tokens")
+                if earlier["options"].get(key) != result["options"][key]]
+    if differs:
+        raise ValueError(f"--resume {path}: that run differs from this one in {', '.join(differs)}")
+    kept = {name: entry for name, entry in earlier["configs"].items() if name not in configs}
+    for entry in kept.values():
+        entry.setdefault("run", {key: earlier.get(key) for key in RUN_KEYS})
+    result["configs"].update(kept)
 
 
 def curve(entry: dict) -> list[tuple[int, float, float]]:
@@ -365,6 +402,8 @@ def run(args) -> dict:
               "options": {k: v for k, v in vars(args).items() if not callable(v)},
               "workload": workload_stats(workload, sessions), "configs": {}}
     name, path = f"serve-{args.preset}", None
+    if args.resume:
+        resume(result, args.resume, args.configs)
 
     def saved():
         nonlocal path
@@ -374,7 +413,7 @@ def run(args) -> dict:
     print(f"{args.preset} on {result['device']}: {BATCHING}")
     with tqdm(total=steps * len(args.configs), unit="step") as bar:
         for config in args.configs:
-            entry = result["configs"][config] = {"concurrency": {}}
+            entry = result["configs"][config] = {"run": {key: result[key] for key in RUN_KEYS}, "concurrency": {}}
             run_config(model, config, entry, sessions, system, args, max_length, bar, saved)
     try:
         from .serve_plot import plot

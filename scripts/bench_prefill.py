@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (eager: a quick CPU check)")
+    parser.add_argument("--dynamic-shapes", action="store_true",
+                        help="CompileOptions.dynamic_shapes: one symbolic graph per role for the prefill lengths")
     parser.add_argument("--no-agentic", action="store_true", help="time the prompt lengths only")
     parser.add_argument("--profile", type=int, nargs="*", default=[],
                         help="prompt lengths (of --lengths) whose replay-on prefill is also profiled: kernels, "
@@ -79,9 +81,11 @@ def main() -> None:
     text = model.model.text_config
     longest = max(*args.lengths, args.agentic_prefix + args.agentic_new)
     build = time.perf_counter()
-    dsflash_compile.compile(model, max_batch=1, max_length=longest + 1, batch_buckets=(1,), backend=args.backend)
+    dsflash_compile.compile(model, max_batch=1, max_length=longest + 1, batch_buckets=(1,), backend=args.backend,
+                            dynamic_shapes=args.dynamic_shapes)
     result = run_metadata()
-    result.update(preset=args.preset, window=text.sliding_window, backend=args.backend, rows=[])
+    result.update(preset=args.preset, window=text.sliding_window, backend=args.backend,
+                  dynamic_shapes=args.dynamic_shapes, rows=[])
     gen = torch.Generator().manual_seed(1)
 
     def prompt(length: int) -> torch.Tensor:

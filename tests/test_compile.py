@@ -73,6 +73,23 @@ def test_compiled_generate_equals_eager_and_never_recompiles(fresh_dynamo):
 
 
 @torch.no_grad()
+def test_dynamic_shapes_reuse_one_graph_from_the_second_batch_bucket_on(fresh_dynamo):
+    """dynamic_shapes: the first batch bucket compiles static graphs, the second symbolic ones that the third
+    reuses (decode steps; graphs counted), and the numbers stay the eager model's."""
+    model = tiny_model()
+    ids = prompts(4, 1)
+    want = model(ids, cache=model.new_cache(4, 64)).logits
+    dsflash_compile.compile(model, max_batch=4, max_length=64, batch_buckets=(2, 3, 4), prefill_buckets=(16,),
+                            backend="eager", passes=False, dynamic_shapes=True)
+    graphs = []
+    for batch in (2, 3, 4):
+        got = model(ids[:batch], cache=model.compiled_runner.fresh_cache(batch, 64)).logits
+        torch.testing.assert_close(got, want[:batch], rtol=0, atol=1e-4)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] > graphs[0] and graphs[2] == graphs[1], graphs
+
+
+@torch.no_grad()
 def test_padded_batch_rows_are_inert(fresh_dynamo):
     """Rows padded up to the bucket change nothing but GEMM shapes: logits equal within fp32 rounding."""
     model = tiny_model()

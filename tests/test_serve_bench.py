@@ -14,7 +14,8 @@ from dsflash_compile.serve_bench import throughput_at
 
 SERVE = ["bench", "serve", "--preset", "tiny", "--device", "cpu", "--concurrency", "1", "2", "--turns", "2",
          "--max-new-tokens", "4", "--scale", "1/128", "--backend", "eager", "--prefill-buckets", "32",
-         "--batch-buckets", "2"]  # one batch bucket and one prefill bucket: the fewest graphs to trace
+         "--batch-buckets", "2", "--profile-configs", "day-zero", "optimized"]  # one batch bucket and one
+# prefill bucket: the fewest graphs to trace
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,11 @@ def served(tmp_path_factory):
         with inductor_config.patch(post_grad_custom_post_pass=inductor_config.post_grad_custom_post_pass,
                                    online_softmax=inductor_config.online_softmax,
                                    emulate_precision_casts=inductor_config.emulate_precision_casts):
-            assert cli.main([*SERVE, "--out", str(out)]) == 0
+            # in two processes' worth: day-zero, then optimized resuming its JSON (as on the GPU, where
+            # each fits a per-command time limit)
+            assert cli.main([*SERVE, "--configs", "day-zero", "--out", str(out / "first")]) == 0
+            [first] = (out / "first").glob("serve-tiny-*.json")
+            assert cli.main([*SERVE, "--configs", "optimized", "--resume", str(first), "--out", str(out)]) == 0
     finally:
         torch.set_num_threads(threads)
         torch._dynamo.reset()
@@ -45,6 +50,9 @@ def test_results_hold_both_curves_per_request_records_and_headlines(served):
     assert "lockstep" in result["batching"]
     assert result["workload"]["sessions"] == 2 and 0 < result["workload"]["prefix_hit_rate"] <= 1
     assert set(result["configs"]) == {"day-zero", "optimized"}
+    [first] = (served.parent / "first").glob("serve-tiny-*.json")  # the day-zero run, resumed
+    assert result["configs"]["day-zero"]["concurrency"] == json.loads(first.read_text())["configs"]["day-zero"]["concurrency"]
+    assert all(entry["run"]["commit"] for entry in result["configs"].values())
     for name, entry in result["configs"].items():
         assert set(entry["concurrency"]) == {"1", "2"}
         for c, point in entry["concurrency"].items():
@@ -79,6 +87,12 @@ def test_plot_is_written_and_remade_from_the_json(served, tmp_path):
     png = tmp_path / "again.png"
     assert cli.main(["bench", "plot", str(served), "--png", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_resume_names_what_differs(served, tmp_path):
+    with pytest.raises(ValueError, match="differs from this one in max_length, workload, --turns, --max-new-tokens"):
+        cli.main(["bench", "serve", "--preset", "tiny", "--device", "cpu", "--concurrency", "1", "--turns", "1",
+                  "--scale", "1/64", "--configs", "optimized", "--resume", str(served), "--out", str(tmp_path)])
 
 
 def test_throughput_at_a_per_user_speed_interpolates_and_flags_the_curve_end():
