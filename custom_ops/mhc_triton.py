@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .mhc_sinkhorn_triton import _sinkhorn
+
 
 @triton.jit
 def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, scale_ptr, base_ptr, weight_ptr,
@@ -108,12 +110,7 @@ def _finish_token(row, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, nor
         pre = tl.sigmoid(pre_dot * rms * tl.load(scale_ptr) + tl.load(base_ptr + i)) + hc_eps
         post = 2 * tl.sigmoid(post_dot * rms * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + i))
         comb = comb_dot * rms * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + i[:, None] * HC + i[None, :])
-        comb = tl.exp(comb - tl.max(comb, axis=1)[:, None])
-        comb = comb / tl.sum(comb, axis=1)[:, None] + hc_eps
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-        for _ in range(iters - 1):
-            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
-            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        comb = _sinkhorn(comb, hc_eps, iters)
         tl.store(pre_out_ptr + row * HC + i, pre)
         tl.store(post_out_ptr + row * HC + i, post)
         tl.store(comb_out_ptr + row * HC * HC + i[:, None] * HC + i[None, :], comb)
