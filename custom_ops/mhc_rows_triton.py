@@ -32,8 +32,9 @@ import triton.language as tl
 from .mhc_sinkhorn_triton import _sinkhorn
 
 # Unmeasured: the H200 sweep (scripts/sweep_mhc.py --rows) is to pick the token count from which this kernel
-# beats mhc_triton.py's one-token programs (at 64 tokens and BLOCK_T 16 only 4 programs run).
-ROWS_MIN_TOKENS = 64
+# beats mhc_triton.py's one-token programs. Until then 256: batch-64 decode stays on the measured launch
+# (33 us at 64 tokens, where BLOCK_T 16 would run only 4 programs); 1024 tokens took 366 us there.
+ROWS_MIN_TOKENS = 256
 # Unmeasured as well; compiles for sm_90 without spills at the release dims (tests/test_mhc_fusion.py)
 LAUNCH = dict(block_t=16, block_d=64, num_warps=4, precision="ieee")
 
