@@ -10,7 +10,7 @@ A seam sits between two sublayers. With X the streams [..., hc, D] it receives:
 `mhc_seam` returns (X', normed, p, q, C). `mhc_entry_seam` is the same without the expansion, for streams
 that do not come straight from a sublayer (block 0's embedding, the output of Engram): (normed, p, q, C).
 The reference is the model's own mhc.py functions and RMSNorm (one definition of the math); the Triton
-kernel (mhc_triton.py) is registered for CUDA.
+kernels (mhc_triton.py, and mhc_rows_triton.py for many tokens) are registered for CUDA.
 """
 
 from types import SimpleNamespace

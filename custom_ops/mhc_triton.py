@@ -10,8 +10,9 @@ its partials and bumps a per-block counter; the last program of a block adds the
 normalises the block's collapsed rows in place and resets the counter for the next launch.
 
 Rounding points are the reference's: fp32 math, bf16 casts of the new streams and of the collapse.
-Any token count runs the same kernel, one token per program by default (block_t > 1 reuses the fn tile
-over a serial token loop, which the H200 sweep found slower); more than 16 tokens take wider D chunks.
+One token per program by default (block_t > 1 reuses the fn tile over a serial token loop, which the H200
+sweep found slower); more than 16 tokens take wider D chunks. Full seams of ROWS_MIN_TOKENS tokens or more
+run mhc_rows_triton.py's kernel instead (blocks of tokens, the mixes as a matmul, no partials).
 The counters are shared with the router kernel (router_triton.py) and a launch leaves them at zero: one
 seam or router in flight per device on the "main" lane.
 
@@ -25,6 +26,9 @@ router and seam kernels, so it counts on its own "side" lane.
 import torch
 import triton
 import triton.language as tl
+
+from . import mhc_rows_triton
+from .mhc_sinkhorn_triton import _sinkhorn
 
 
 @triton.jit
@@ -108,12 +112,7 @@ def _finish_token(row, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, nor
         pre = tl.sigmoid(pre_dot * rms * tl.load(scale_ptr) + tl.load(base_ptr + i)) + hc_eps
         post = 2 * tl.sigmoid(post_dot * rms * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + i))
         comb = comb_dot * rms * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + i[:, None] * HC + i[None, :])
-        comb = tl.exp(comb - tl.max(comb, axis=1)[:, None])
-        comb = comb / tl.sum(comb, axis=1)[:, None] + hc_eps
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-        for _ in range(iters - 1):
-            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
-            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        comb = _sinkhorn(comb, hc_eps, iters)
         tl.store(pre_out_ptr + row * HC + i, pre)
         tl.store(post_out_ptr + row * HC + i, post)
         tl.store(comb_out_ptr + row * HC * HC + i[:, None] * HC + i[None, :], comb)
@@ -167,16 +166,27 @@ def _block_counters(device: torch.device, blocks: int, lane: str = "main") -> to
     return buf
 
 
+def takes_rows(tokens: int, mixes: bool, collapse: bool) -> bool:
+    """Whether mhc_seam_triton runs mhc_rows_triton.py's kernel: full seams of ROWS_MIN_TOKENS tokens or more.
+    The split launches (mixes or collapse off) always take _seam_kernel: they must equal its one launch."""
+    return mixes and collapse and tokens >= mhc_rows_triton.ROWS_MIN_TOKENS
+
+
 def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters,
-                    block_t=1, block_d=None, num_warps=4, mixes=True, collapse=True):
+                    block_t=1, block_d=None, num_warps=4, mixes=True, collapse=True, rows=None, rows_launch=None):
     """Both ops: with out/post/comb None (the entry seam) returns (normed, pre, post, comb), else
     (new streams, normed, pre, post, comb); shapes as the ops' references. block_t (tokens per program),
-    block_d (columns per program) and num_warps override the launch (scripts/sweep_mhc.py).
-    The split seam (custom_ops/mhc_split.py) launches the same kernel twice: mixes=False (fn, scale, base
+    block_d (columns per program) and num_warps override _seam_kernel's launch (scripts/sweep_mhc.py).
+    rows: None takes mhc_rows_triton.py's kernel where `takes_rows` says, True or False forces it or not (full
+    seams only); rows_launch overrides its launch (keys of mhc_rows_triton.LAUNCH).
+    The split seam (custom_ops/mhc_split.py) launches _seam_kernel twice: mixes=False (fn, scale, base
     unused) returns the outputs above without (pre, post, comb); collapse=False (pre_lagged, norm_weight
     unused; out/post/comb None) returns (pre, post, comb) only, counting on the side lane."""
     *lead, hc, dim = streams.shape
     tokens = streams.numel() // (hc * dim)
+    rows = takes_rows(tokens, mixes, collapse) if rows is None else rows
+    if rows and not (mixes and collapse):
+        raise ValueError("mhc seam: the rows kernel runs full seams only (mixes and collapse on)")
     flat = streams.reshape(tokens, hc, dim).contiguous()
     has_post = out is not None
     new_streams = torch.empty_like(flat) if has_post else flat
@@ -185,23 +195,26 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
     pre_out = flat.new_empty(tokens, hc, dtype=torch.float32) if mixes else unused
     post_out = torch.empty_like(pre_out) if mixes else unused
     comb_out = flat.new_empty(tokens, hc, hc, dtype=torch.float32) if mixes else unused
-    part = triton.next_power_of_2((2 + hc) * hc + 2)
-    block_d = block_d or _columns_per_program(tokens)
-    chunks = triton.cdiv(dim, block_d)
-    blocks = triton.cdiv(tokens, block_t)
-    partial = flat.new_empty(tokens, chunks, part, dtype=torch.float32)
-    if tokens:
+    tensors = (out.reshape(tokens, dim).contiguous() if has_post else flat,
+               flat,
+               post.reshape(tokens, hc).contiguous() if has_post else unused,
+               comb.reshape(tokens, hc, hc).contiguous() if has_post else unused,
+               pre_lagged.reshape(tokens, hc).float().contiguous() if collapse else unused,
+               fn.contiguous() if mixes else unused, scale.float().contiguous() if mixes else unused,
+               base.float().contiguous() if mixes else unused, norm_weight.contiguous() if collapse else unused,
+               new_streams, normed, pre_out, post_out, comb_out)
+    if rows:
+        if tokens:
+            mhc_rows_triton.seam_rows(*tensors, norm_eps, hc_eps, iters, has_post, rows_launch)
+    elif tokens:
+        part = triton.next_power_of_2((2 + hc) * hc + 2)
+        block_d = block_d or _columns_per_program(tokens)
+        chunks = triton.cdiv(dim, block_d)
+        blocks = triton.cdiv(tokens, block_t)
+        partial = flat.new_empty(tokens, chunks, part, dtype=torch.float32)
         _seam_kernel[(blocks, chunks)](
-            out.reshape(tokens, dim).contiguous() if has_post else flat,
-            flat,
-            post.reshape(tokens, hc).contiguous() if has_post else unused,
-            comb.reshape(tokens, hc, hc).contiguous() if has_post else unused,
-            pre_lagged.reshape(tokens, hc).float().contiguous() if collapse else unused,
-            fn.contiguous() if mixes else unused, scale.float().contiguous() if mixes else unused,
-            base.float().contiguous() if mixes else unused, norm_weight.contiguous() if collapse else unused,
-            new_streams, normed, pre_out, post_out, comb_out,
-            partial, _block_counters(flat.device, blocks, "main" if collapse else "side"), tokens, norm_eps, hc_eps,
-            iters, HC=hc, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, PART=part,
+            *tensors, partial, _block_counters(flat.device, blocks, "main" if collapse else "side"), tokens,
+            norm_eps, hc_eps, iters, HC=hc, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, PART=part,
             CHUNKS_PAD=triton.next_power_of_2(chunks), NORM_BLOCK=min(NORM_BLOCK, triton.next_power_of_2(dim)),
             HAS_POST=has_post, MIXES=mixes, COLLAPSE=collapse, num_warps=num_warps)
     lead = tuple(lead)

@@ -26,17 +26,20 @@ def compile_for_hopper(module, spec, divisible_by_16=()):
                           options={"num_warps": num_warps})
 
 
-def check_compiles_for_hopper(module, spec) -> None:
-    """The kernel compiles for sm_90 and spills no registers to local memory."""
+def check_compiles_for_hopper(module, spec, divisible_by_16=()) -> dict:
+    """The kernel compiles for sm_90 and uses no local memory; returns cuobjdump's resource usage
+    ({"REG": registers, "STACK": stack frame bytes, ...}). ptxas puts register spills in the stack frame,
+    which LOCAL does not count: check STACK for those. divisible_by_16: as compile_for_hopper's."""
     import triton
 
-    compiled = compile_for_hopper(module, spec)
+    compiled = compile_for_hopper(module, spec, divisible_by_16)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True, text=True).stdout
     assert "LOCAL:0" in usage, f"{spec[0]} {spec[2]}: {usage}"
+    return {key: int(value) for key, value in re.findall(r"\b([A-Z]+):(\d+)", usage)}
 
 
 def global_accesses_by_line(ptx: str) -> dict:

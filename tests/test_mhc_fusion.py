@@ -71,6 +71,12 @@ KERNEL_CASES = {  # name: (leading dims, D, launch); D = 96 leaves a partial chu
     "prefill": ((20,), 64, {}),
     "token_blocks": ((7,), 96, {"block_t": 4, "block_d": 32}),
 }
+ROWS_CASES = {  # name: (leading dims, D, rows_launch): mhc_rows_triton's kernel, forced below ROWS_MIN_TOKENS;
+    # each leaves a partial last block of tokens, D = 96 a partial chunk at the default 64 columns
+    "rows_prefill": ((37,), 96, {}),
+    "rows_batch_seq": ((2, 19), 64, {"block_t": 32, "block_d": 32}),
+    "rows_short": ((20,), 96, {"block_d": 32, "num_warps": 8}),
+}
 
 
 def bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -82,10 +88,14 @@ def bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> float:
 def interpreter_checks():
     """Entry point of the subprocess: kernel vs reference. The new streams against the reference's; the
     rest against the reference applied to the kernel's own new streams (so one truncated bf16 cast of the
-    interpreter does not move the mixes), and the entry variant directly. Twice: the counters reset."""
+    interpreter does not move the mixes), and the entry variant directly. Twice: the counters reset (the
+    rows kernel keeps no state)."""
     from dsflash_compile.custom_ops.mhc_triton import mhc_seam_triton
 
-    for name, (lead, dim, launch) in KERNEL_CASES.items():
+    cases = [(name, lead, dim, launch) for name, (lead, dim, launch) in KERNEL_CASES.items()]
+    cases += [(name, lead, dim, {"rows": True, "rows_launch": launch})
+              for name, (lead, dim, launch) in ROWS_CASES.items()]
+    for name, lead, dim, launch in cases:
         out, streams, post, comb, pre_lagged, *params = seam_args(lead, dim=dim)
         got = mhc_seam_triton(out, streams, post, comb, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS, **launch)
         again = mhc_seam_triton(out, streams, post, comb, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS, **launch)
@@ -106,7 +116,7 @@ def interpreted():
 
 
 @requires_interpreter
-@pytest.mark.parametrize("name", list(KERNEL_CASES))
+@pytest.mark.parametrize("name", [*KERNEL_CASES, *ROWS_CASES])
 def test_seam_kernel_matches_reference(interpreted, name):
     """bf16 outputs within 3 ulps (the interpreter truncates where the GPU rounds, twice on the way to the
     normed output; sums run in another order), fp32 mixes within 2e-6."""
@@ -131,7 +141,70 @@ def test_seam_kernel_compiles_for_hopper(has_post, block_t, block_d):
 
     constexprs = dict(HC=4, D=5120, BLOCK_D=block_d, BLOCK_T=block_t, PART=32, CHUNKS_PAD=128,
                       NORM_BLOCK=mhc_triton.NORM_BLOCK, HAS_POST=has_post)
-    check_compiles_for_hopper(mhc_triton, ("_seam_kernel", KERNEL_ARGS, constexprs, 4))
+    usage = check_compiles_for_hopper(mhc_triton, ("_seam_kernel", KERNEL_ARGS, constexprs, 4))
+    assert usage["STACK"] == 0, usage
+
+
+@pytest.mark.parametrize("has_post", [True, False])
+def test_rows_kernel_compiles_for_hopper(has_post):
+    """Release dims, the rows kernel's default launch, both ops: sm_90 code without spills. The pointers are
+    16-byte aligned, as torch allocates them and as Triton specializes the launch (vectorised, pipelined
+    loads); unaligned ones would compile another variant."""
+    from dsflash_compile.custom_ops import mhc_rows_triton
+
+    launch = mhc_rows_triton.LAUNCH
+    args = {name: kind for name, kind in KERNEL_ARGS.items() if name not in ("partial_ptr", "counter_ptr")}
+    constexprs = dict(HC=4, D=5120, BLOCK_T=launch["block_t"], BLOCK_D=launch["block_d"], MIX_PAD=32,
+                      HAS_POST=has_post, PRECISION=launch["precision"])
+    usage = check_compiles_for_hopper(mhc_rows_triton, ("_seam_rows_kernel", args, constexprs, launch["num_warps"]),
+                                      divisible_by_16=[name for name, kind in args.items() if kind.startswith("*")])
+    assert usage["STACK"] == 0, usage
+
+
+class RecordedKernel:
+    """Stands in for a @triton.jit kernel: kernel[grid](*args, **constexprs) appends (name, grid, constexprs)."""
+
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **constexprs: self.calls.append((self.name, grid, constexprs))
+
+
+def test_full_seams_of_many_tokens_take_the_rows_kernel(monkeypatch):
+    """mhc_seam_triton's dispatch (host code; the launches recorded, not run): full seams from ROWS_MIN_TOKENS
+    tokens take the rows kernel, one program per block of tokens; fewer tokens and the split launches (mixes
+    or collapse off: they must equal _seam_kernel's one launch) take _seam_kernel."""
+    pytest.importorskip("triton")
+    from dsflash_compile.custom_ops import mhc_rows_triton, mhc_triton
+    from dsflash_compile.custom_ops.mhc_triton import mhc_seam_triton
+
+    calls = []
+    monkeypatch.setattr(mhc_triton, "_seam_kernel", RecordedKernel("seam", calls))
+    monkeypatch.setattr(mhc_rows_triton, "_seam_rows_kernel", RecordedKernel("rows", calls))
+    block_t = mhc_rows_triton.LAUNCH["block_t"]
+    least = mhc_rows_triton.ROWS_MIN_TOKENS
+    for tokens in (1, least - 1, least, 4 * least + 3):
+        out, streams, post, comb, pre_lagged, fn, scale, base, weight = seam_args((tokens,))
+        consts = (NORM_EPS, HC_EPS, ITERS)
+        calls.clear()
+        mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, weight, *consts)
+        mhc_seam_triton(None, streams, None, None, pre_lagged, fn, scale, base, weight, *consts)
+        mhc_seam_triton(out, streams, post, comb, pre_lagged, None, None, None, weight, *consts, mixes=False)
+        mhc_seam_triton(None, streams, None, None, None, fn, scale, base, None, *consts, collapse=False)
+        full = "rows" if tokens >= least else "seam"
+        assert [name for name, _, _ in calls] == [full, full, "seam", "seam"], tokens
+        if full == "rows":
+            assert [grid for _, grid, _ in calls[:2]] == [((tokens + block_t - 1) // block_t,)] * 2
+            assert [constexprs["HAS_POST"] for _, _, constexprs in calls[:2]] == [True, False]
+    with pytest.raises(ValueError, match="full seams only"):
+        mhc_seam_triton(out, streams, post, comb, pre_lagged, None, None, None, weight, *consts, mixes=False, rows=True)
+    with pytest.raises(ValueError, match="block_t=8"):
+        mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, weight, *consts, rows=True,
+                        rows_launch={"block_t": 8})
+    with pytest.raises(ValueError, match="unknown launch keys"):
+        mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, weight, *consts, rows=True,
+                        rows_launch={"warps": 8})
 
 
 # -- the pass --------------------------------------------------------------------------------------

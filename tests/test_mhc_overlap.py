@@ -222,19 +222,23 @@ def test_mixes_kernel_runs_on_another_stream(fresh_dynamo, tmp_path):  # noqa: F
 # -- the kernel's halves, under the interpreter and compiled for sm_90 ------------------------------
 
 def interpreter_checks():
-    """Entry point of the subprocess: the split launches against the one-launch seam, same bits."""
+    """Entry point of the subprocess: the split launches against the one-launch seam, same bits (each case's
+    launch for all of them)."""
     from dsflash_compile.custom_ops.mhc_triton import mhc_seam_triton
 
-    for name, (lead, dim) in KERNEL_CASES.items():
+    for name, (lead, dim, launch) in KERNEL_CASES.items():
         out, streams, post, comb, pre_lagged, fn, scale, base, weight = seam_args(lead, dim=dim)
         consts = (NORM_EPS, HC_EPS, ITERS)
-        fused = mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, weight, *consts)
-        inputs = mhc_seam_triton(out, streams, post, comb, pre_lagged, None, None, None, weight, *consts, mixes=False)
-        mixes = mhc_seam_triton(None, inputs[0], None, None, None, fn, scale, base, None, *consts, collapse=False)
-        entry = mhc_seam_triton(None, streams, None, None, pre_lagged, fn, scale, base, weight, *consts)
+        fused = mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, weight, *consts, **launch)
+        inputs = mhc_seam_triton(out, streams, post, comb, pre_lagged, None, None, None, weight, *consts, mixes=False,
+                                 **launch)
+        mixes = mhc_seam_triton(None, inputs[0], None, None, None, fn, scale, base, None, *consts, collapse=False,
+                                **launch)
+        entry = mhc_seam_triton(None, streams, None, None, pre_lagged, fn, scale, base, weight, *consts, **launch)
         entry_input = mhc_seam_triton(None, streams, None, None, pre_lagged, None, None, None, weight, *consts,
-                                      mixes=False)
-        entry_mixes = mhc_seam_triton(None, streams, None, None, None, fn, scale, base, None, *consts, collapse=False)
+                                      mixes=False, **launch)
+        entry_mixes = mhc_seam_triton(None, streams, None, None, None, fn, scale, base, None, *consts, collapse=False,
+                                      **launch)
         report(dict(name=name, seam=[torch.equal(a, b) for a, b in zip(fused, inputs + mixes, strict=True)],
                     entry=[torch.equal(a, b) for a, b in zip(entry, entry_input + entry_mixes, strict=True)]))
 
