@@ -68,6 +68,7 @@ def worker(rank, port, folder):
                                 path == "grouped")
         else:
             results[name] = run(model, ids, mask, steps, path == "grouped")
+    dp = model.model.layers[-1]  # the last mode's: DP attention
     # Sharded loading: each rank reads its own experts from the saved tiny model
     model = DeepseekV41ForCausalLM.from_pretrained(folder / "tiny", parallel=(ParallelConfig(tp=2, ep=2),
                                                                               dist.group.WORLD))
@@ -75,8 +76,7 @@ def worker(rank, port, folder):
     results["loaded experts"] = [len(block.ffn.experts) for block in model.model.layers]
     results["loaded meta"] = any(t.is_meta for t in model.state_dict().values())
     # Dynamo captures the collectives without graph breaks (fullgraph): all-gather / reduce-scatter of the
-    # DP-attention MoE (the last mode's), the MoE's all-reduce and the row-parallel wo_b of TP + EP
-    dp = model.model.layers[-1]
+    # DP-attention MoE, the MoE's all-reduce and the row-parallel wo_b of TP + EP
     tp = parallelize(preset_model("tiny", seed=0), ParallelConfig(tp=2, ep=2), dist.group.WORLD).model.layers[-1]
     tp.ffn.stack_experts()  # the grouped path (the loop syncs with the host)
     gen = torch.Generator().manual_seed(2)
