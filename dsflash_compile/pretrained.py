@@ -71,7 +71,8 @@ def load_pretrained(cls, folder, config=None, device_map=None, dtype=None, engra
         from .parallel import owned_by
 
         owned = owned_by(text, *parallel)
-    targets = {n: t for n, t in ((to_official(n), t) for n, t in model.state_dict().items()) if owned is None or owned(n)}
+    targets = {to_official(n): t for n, t in model.state_dict().items()}
+    targets = {n: t for n, t in targets.items() if owned is None or owned(n)}
     loaded = checkpoint.load_into(targets, folder, device=device, owned=owned)
     # safetensors hands tensors back at their file offsets; MKL's small GEMMs round differently on
     # unaligned operands, so give every CPU tensor fresh (64-byte aligned) storage: same bits every load.

@@ -108,7 +108,8 @@ def sharded(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference():
     ids, mask, steps = inputs()
-    return {path: run(preset_model("tiny", seed=0), ids, mask, steps, path == "grouped") for path in ("loop", "grouped")}
+    return {path: run(preset_model("tiny", seed=0), ids, mask, steps, path == "grouped")
+            for path in ("loop", "grouped")}
 
 
 @pytest.mark.parametrize("mode", MODES)
