@@ -268,8 +268,10 @@ def _exact_cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def load_into(module_state: dict, folder, *, device, dtype_overrides: dict | None = None) -> dict:
+def load_into(module_state: dict, folder, *, device, dtype_overrides: dict | None = None, owned=None) -> dict:
     """Read `folder` for the target tensors `module_state` (official name -> tensor, meta is fine).
+    owned: a predicate on official names; the checkpoint's other tensors (another rank's experts) are
+    neither read nor unexpected.
 
     Returns {name: tensor on `device` in the target dtype (dtype_overrides[name] if given)}. All header
     problems are reported together before anything is read: missing and unexpected tensors (all listed),
@@ -279,6 +281,8 @@ def load_into(module_state: dict, folder, *, device, dtype_overrides: dict | Non
     raw = tuple({weight_format(n) for n, t in module_state.items()
                  if weight_format(n) and t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu)})
     reader = CheckpointReader(folder, raw_formats=raw)
+    if owned is not None:
+        reader.entries = {n: info for n, info in reader.entries.items() if owned(n)}
     overrides = dict(dtype_overrides or {})
     target = {n: (tuple(t.shape), overrides.pop(n, t.dtype)) for n, t in module_state.items()}
     problems = []

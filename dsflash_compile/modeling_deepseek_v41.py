@@ -101,13 +101,15 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, device_map=None, dtype=None,
-                        torch_dtype=None, engram_token_map=None, **kwargs):
+                        torch_dtype=None, engram_token_map=None, parallel=None, **kwargs):
         """Load a local folder in the release layout (config.json + model.safetensors or shards + index).
 
         device_map: None/"cpu", "cuda", "cuda:N", "auto" or a one-device dict. engram_token_map: overrides
         the folder's `engram_token_map.safetensors` / `tokenizer.json`. Other keyword arguments set
         DeepseekV41TextConfig fields (e.g. quantize_dequantize=False, or weights="native" / "bf16": FP8 and
-        MXFP4 projections kept as stored or dequantized; by default native on CUDA, bf16 elsewhere)."""
+        MXFP4 projections kept as stored or dequantized; by default native on CUDA, bf16 elsewhere).
+        parallel: (ParallelConfig, process group): this rank reads only its own routed experts and gets the
+        model sharded for it (parallel.py)."""
         from .pretrained import load_pretrained
 
         if model_args:
@@ -118,7 +120,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
             kwargs.pop(hub_only, None)  # accepted for compatibility with AutoModel; nothing to do locally
         return load_pretrained(cls, pretrained_model_name_or_path, config=config, device_map=device_map,
                                dtype=dtype if dtype is not None else torch_dtype, engram_token_map=engram_token_map,
-                               **kwargs)
+                               parallel=parallel, **kwargs)
 
     def save_pretrained(self, save_directory, max_shard_size=None, **kwargs) -> None:
         """Write config.json and the release layout (single file, or shards + index with max_shard_size)."""

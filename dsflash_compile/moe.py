@@ -92,8 +92,9 @@ class MoE(nn.Module):
 
     def _routed_loop(self, x, weights, ids) -> torch.Tensor:
         y = torch.zeros_like(x, dtype=torch.float32)
-        # Token-by-expert loop in ascending expert id (the reference's summation order).
-        for e in ids.unique().tolist():
+        # Token-by-expert loop in ascending expert id (the reference's summation order); id -1 marks a pair
+        # routed to another rank's experts (parallel.py)
+        for e in ids[ids >= 0].unique().tolist():
             token, slot = torch.where(ids == e)
             y[token] += self.experts[e](x[token], weights[token, slot, None])
         return y

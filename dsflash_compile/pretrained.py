@@ -43,7 +43,8 @@ def resolve_device(device_map) -> torch.device:
     return torch.device(device_map)
 
 
-def load_pretrained(cls, folder, config=None, device_map=None, dtype=None, engram_token_map=None, **overrides):
+def load_pretrained(cls, folder, config=None, device_map=None, dtype=None, engram_token_map=None, parallel=None,
+                    **overrides):
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: not a folder; dsflash_compile loads local checkpoints only "
@@ -65,16 +66,26 @@ def load_pretrained(cls, folder, config=None, device_map=None, dtype=None, engra
 
     with torch.device("meta"):
         model = cls(config)
+    owned = None
+    if parallel is not None:  # this rank reads its own routed experts only
+        from .parallel import owned_by
+
+        owned = owned_by(text, *parallel)
     targets = {to_official(n): t for n, t in model.state_dict().items()}
-    loaded = checkpoint.load_into(targets, folder, device=device)
+    targets = {n: t for n, t in targets.items() if owned is None or owned(n)}
+    loaded = checkpoint.load_into(targets, folder, device=device, owned=owned)
     # safetensors hands tensors back at their file offsets; MKL's small GEMMs round differently on
     # unaligned operands, so give every CPU tensor fresh (64-byte aligned) storage: same bits every load.
     for name, t in loaded.items():  # one at a time: the unaligned original is freed as it is replaced
         if t.device.type == "cpu" and t.data_ptr() % 64:
             loaded[name] = t.clone()
-    model.load_state_dict({to_module(n): t for n, t in loaded.items()}, assign=True, strict=True)
+    model.load_state_dict({to_module(n): t for n, t in loaded.items()}, assign=True, strict=owned is None)
     del loaded  # the experts' loaded tensors are freed as the stacks below replace them
-    if text.native_weights:
+    if parallel is not None:
+        from .parallel import parallelize
+
+        parallelize(model, *parallel)  # drops the other experts (still on meta), slices, restacks
+    elif text.native_weights:
         for layer in model.model.layers:  # assign replaced the stacked views with the loaded tensors
             layer.ffn.stack_experts()
     model.model.rebuild_buffers(device)

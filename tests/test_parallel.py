@@ -1,0 +1,159 @@
+"""parallel.py on CPU: 2 processes over gloo shard the tiny model (TP, EP, TP+EP, DP attention + EP) and
+match the unsharded model's logits on a prompt and decode steps with the cache, and its greedy tokens.
+
+One spawn for the module: the workers run every mode and send their results back; the tests compare them
+with the unsharded model run here.
+"""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import dsflash_compile
+from dsflash_compile import DeepseekV41ForCausalLM, preset_config
+from dsflash_compile.parallel import ParallelConfig, parallelize
+from dsflash_compile.presets import preset_model
+from test_model import left_pad, prompts
+
+WORLD = 2
+MODES = {  # name -> (ParallelConfig, expert path, max |logit - unsharded logit|)
+    # Routed experts TP-split: each rank's share of an expert's output is rounded to bf16 before the sum (the
+    # unsharded model rounds the whole once); router and indexer top-k choices amplify the ulps (0.09 measured)
+    "tp": (ParallelConfig(tp=2), "loop", 0.15),
+    # Whole experts per rank and fp32 partial sums for wo_b and the shared expert (row_parallel): exact
+    "ep": (ParallelConfig(ep=2), "loop", 0.0),
+    "ep grouped": (ParallelConfig(ep=2), "grouped", 0.0),
+    "tp+ep": (ParallelConfig(tp=2, ep=2), "grouped", 0.0),
+    # Attention and the dense GEMMs run on one request instead of two: MKL rounds the other shape differently
+    # (see test_model's ragged batch test; 0.028 measured)
+    "dp+ep": (ParallelConfig(ep=2, dp_attention=True), "grouped", 0.1),
+}
+DECODE_STEPS, NEW_TOKENS = 3, 4
+
+
+def inputs():
+    ids, mask = left_pad(prompts([19, 12]))
+    steps = torch.randint(3, 512, (2, DECODE_STEPS), generator=torch.Generator().manual_seed(1))
+    return ids, mask, steps
+
+
+@torch.no_grad()
+def run(model, ids, mask, steps, grouped):
+    """Prefill and decode logits [B, S + steps, V] with one cache, and greedy generate() tokens."""
+    if grouped and not model.model.layers[0].ffn.grouped:
+        for block in model.model.layers:
+            block.ffn.stack_experts()
+    batch = ids.shape[0]
+    cache = model.new_cache(batch, ids.shape[1] + DECODE_STEPS)
+    logits = [model(ids, attention_mask=mask, cache=cache).logits]
+    for i in range(DECODE_STEPS):
+        mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype)], 1)
+        logits.append(model(steps[:, i:i + 1], attention_mask=mask, cache=cache).logits)
+    tokens = model.generate(ids, attention_mask=mask[:, :ids.shape[1]], max_new_tokens=NEW_TOKENS, do_sample=False)
+    return torch.cat(logits, 1), tokens
+
+
+def worker(rank, port, folder):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    ids, mask, steps = inputs()
+    results = {}
+    for name, (config, path, _) in MODES.items():
+        model = parallelize(preset_model("tiny", seed=0), config, dist.group.WORLD)
+        if config.dp_attention:  # each rank owns one request
+            results[name] = run(model, ids[rank:rank + 1], mask[rank:rank + 1], steps[rank:rank + 1],
+                                path == "grouped")
+        else:
+            results[name] = run(model, ids, mask, steps, path == "grouped")
+    dp = model.model.layers[-1]  # the last mode's: DP attention
+    # Sharded loading: each rank reads its own experts from the saved tiny model
+    model = DeepseekV41ForCausalLM.from_pretrained(folder / "tiny", parallel=(ParallelConfig(tp=2, ep=2),
+                                                                              dist.group.WORLD))
+    results["loaded tp+ep"] = run(model, ids, mask, steps, True)
+    results["loaded experts"] = [len(block.ffn.experts) for block in model.model.layers]
+    results["loaded meta"] = any(t.is_meta for t in model.state_dict().values())
+    # Dynamo captures the collectives without graph breaks (fullgraph): all-gather / reduce-scatter of the
+    # DP-attention MoE, the MoE's all-reduce and the row-parallel wo_b of TP + EP
+    tp = parallelize(preset_model("tiny", seed=0), ParallelConfig(tp=2, ep=2), dist.group.WORLD).model.layers[-1]
+    tp.ffn.stack_experts()  # the grouped path (the loop syncs with the host)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 5, tp.ffn.gate.weight.shape[1], dtype=torch.bfloat16, generator=gen)
+    o = torch.randn(2, 5, tp.attn.wo_b.in_features, dtype=torch.bfloat16, generator=gen)
+    with torch.no_grad():
+        results["compiled"] = [(torch.compile(m, backend="eager", fullgraph=True)(t), m(t))
+                               for m, t in ((dp.ffn, x), (tp.ffn, x), (tp.attn.wo_b, o))]
+    torch.save(results, folder / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """{rank: {mode: (logits, tokens)}} from one spawn of WORLD gloo processes (a failing rank's traceback
+    is raised here)."""
+    folder = tmp_path_factory.mktemp("parallel")
+    preset_model("tiny", seed=0).save_pretrained(folder / "tiny")
+    mp.spawn(worker, args=(free_port(), folder), nprocs=WORLD)
+    return {rank: torch.load(folder / f"rank{rank}.pt") for rank in range(WORLD)}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    ids, mask, steps = inputs()
+    return {path: run(preset_model("tiny", seed=0), ids, mask, steps, path == "grouped")
+            for path in ("loop", "grouped")}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sharded_logits_and_tokens_match_the_unsharded_model(sharded, reference, mode):
+    """Prompt + decode logits with the cache within the mode's bound (see MODES); greedy tokens identical.
+    Under DP attention rank r ran request r alone."""
+    _, path, bound = MODES[mode]
+    want_logits, want_tokens = reference[path]
+    for rank in range(WORLD):
+        logits, tokens = sharded[rank][mode]
+        rows = slice(rank, rank + 1) if MODES[mode][0].dp_attention else slice(None)
+        err = (logits - want_logits[rows]).abs().max().item()
+        assert err <= bound, (mode, rank, err)
+        assert torch.equal(tokens, want_tokens[rows]), (mode, rank)
+
+
+def test_each_rank_loads_its_own_experts(sharded, reference):
+    want_logits, want_tokens = reference["grouped"]
+    for rank in range(WORLD):
+        logits, tokens = sharded[rank]["loaded tp+ep"]
+        assert torch.equal(logits, want_logits) and torch.equal(tokens, want_tokens), rank
+        assert sharded[rank]["loaded experts"] == [4] * 9 and not sharded[rank]["loaded meta"], rank
+
+
+def test_sharded_modules_compile_without_graph_breaks(sharded):
+    for rank in range(WORLD):
+        for compiled, eager in sharded[rank]["compiled"]:
+            assert torch.equal(compiled, eager)
+
+
+@pytest.mark.parametrize("config, field", [
+    (ParallelConfig(ep=3), "ep=3"),
+    (ParallelConfig(tp=4), "tp=4"),
+    (ParallelConfig(tp=2, dp_attention=True), "dp_attention"),
+])
+def test_config_errors_name_the_field(config, field):
+    with pytest.raises(ValueError, match=f"ParallelConfig.{field}"):
+        config.validate(preset_config("tiny").get_text_config(), world=4 if config.tp == 4 else 2)
+
+
+def test_config_errors_name_the_model_field():
+    text = preset_config("tiny", n_routed_experts=6, num_experts_per_tok=2).get_text_config()
+    with pytest.raises(ValueError, match="n_routed_experts=6"):
+        ParallelConfig(ep=4).validate(text, world=4)
+    text = preset_config("tiny", num_attention_heads=6).get_text_config()
+    with pytest.raises(ValueError, match="num_attention_heads=6"):
+        ParallelConfig(tp=4).validate(text, world=4)
