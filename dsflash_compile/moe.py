@@ -86,9 +86,13 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, x = x.shape, x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(x)
-        y = self._routed_grouped(x, weights, ids) if self.grouped else self._routed_loop(x, weights, ids)
+        y = self.routed(x, weights, ids)
         y += self.shared_experts(x)
         return y.to(x.dtype).view(shape)
+
+    def routed(self, x, weights, ids) -> torch.Tensor:
+        """The routed experts' weighted sum per token, fp32 (parallel.py's ParallelMoE adds its collectives)."""
+        return self._routed_grouped(x, weights, ids) if self.grouped else self._routed_loop(x, weights, ids)
 
     def _routed_loop(self, x, weights, ids) -> torch.Tensor:
         y = torch.zeros_like(x, dtype=torch.float32)

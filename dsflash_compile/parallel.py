@@ -193,8 +193,8 @@ def _shard(linear: nn.Module, dim: int, rank: int, parts: int) -> None:
 
 
 class ParallelMoE(MoE):
-    """MoE whose routed experts are this rank's share (see shard_moe): the unsharded forward plus the
-    dispatch / combine around the routed experts.
+    """MoE whose routed experts are this rank's share (see shard_moe): MoE's forward, with the dispatch /
+    combine around the routed experts.
 
     The simplest dispatch, for small batches: every rank sees every token (replicated under TP / EP,
     all-gathered with its routing under DP attention) and the combine sums the ranks' outputs (all-reduce,
@@ -202,16 +202,13 @@ class ParallelMoE(MoE):
     graph) by computing other ranks' pairs with weight 0; the loop skips them. An all-to-all of only the
     routed pairs is the alternative, to be chosen by measurement on 2 GPUs."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, x = x.shape, x.reshape(-1, x.shape[-1])
-        weights, ids = self.gate(x)
-        tokens = x
+    def routed(self, x, weights, ids) -> torch.Tensor:
+        """This rank's tokens' routed output, summed over every rank's experts (the shared expert, added by
+        MoE.forward, is replicated or TP-split with its own all-reduce: row_parallel)."""
         if self.dp_attention:  # every rank's tokens meet every rank's experts
-            tokens, weights, ids = (all_gather(t, self.group) for t in (x, weights, ids))
-        y = self._routed_here(tokens, weights, ids)
-        y = reduce_scatter(y, self.group) if self.dp_attention else all_reduce(y, self.group)
-        y += self.shared_experts(x)  # replicated, or TP-split with its own all-reduce (row_parallel)
-        return y.to(x.dtype).view(shape)
+            x, weights, ids = (all_gather(t, self.group) for t in (x, weights, ids))
+        y = self._routed_here(x, weights, ids)
+        return reduce_scatter(y, self.group) if self.dp_attention else all_reduce(y, self.group)
 
     def _routed_here(self, x, weights, ids) -> torch.Tensor:
         """The routed experts' output from this rank's experts only (fp32; zero where none is here)."""
