@@ -5,6 +5,7 @@ values first (k distinct ids, each at least the k-th largest value). Picks the d
 rowwise_fits).
 
     python scripts/sweep_topk.py --out benchmarks/results
+    python scripts/sweep_topk.py --shapes 64x131072 8x524288      (some shapes; the JSON is rewritten after each)
 """
 
 from __future__ import annotations
@@ -50,15 +51,27 @@ def sweep(rows: int, width: int) -> list[dict]:
     return out
 
 
+def shape(text: str) -> tuple[int, int]:
+    rows, sep, width = text.partition("x")
+    if not (sep and rows.isdigit() and width.isdigit()) or int(width) < K:
+        raise argparse.ArgumentTypeError(f"shape {text!r} is not ROWSxWIDTH with WIDTH >= k = {K}")
+    return int(rows), int(width)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", type=shape, default=SHAPES, metavar="ROWSxWIDTH",
+                        help="default: " + " ".join(f"{r}x{w}" for r, w in SHAPES))
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sweep_topk.py needs a CUDA device")
-    results = [row for rows, width in SHAPES for row in sweep(rows, width)]
-    print_table(results, COLUMNS)
-    save_results({**run_metadata(), "rows": results}, "topk-sweep", args.out)
+    results = []
+    for rows, width in args.shapes:  # saved after each shape so a cut run keeps what it measured
+        measured = sweep(rows, width)
+        print_table(measured, COLUMNS)
+        results += measured
+        save_results({**run_metadata(), "rows": results}, "topk-sweep", args.out)
 
 
 if __name__ == "__main__":
