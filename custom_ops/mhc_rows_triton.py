@@ -9,8 +9,8 @@ sum_i comb[i, j] X_i (stored bf16; the sums go on with the bf16 values), else Y_
     fn^T [BLOCK_D, MIX_PAD]) over fn's columns j D + d, its 24 rows padded with zeros (tl.dot needs 16 or
     more rows and columns, hence BLOCK_T >= 16). One dot per stream: one dot over the chunk's hc BLOCK_D
     values took 238 registers instead of 142 at the default launch (sm_90) and spilled with tf32x3.
-    PRECISION: "ieee" by default (TF32 alone would lose the reference's fp32 accuracy); "tf32x3" (tensor
-    cores; fn in two TF32 parts, the bf16 streams exact in TF32) is for a GPU sweep to try;
+    PRECISION: "tf32x3" by default (tensor cores; fn in two TF32 parts, the bf16 streams exact in TF32),
+    "ieee" (fp32 FMAs) for comparison; TF32 alone would lose the reference's fp32 accuracy;
   - the streams' sum of squares and the collapse sum_j pre_lag_j Y_j, rounded to bf16 into `normed` after
     the chunk's last stream, its sum of squares too.
 The fn tile is read once per chunk for all the block's tokens, which the one-token programs of mhc_triton.py
@@ -31,12 +31,13 @@ import triton.language as tl
 
 from .mhc_sinkhorn_triton import _sinkhorn
 
-# Unmeasured: the H200 sweep (scripts/sweep_mhc.py --rows) is to pick the token count from which this kernel
-# beats mhc_triton.py's one-token programs. Until then 256: batch-64 decode stays on the measured launch
-# (33 us at 64 tokens, where BLOCK_T 16 would run only 4 programs); 1024 tokens took 366 us there.
-ROWS_MIN_TOKENS = 256
-# Unmeasured as well; compiles for sm_90 without spills at the release dims (tests/test_mhc_fusion.py)
-LAUNCH = dict(block_t=16, block_d=64, num_warps=4, precision="ieee")
+# H200 sweep (scripts/sweep_mhc.py --rows, 11-30, mhc-rows-sweep-2026-11-30.json): this kernel takes ~230 us
+# from 64 to 1024 tokens (one program's serial D walk), 359 us at 4096 and 705 at 8192, against the one-token
+# kernel's 32 / 98 / 364 / 1443 / 2887 us at 64 / 256 / 1024 / 4096 / 8192: it wins from 1024 tokens on.
+ROWS_MIN_TOKENS = 1024
+# The fastest launch at every count swept; TF32x3 on tensor cores is 2.7-3.5x faster than "ieee" (fp32 FMAs)
+# and agreed with the reference as closely (the sweep's check)
+LAUNCH = dict(block_t=16, block_d=64, num_warps=4, precision="tf32x3")
 
 
 @triton.jit

@@ -42,8 +42,11 @@ def split_entry_seam(streams, pre_lagged, fn, scale, base, weight):
     return (normed, *mixes)
 
 
+# The overlap pass splits seams of at most CompileOptions.mhc_overlap_max_tokens (16) tokens. Above 16 tokens the
+# kernel takes wider D chunks, where the H200 (11-30) gave other bits for 20 tokens split than fused (likely
+# the separately compiled variants contract the fp32 sums differently); no split seam runs there.
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
-@pytest.mark.parametrize("lead", [(1,), (2, 3), (20,)])
+@pytest.mark.parametrize("lead", [(1,), (2, 3), (16,)])
 def test_split_ops_equal_the_fused_ops(device, lead):
     """On CUDA the same Triton kernel with half its work switched off: the same bits as one launch."""
     out, streams, post, comb, pre_lagged, fn, scale, base, weight = (t.to(device) for t in seam_args(lead))
