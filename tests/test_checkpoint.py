@@ -305,5 +305,6 @@ def test_encoded_bytes_of_native_weights():
     has one scale per 32 of its `in` inputs, FP8 one per 32x32 tile."""
     from dsflash_compile.checkpoint import _encoded_nbytes
 
-    assert _encoded_nbytes("layers.0.ffn.experts.0.w1.weight", torch.empty(64, 32, dtype=torch.int8)) == 64 * 32 + 64 * 2
+    packed = torch.empty(64, 32, dtype=torch.int8)  # 64 inputs per row
+    assert _encoded_nbytes("layers.0.ffn.experts.0.w1.weight", packed) == 64 * 32 + 64 * 2
     assert _encoded_nbytes("layers.0.attn.wq_a.weight", torch.empty(64, 64, dtype=torch.float8_e4m3fn)) == 64 * 64 + 4
