@@ -105,7 +105,8 @@ def official_dtype(name: str) -> torch.dtype:
     raise CheckpointError(f"{name}: not in the release's format table (no official storage dtype)")
 
 
-def _scale_shape(fmt: str, shape) -> tuple:
+def scale_shape(fmt: str, shape) -> tuple:
+    """UE8M0 scale shape of a quantized weight of logical (dequantized) shape [rows, cols] in format `fmt`."""
     rows, cols = shape
     return (math.ceil(rows / _ROWS_PER_SCALE[fmt]), math.ceil(cols / formats.BLOCK))
 
@@ -195,7 +196,7 @@ class CheckpointReader:
         return files, stored
 
     def _add_quantized(self, key, fmt, file, dt, shape, scale) -> list:
-        scale_file, scale_dt, scale_shape = scale
+        scale_file, scale_dt, found = scale
         expected = {FP8_BLOCK: ("F8_E4M3",), FP8_ROWS: ("F8_E4M3",), MXFP4: ("I8", "U8")}.get(fmt)
         if fmt is None:
             return [f"{key}: has a .scale but is not a quantized tensor of the release"]
@@ -204,8 +205,8 @@ class CheckpointReader:
         if scale_dt != "F8_E8M0":
             return [f"{key[:-7]}.scale: wrong dtype: expected F8_E8M0, found {scale_dt}"]
         logical = (shape[0], 2 * shape[1]) if fmt == MXFP4 else shape
-        if scale_shape != _scale_shape(fmt, logical):
-            return [f"{key[:-7]}.scale: wrong shape: expected {list(_scale_shape(fmt, logical))} for {fmt} weight {list(shape)}, found {list(scale_shape)}"]
+        if found != scale_shape(fmt, logical):
+            return [f"{key[:-7]}.scale: wrong shape: expected {list(scale_shape(fmt, logical))} for {fmt} weight {list(shape)}, found {list(found)}"]
         self.entries[key] = TensorInfo(key, logical, torch.bfloat16, dt, fmt, file, scale_file)
         return []
 
@@ -329,11 +330,12 @@ def _encoded_nbytes(name: str, t: torch.Tensor) -> int:
     if fmt is None:
         return t.numel() * official_dtype(name).itemsize
     if t.dtype == _STORAGE[fmt]:  # already encoded (kept in its release format): written as is
-        return t.numel() * t.element_size() + math.prod(_scale_shape(fmt, t.shape))
+        logical = (t.shape[0], 2 * t.shape[1]) if fmt == MXFP4 else t.shape  # packed E2M1: two inputs a byte
+        return t.numel() * t.element_size() + math.prod(scale_shape(fmt, logical))
     if not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu) or t.dim() != 2:
         raise CheckpointError(f"{name}: expected a 2-D dequantized float weight to quantize as {fmt}, got {t.dtype} {list(t.shape)}")
     rows, cols = t.shape
-    scales = math.prod(_scale_shape(fmt, t.shape))
+    scales = math.prod(scale_shape(fmt, t.shape))
     return (rows * cols // 2 if fmt == MXFP4 else rows * cols) + scales
 
 

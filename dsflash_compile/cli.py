@@ -5,6 +5,7 @@
   dsflash bench serve [options]                        the latency-throughput curve (serve_bench.py)
   dsflash bench plot RESULTS.json                      its PNG
   dsflash bench attention|indexer|prefill|decode|mhc|router|native [script options]   the scripts/ benchmarks
+  dsflash plan memory --gpus 4 8 --context 131072 1048576   weights per GPU and requests that fit (est)
 """
 
 from __future__ import annotations
@@ -139,6 +140,69 @@ def cmd_bench(args, parser) -> int:
     return 0
 
 
+def add_plan(sub) -> None:
+    from . import memory_plan
+
+    plan = sub.add_parser("plan", help="figures computed from a config (est, nothing measured)")
+    which = plan.add_subparsers(dest="plan", required=True)
+    memory = which.add_parser("memory", help="native weights per GPU, cache per request, requests that fit",
+                              description=memory_plan.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = memory.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=PRESETS, default="release", help="named config (default: release)")
+    source.add_argument("--config", help="a config.json, or a checkpoint folder holding one")
+    memory.add_argument("--gpus", type=int, nargs="+", default=[4, 8], help="GPUs per node (default: 4 8)")
+    memory.add_argument("--context", type=int, nargs="+", default=[131072, 1048576],
+                        help="tokens per request (default: 131072 1048576)")
+    memory.add_argument("--layout", nargs="+", choices=list(memory_plan.LAYOUTS), default=["dp-ep", "tp-ep"],
+                        help="parallel layouts (default: dp-ep tp-ep)")
+    memory.add_argument("--engram", nargs="+", choices=memory_plan.ENGRAM, default=list(memory_plan.ENGRAM),
+                        help="Engram tables in host memory, on every GPU, or split over the GPUs (default: all)")
+    memory.add_argument("--gpu-gib", type=float, default=memory_plan.H200_GIB, help="usable GiB per GPU")
+    memory.add_argument("--reserve-gib", type=float, default=0.0,
+                        help="GiB per GPU kept for activations and workspace (not computed; default 0)")
+    memory.add_argument("--out", default="benchmarks/results", help="folder for memory-plan-<name>-<date>.json")
+
+
+def _tokens(n: int) -> str:
+    return f"{n >> 20}M" if n % 2 ** 20 == 0 else f"{n >> 10}K" if n % 2 ** 10 == 0 else str(n)
+
+
+def cmd_plan(args, parser) -> int:
+    from . import memory_plan
+    from .benchmarking import print_table, run_metadata, save_results
+    from .configuration_deepseek_v41 import DeepseekV41Config
+    from .presets import preset_config
+
+    config = DeepseekV41Config.from_pretrained(args.config) if args.config else preset_config(args.preset)
+    text = config.get_text_config()
+    try:
+        rows = memory_plan.plan(text, args.gpus, args.context, args.layout, args.engram, args.gpu_gib, args.reserve_gib)
+    except ValueError as error:
+        parser.error(f"plan memory: {error}")
+    summary = memory_plan.summary(text, args.context)
+    name = Path(args.config).stem if args.config else args.preset
+    print(f"memory plan (est: computed from the config, not measured) for {name}, native weights; "
+          f"{args.gpu_gib:g} GiB per GPU, {args.reserve_gib:g} GiB reserved")
+    for group, gib in summary["native_gib_est"].items():
+        print(f"  {group:22s} {gib:9.2f} GiB held   {summary['checkpoint_gib_est'][group]:9.2f} GiB stored")
+    print(f"  {'total':22s} {summary['native_total_gib_est']:9.2f} GiB held   "
+          f"{sum(summary['checkpoint_gib_est'].values()):9.2f} GiB stored (not held: {summary['not_held']})")
+    print(f"  cache: {summary['cache_bytes_per_token_est']:g} B/token growing; per request " +
+          ", ".join(f"{gib:.3f} GiB at {_tokens(int(c))}" for c, gib in summary["request_cache_gib_est"].items()))
+    columns = [("gpus", "gpus", "d"), ("layout", "layout", "s"), ("engram", "engram", "s"),
+               ("weights/GPU GiB", "weights_gib_est", ".1f"), ("free/GPU GiB", "free_gib_est", ".1f"),
+               ("host GiB", "host_gib_est", ".1f")]
+    for c in args.context:
+        columns += [(f"req/GPU {_tokens(c)}", f"requests_per_gpu_{c}_est", "d"),
+                    (f"req/node {_tokens(c)}", f"requests_per_node_{c}_est", "d")]
+    print_table(rows, columns)
+    result = {**run_metadata(), "figures": "est: computed from the config and the code's formats, not measured",
+              "config": name, "gpu_gib": args.gpu_gib, "reserve_gib": args.reserve_gib, "summary": summary,
+              "rows": rows}
+    save_results(result, f"memory-plan-{name}", args.out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCH_SCRIPTS:
@@ -162,9 +226,12 @@ def main(argv: list[str] | None = None) -> int:
                      help="run every layer on every prompt token (bounded replay is on by default: the layers "
                           "after the last KV source see only the prompt's last window of tokens)")
     add_bench(sub)
+    add_plan(sub)
     args = parser.parse_args(argv)
     if args.command == "bench":
         return cmd_bench(args, parser)
+    if args.command == "plan":
+        return cmd_plan(args, parser)
     if args.command == "generate":
         if args.max_new_tokens < 1:
             parser.error("--max-new-tokens must be >= 1")

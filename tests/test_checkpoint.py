@@ -298,3 +298,13 @@ def test_save_tied_and_float32_inputs(tmp_path):
     assert same_bytes(stored["layers.0.attn.wo_b.weight"], F.quant_fp8_block(w)[0])
     with pytest.raises(CheckpointError, match=r"layers\.0\.attn\.wo_b\.weight: an encoded fp8_block weight needs its"):
         save_checkpoint({"layers.0.attn.wo_b.weight": F.quant_fp8_block(w)[0]}, tmp_path)
+
+
+def test_encoded_bytes_of_native_weights():
+    """Shard sizing counts a weight held in its release format with its scales: packed MXFP4 [out, in/2]
+    has one scale per 32 of its `in` inputs, FP8 one per 32x32 tile."""
+    from dsflash_compile.checkpoint import _encoded_nbytes
+
+    packed = torch.empty(64, 32, dtype=torch.int8)  # 64 inputs per row
+    assert _encoded_nbytes("layers.0.ffn.experts.0.w1.weight", packed) == 64 * 32 + 64 * 2
+    assert _encoded_nbytes("layers.0.attn.wq_a.weight", torch.empty(64, 64, dtype=torch.float8_e4m3fn)) == 64 * 64 + 4
