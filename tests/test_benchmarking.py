@@ -19,4 +19,5 @@ def test_profile_summary_counts_what_a_step_ran(tmp_path):
     summary = profile_summary(lambda: (x @ x).relu().sum(), str(tmp_path / "trace.json"), top=2)
     assert summary["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
     assert summary["kernels"] >= 3 and summary["wall_us"] > 0 and len(summary["top"]) == 2
+    assert summary["comm_us"] == 0  # no collectives (the parallel bench's CPU test sees some)
     assert (tmp_path / "trace.json").stat().st_size > 0
