@@ -28,7 +28,8 @@ from torch._dynamo.utils import counters  # noqa: E402
 
 import dsflash_compile  # noqa: E402
 from dsflash_compile import DeepseekV41ForCausalLM, preset_config  # noqa: E402
-from dsflash_compile.benchmarking import copy_bandwidth, profile_summary, run_metadata, save_results  # noqa: E402
+from dsflash_compile.benchmarking import (copy_bandwidth, decode_traffic, profile_summary, run_metadata,  # noqa: E402
+                                          save_results)
 from dsflash_compile.custom_ops import records  # noqa: E402
 from dsflash_compile.custom_ops.dispatch import reference_kernels  # noqa: E402
 
@@ -85,47 +86,14 @@ def matmul_rate() -> float:
 
 
 def floor(model, batch: int, context: int, bandwidth: float, flops_rate: float) -> dict:
-    """Bytes that must move in one decode step (weights once, as held (bf16, or FP8/MXFP4 bytes + scales with
-    native weights): everything but the embedding and Engram tables (one row each per token) and the routed
-    experts no token picked; caches once: each layer's window + top-k compressed rows + the index keys its
-    indexer scores) and its FLOPs."""
-    text = model.model.text_config
-    experts_used = min(text.n_routed_experts, batch * text.num_experts_per_tok)
-    weight_bytes = flops = 0
-    for name, t in model.state_dict().items():  # checkpoint tensors: stacked experts are not counted twice
-        size = t.numel() * t.element_size()
-        if ".embed." in name or name.startswith("model.embed"):
-            continue
-        # weights multiply one value per element (two for packed E2M1 bytes); scales multiply nothing
-        values = 0 if name.endswith(".scale") else t.numel() * (2 if t.dtype == torch.int8 else 1)
-        if ".ffn.experts." in name:
-            size *= experts_used / text.n_routed_experts
-            flops += 2 * batch * text.num_experts_per_tok / text.n_routed_experts * values
-        else:
-            flops += 2 * batch * values
-        weight_bytes += size
-    rec = {"window": records.record_bytes("fp8", text.head_dim), "compressed": records.record_bytes("nvfp4", text.head_dim),
-           "index": records.record_bytes("mxfp4", text.index_head_dim)}
-    cache_bytes = attn_flops = 0
-    for role in text.layer_roles:
-        keys = text.sliding_window
-        cache_bytes += text.sliding_window * rec["window"]
-        if role.ratio:
-            rows = context // role.ratio
-            picked = min(text.index_topk, rows)
-            keys += picked
-            cache_bytes += picked * rec["compressed"]
-            if role.is_index_source:
-                scored = min(rows, text.candidate_topk_blocks * text.candidate_block_size) if role.uses_candidates \
-                    else rows
-                cache_bytes += scored * rec["index"]
-                attn_flops += 2 * text.index_n_heads * text.index_head_dim * scored
-        attn_flops += 4 * text.num_attention_heads * text.head_dim * keys
-    total_bytes = weight_bytes + batch * cache_bytes
-    total_flops = flops + batch * attn_flops
-    return {"weight_bytes": weight_bytes, "cache_bytes": batch * cache_bytes, "flops": total_flops,
+    """Bytes that must move in one decode step and its FLOPs (benchmarking.decode_traffic says which) over the
+    measured rates: the larger time is the floor."""
+    traffic = decode_traffic(model, batch, context)
+    cache_bytes = traffic["bytes"]["attention"] + traffic["bytes"]["indexer"]
+    weight_bytes = sum(traffic["bytes"].values()) - cache_bytes
+    return {"weight_bytes": weight_bytes, "cache_bytes": cache_bytes, "flops": traffic["flops"],
             "bandwidth": bandwidth, "matmul_flops_per_s": flops_rate,
-            "floor_s": max(total_bytes / bandwidth, total_flops / flops_rate)}
+            "floor_s": max((weight_bytes + cache_bytes) / bandwidth, traffic["flops"] / flops_rate)}
 
 
 def main() -> None:
