@@ -102,7 +102,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--variants", default="day-zero,no-passes,passes")
+    parser.add_argument("--variants", default="day-zero,no-passes,passes",
+                        help="of day-zero, no-passes, torch-moe (passes, experts on torch._grouped_mm), passes")
     parser.add_argument("--layers", type=int, help="override num_hidden_layers (keeps the preset's schedule prefix)")
     parser.add_argument("--weights", choices=["native", "bf16"], default="bf16",
                         help="FP8/MXFP4 projections kept as stored (native) or dequantized to bf16")
@@ -150,13 +151,16 @@ def main() -> None:
             save_results(result, f"compile-profile-{args.preset}", args.out)
             del cache
 
-    for variant in [v for v in ("no-passes", "passes", "warm") if v in variants or (v == "warm" and "passes" in variants)]:
+    # torch-moe: passes, the routed experts on torch._grouped_mm at every batch (before issue 5's moe_few_rows)
+    for variant in [v for v in ("no-passes", "torch-moe", "passes", "warm")
+                    if v in variants or (v == "warm" and "passes" in variants)]:
         key = variant.replace("-", "_")
         torch._dynamo.reset()
         counters.clear()
         model.compiled_runner = None
+        few_rows = {"moe_few_rows": 0} if variant == "torch-moe" else {}
         dsflash_compile.compile(model, max_batch=max_batch, max_length=max_length, passes=variant != "no-passes",
-                                batch_buckets=tuple(args.batch))
+                                batch_buckets=tuple(args.batch), **few_rows)
         runner = model.compiled_runner
         for batch, (ids, mask) in inputs.items():
             row = rows[batch]
@@ -193,7 +197,7 @@ def main() -> None:
         summary = {k: round(v * 1e6, 1) for k, v in row.items() if k.endswith("_s") and "compile" not in k}
         print(f"batch {batch}: step us {summary}  floor {fl * 1e6:.1f} us  "
               f"compile s { {k: round(v, 1) for k, v in row.items() if 'compile_s' in k} }")
-        for k in ("day_zero_profile", "no_passes_profile", "passes_profile"):
+        for k in ("day_zero_profile", "no_passes_profile", "torch_moe_profile", "passes_profile"):
             if k in row:
                 print(f"  {k}: {row[k]['kernels']} kernels, {row[k]['device_us']:.0f} us device time")
         print(f"  pass matches {row.get('pass_matches')}, graph breaks {row.get('passes_graph_breaks')}, "
