@@ -145,6 +145,63 @@ def profile_summary(step, trace_path: str | None = None, top: int = 0, cpu_ops: 
     return result
 
 
+def weight_family(name: str) -> str:
+    """The kernel family (scripts/trace_summary.py's names) that reads checkpoint tensor `name` at decode."""
+    if ".ffn.experts." in name:
+        return "moe"
+    if ".ffn.gate." in name:
+        return "router"
+    if ".hc_" in name:
+        return "mhc"
+    if name.endswith(("norm.weight", ".bias", ".bias_vl", "attn_sink")):
+        return "elementwise"
+    return "gemm"  # the dense projections (shared experts, head, compressor, indexer, Engram included)
+
+
+def decode_traffic(model, batch: int, context: int) -> dict:
+    """Bytes that must move in one decode step of `batch` rows at `context` tokens, by kernel family, and the
+    step's FLOPs. Weights once, as held (bf16, or FP8/MXFP4 bytes + scales with native weights): everything
+    but the embedding and Engram tables (one row each per token) and the routed experts no token picked.
+    Caches once: each layer's window + top-k compressed rows (attention) and the index keys its indexer
+    scores (indexer). The model may live on the meta device."""
+    from .custom_ops import records
+
+    text = model.model.text_config
+    experts_used = min(text.n_routed_experts, batch * text.num_experts_per_tok)
+    families = dict.fromkeys(("moe", "gemm", "mhc", "router", "elementwise", "attention", "indexer"), 0)
+    flops = 0
+    for name, t in model.state_dict().items():  # checkpoint tensors: stacked experts are not counted twice
+        size = t.numel() * t.element_size()
+        if ".embed." in name or name.startswith("model.embed"):
+            continue
+        # weights multiply one value per element (two for packed E2M1 bytes); scales multiply nothing
+        values = 0 if name.endswith(".scale") else t.numel() * (2 if t.dtype == torch.int8 else 1)
+        if ".ffn.experts." in name:
+            size *= experts_used / text.n_routed_experts
+            flops += 2 * batch * text.num_experts_per_tok / text.n_routed_experts * values
+        else:
+            flops += 2 * batch * values
+        families[weight_family(name)] += size
+    rec = {"window": records.record_bytes("fp8", text.head_dim),
+           "compressed": records.record_bytes("nvfp4", text.head_dim),
+           "index": records.record_bytes("mxfp4", text.index_head_dim)}
+    for role in text.layer_roles:
+        keys = text.sliding_window
+        families["attention"] += batch * text.sliding_window * rec["window"]
+        if role.ratio:
+            rows = context // role.ratio
+            picked = min(text.index_topk, rows)
+            keys += picked
+            families["attention"] += batch * picked * rec["compressed"]
+            if role.is_index_source:
+                scored = min(rows, text.candidate_topk_blocks * text.candidate_block_size) if role.uses_candidates \
+                    else rows
+                families["indexer"] += batch * scored * rec["index"]
+                flops += batch * 2 * text.index_n_heads * text.index_head_dim * scored
+        flops += batch * 4 * text.num_attention_heads * text.head_dim * keys
+    return {"bytes": families, "flops": flops}
+
+
 def print_table(rows: list[dict], columns: list[tuple]) -> None:
     """The rows as a right-aligned text table. columns: (header, key, format spec) or (header, key, format
     spec, scale); a missing, None or NaN value prints as '-'."""

@@ -53,6 +53,11 @@ class CompileOptions:
     # Off by default until the H200 shows the capture works and the overlap pays (scripts/bench_overlap.py)
     mhc_overlap: bool = False
     mhc_overlap_max_tokens: int = 16  # not yet measured on the H200 (scripts/bench_overlap.py)
+    # issue 5: grouped GEMMs of the bf16 routed experts with at most this many (token, slot) rows run
+    # dsflash::grouped_mm (each picked expert's weight streamed once over many programs) instead of
+    # torch._grouped_mm, whose CUTLASS grouped GEMM took 63 us per projection at decode batch 1 (2.3 TB/s: 6
+    # picked experts, 142 MB). 96 rows = batch 16 at top-6; not yet measured on the H200 (scripts/sweep_experts.py)
+    moe_few_rows: int = 96
     cuda_graphs: bool = True  # decode as mode="reduce-overhead" (CUDA only)
     trimmed_graphs: bool = True  # bounded replay's trimmed layers as CUDA graphs too (with cuda_graphs)
     swa_bounded_replay: bool | None = None  # sets the model config's switch (None: keep the config's value)
@@ -132,6 +137,7 @@ class CompiledRunner:
         for layer in model.model.layers:
             if not layer.ffn.grouped:
                 layer.ffn.stack_experts()
+            layer.ffn.few_rows = options.moe_few_rows
         if options.swa_bounded_replay is not None:
             text.swa_bounded_replay = options.swa_bounded_replay
         self.cache = model.new_cache(options.max_batch, options.max_length)

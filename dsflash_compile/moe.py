@@ -10,7 +10,9 @@ Two ways to run the routed experts, with the same math and the same summation or
     projection over the stacked weights; no host syncs and static shapes, so it compiles to one graph.
     With native weights (config `weights="native"`) the stacks are the MXFP4 bytes and scales and the
     grouped GEMM is `dsflash::mxfp4_grouped_mm`; such a model is stacked from the start (and again after
-    from_pretrained assigns the loaded tensors), so it runs grouped unless told otherwise.
+    from_pretrained assigns the loaded tensors), so it runs grouped unless told otherwise. With bf16 weights,
+    up to `few_rows` (token, slot) pairs (compile() sets it: the decode step) run `dsflash::grouped_mm`,
+    else torch._grouped_mm.
 """
 
 import torch
@@ -80,6 +82,7 @@ class MoE(nn.Module):
         # the experts' tensors: bf16 `weight`, or native `weight` (packed E2M1) and `scale` (UE8M0)
         self.leaves = ("weight", "scale") if self.native else ("weight",)
         self.grouped = False  # set by stack_experts()
+        self.few_rows = 0  # bf16 grouped GEMMs of at most this many rows run dsflash::grouped_mm (see _grouped_mm)
         if self.native:
             self.stack_experts()
 
@@ -139,7 +142,10 @@ class MoE(nn.Module):
         if self.native:
             return torch.ops.dsflash.mxfp4_grouped_mm(xs, getattr(self, f"{name}_weight_stacked"),
                                                       getattr(self, f"{name}_scale_stacked"), offsets)
-        return torch._grouped_mm(xs, getattr(self, f"{name}_weight_stacked").transpose(1, 2), offs=offsets)
+        weight = getattr(self, f"{name}_weight_stacked")
+        if xs.shape[0] <= self.few_rows:  # few rows per expert: the CUTLASS grouped GEMM reads weights slowly
+            return torch.ops.dsflash.grouped_mm(xs, weight, offsets)
+        return torch._grouped_mm(xs, weight.transpose(1, 2), offs=offsets)
 
     def _routed_grouped(self, x, weights, ids) -> torch.Tensor:
         """The routed experts as grouped GEMMs over (token, slot) pairs sorted by expert."""

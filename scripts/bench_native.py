@@ -26,7 +26,7 @@ from dsflash_compile.benchmarking import copy_bandwidth, print_table, run_metada
 from dsflash_compile.custom_ops.fp8_linear import fp8_block_linear_reference
 from dsflash_compile.custom_ops.fp8_linear_triton import fp8_block_linear_triton
 from dsflash_compile.custom_ops.mxfp4_experts import mxfp4_grouped_mm_reference
-from dsflash_compile.custom_ops.mxfp4_experts_triton import mxfp4_grouped_mm_triton
+from dsflash_compile.custom_ops.mxfp4_experts_triton import grouped_mm_triton
 from dsflash_compile.layers import block_diagonal_linear
 
 # name: (outputs, inputs per group, groups)
@@ -75,9 +75,9 @@ def bench_experts(name, n, k, tokens, gen) -> dict:
     row = {"name": name, "tokens": tokens, "experts_used": int((counts > 0).sum())}
     want = mxfp4_grouped_mm_reference(x, weight, scale, offsets)
     mag = mxfp4_grouped_mm_reference(x.abs(), weight & 0x77, scale, offsets)
-    row["err"] = error(mxfp4_grouped_mm_triton(x, weight, scale, offsets), want, mag)
+    row["err"] = error(grouped_mm_triton(x, weight, scale, offsets), want, mag)
     timed(row, "bf16_s", lambda: time_graph(lambda: torch._grouped_mm(x, dense.transpose(1, 2), offs=offsets)))
-    timed(row, "native_s", lambda: time_graph(lambda: mxfp4_grouped_mm_triton(x, weight, scale, offsets)))
+    timed(row, "native_s", lambda: time_graph(lambda: grouped_mm_triton(x, weight, scale, offsets)))
     used = row["experts_used"] / EXPERTS
     finish(row, used * (weight.numel() + scale.numel()), used * 2 * dense.numel())
     return row

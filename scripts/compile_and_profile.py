@@ -28,7 +28,8 @@ from torch._dynamo.utils import counters  # noqa: E402
 
 import dsflash_compile  # noqa: E402
 from dsflash_compile import DeepseekV41ForCausalLM, preset_config  # noqa: E402
-from dsflash_compile.benchmarking import copy_bandwidth, profile_summary, run_metadata, save_results  # noqa: E402
+from dsflash_compile.benchmarking import (copy_bandwidth, decode_traffic, profile_summary, run_metadata,  # noqa: E402
+                                          save_results)
 from dsflash_compile.custom_ops import records  # noqa: E402
 from dsflash_compile.custom_ops.dispatch import reference_kernels  # noqa: E402
 
@@ -85,47 +86,14 @@ def matmul_rate() -> float:
 
 
 def floor(model, batch: int, context: int, bandwidth: float, flops_rate: float) -> dict:
-    """Bytes that must move in one decode step (weights once, as held (bf16, or FP8/MXFP4 bytes + scales with
-    native weights): everything but the embedding and Engram tables (one row each per token) and the routed
-    experts no token picked; caches once: each layer's window + top-k compressed rows + the index keys its
-    indexer scores) and its FLOPs."""
-    text = model.model.text_config
-    experts_used = min(text.n_routed_experts, batch * text.num_experts_per_tok)
-    weight_bytes = flops = 0
-    for name, t in model.state_dict().items():  # checkpoint tensors: stacked experts are not counted twice
-        size = t.numel() * t.element_size()
-        if ".embed." in name or name.startswith("model.embed"):
-            continue
-        # weights multiply one value per element (two for packed E2M1 bytes); scales multiply nothing
-        values = 0 if name.endswith(".scale") else t.numel() * (2 if t.dtype == torch.int8 else 1)
-        if ".ffn.experts." in name:
-            size *= experts_used / text.n_routed_experts
-            flops += 2 * batch * text.num_experts_per_tok / text.n_routed_experts * values
-        else:
-            flops += 2 * batch * values
-        weight_bytes += size
-    rec = {"window": records.record_bytes("fp8", text.head_dim), "compressed": records.record_bytes("nvfp4", text.head_dim),
-           "index": records.record_bytes("mxfp4", text.index_head_dim)}
-    cache_bytes = attn_flops = 0
-    for role in text.layer_roles:
-        keys = text.sliding_window
-        cache_bytes += text.sliding_window * rec["window"]
-        if role.ratio:
-            rows = context // role.ratio
-            picked = min(text.index_topk, rows)
-            keys += picked
-            cache_bytes += picked * rec["compressed"]
-            if role.is_index_source:
-                scored = min(rows, text.candidate_topk_blocks * text.candidate_block_size) if role.uses_candidates \
-                    else rows
-                cache_bytes += scored * rec["index"]
-                attn_flops += 2 * text.index_n_heads * text.index_head_dim * scored
-        attn_flops += 4 * text.num_attention_heads * text.head_dim * keys
-    total_bytes = weight_bytes + batch * cache_bytes
-    total_flops = flops + batch * attn_flops
-    return {"weight_bytes": weight_bytes, "cache_bytes": batch * cache_bytes, "flops": total_flops,
+    """Bytes that must move in one decode step and its FLOPs (benchmarking.decode_traffic says which) over the
+    measured rates: the larger time is the floor."""
+    traffic = decode_traffic(model, batch, context)
+    cache_bytes = traffic["bytes"]["attention"] + traffic["bytes"]["indexer"]
+    weight_bytes = sum(traffic["bytes"].values()) - cache_bytes
+    return {"weight_bytes": weight_bytes, "cache_bytes": cache_bytes, "flops": traffic["flops"],
             "bandwidth": bandwidth, "matmul_flops_per_s": flops_rate,
-            "floor_s": max(total_bytes / bandwidth, total_flops / flops_rate)}
+            "floor_s": max((weight_bytes + cache_bytes) / bandwidth, traffic["flops"] / flops_rate)}
 
 
 def main() -> None:
@@ -134,7 +102,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--variants", default="day-zero,no-passes,passes")
+    parser.add_argument("--variants", default="day-zero,no-passes,passes",
+                        help="of day-zero, no-passes, torch-moe (passes, experts on torch._grouped_mm), passes")
     parser.add_argument("--layers", type=int, help="override num_hidden_layers (keeps the preset's schedule prefix)")
     parser.add_argument("--weights", choices=["native", "bf16"], default="bf16",
                         help="FP8/MXFP4 projections kept as stored (native) or dequantized to bf16")
@@ -182,13 +151,16 @@ def main() -> None:
             save_results(result, f"compile-profile-{args.preset}", args.out)
             del cache
 
-    for variant in [v for v in ("no-passes", "passes", "warm") if v in variants or (v == "warm" and "passes" in variants)]:
+    # torch-moe: passes, the routed experts on torch._grouped_mm at every batch (before issue 5's moe_few_rows)
+    for variant in [v for v in ("no-passes", "torch-moe", "passes", "warm")
+                    if v in variants or (v == "warm" and "passes" in variants)]:
         key = variant.replace("-", "_")
         torch._dynamo.reset()
         counters.clear()
         model.compiled_runner = None
+        few_rows = {"moe_few_rows": 0} if variant == "torch-moe" else {}
         dsflash_compile.compile(model, max_batch=max_batch, max_length=max_length, passes=variant != "no-passes",
-                                batch_buckets=tuple(args.batch))
+                                batch_buckets=tuple(args.batch), **few_rows)
         runner = model.compiled_runner
         for batch, (ids, mask) in inputs.items():
             row = rows[batch]
@@ -225,7 +197,7 @@ def main() -> None:
         summary = {k: round(v * 1e6, 1) for k, v in row.items() if k.endswith("_s") and "compile" not in k}
         print(f"batch {batch}: step us {summary}  floor {fl * 1e6:.1f} us  "
               f"compile s { {k: round(v, 1) for k, v in row.items() if 'compile_s' in k} }")
-        for k in ("day_zero_profile", "no_passes_profile", "passes_profile"):
+        for k in ("day_zero_profile", "no_passes_profile", "torch_moe_profile", "passes_profile"):
             if k in row:
                 print(f"  {k}: {row[k]['kernels']} kernels, {row[k]['device_us']:.0f} us device time")
         print(f"  pass matches {row.get('pass_matches')}, graph breaks {row.get('passes_graph_breaks')}, "

@@ -114,6 +114,40 @@ def test_mxfp4_grouped_mm_opcheck():
     opcheck(ops.mxfp4_grouped_mm.default, mxfp4_case([2, 0, 3], 32, 64))
 
 
+def bf16_case(counts, n, k, seed=0, device="cpu"):
+    """x bf16 [sum(counts), k] sorted by expert, stacked bf16 experts [E, n, k], offsets int32 [E]."""
+    g = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(sum(counts), k, generator=g, device=device).bfloat16()
+    weight = (torch.randn(len(counts), n, k, generator=g, device=device) * k ** -0.5).bfloat16()
+    return x, weight, torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+
+
+def test_grouped_mm_is_torch_grouped_mm_and_zeroes_rows_past_the_last_expert():
+    x, weight, offsets = bf16_case([3, 0, 5, 1], 64, 96)
+    want = torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    assert torch.equal(ops.grouped_mm(x, weight, offsets), want)
+    short = offsets.clone()
+    short[-1] = 8
+    assert torch.equal(ops.grouped_mm(x, weight, short)[8], torch.zeros(64, dtype=torch.bfloat16))
+    opcheck(ops.grouped_mm.default, (x, weight, offsets))
+    with pytest.raises(ValueError, match="differ in K"):
+        ops.grouped_mm(x[:, :32], weight, offsets)
+    with pytest.raises(TypeError, match="weight bf16"):
+        ops.grouped_mm(x, weight.float(), offsets)
+
+
+@torch.no_grad()
+def test_moe_few_rows_path_equals_the_expert_loop():
+    """compile() routes decode-sized MoE calls to dsflash::grouped_mm: on CPU the expert loop's bits."""
+    torch.manual_seed(0)
+    moe = DeepseekV41ForCausalLM(preset_config("tiny")).model.layers[0].ffn
+    x = torch.randn(3, 1, moe.gate.weight.shape[1]).bfloat16()
+    want = moe(x)
+    moe.stack_experts()
+    moe.few_rows = 3 * moe.gate.topk
+    assert torch.equal(moe(x), want)
+
+
 def test_mxfp4_grouped_mm_errors_name_the_problem():
     x, weight, scale, offsets = mxfp4_case([2, 1], 32, 64)
     with pytest.raises(ValueError, match="offsets must be int32"):
@@ -135,11 +169,12 @@ FP8_CASES = {
     "groups_split_k": (2, 128, 384, 2, 3),
     "block_m_64": (33, 32, 64, 1, 1),
 }
-# name: (rows per expert, outputs, inputs)
-MXFP4_CASES = {
+# name: (rows per expert, outputs, inputs); the MXFP4 and the bf16 kernel run each
+GROUPED_CASES = {
     "decode_one_row_per_expert": ([1, 0, 1, 1, 0, 0, 1], 64, 128),
     "more_rows_than_a_tile": ([17, 0, 2, 33], 96, 64),
     "one_expert_ragged_inputs": ([0, 5, 0], 32, 96),
+    "ragged_outputs_several_k_blocks": ([2, 1], 40, 288),
 }
 
 
@@ -153,8 +188,8 @@ def interpreter_checks():
     """Entry point of the subprocess: every case against the op's reference."""
     from dsflash_compile.custom_ops.fp8_linear import fp8_block_linear_reference
     from dsflash_compile.custom_ops.fp8_linear_triton import fp8_block_linear_triton
-    from dsflash_compile.custom_ops.mxfp4_experts import mxfp4_grouped_mm_reference
-    from dsflash_compile.custom_ops.mxfp4_experts_triton import mxfp4_grouped_mm_triton
+    from dsflash_compile.custom_ops.mxfp4_experts import grouped_mm_reference, mxfp4_grouped_mm_reference
+    from dsflash_compile.custom_ops.mxfp4_experts_triton import grouped_mm_triton
 
     for name, (rows, n, k, groups, splits) in FP8_CASES.items():
         x, weight, scale = fp8_case(rows, n, k, groups)
@@ -163,12 +198,17 @@ def interpreter_checks():
         want = fp8_block_linear_reference(x, weight, scale, groups)
         mag = fp8_block_linear_reference(x.abs(), weight.float().abs().to(torch.float8_e4m3fn), scale, groups)
         report(dict(name="fp8_" + name, err=relative_error(got, want, mag.float())))
-    for name, (counts, n, k) in MXFP4_CASES.items():
+    for name, (counts, n, k) in GROUPED_CASES.items():
         x, weight, scale, offsets = mxfp4_case(counts, n, k)
-        got = mxfp4_grouped_mm_triton(x, weight, scale, offsets)
+        got = grouped_mm_triton(x, weight, scale, offsets)
         want = mxfp4_grouped_mm_reference(x, weight, scale, offsets)
         mag = mxfp4_grouped_mm_reference(x.abs(), weight & 0x77, scale, offsets)  # sign bits cleared: |w|
         report(dict(name="mxfp4_" + name, err=relative_error(got, want, mag.float())))
+        x, weight, offsets = bf16_case(counts, n, k)
+        got = grouped_mm_triton(x, weight, None, offsets, block_n=32, block_k=64)  # ragged blocks too
+        want = grouped_mm_reference(x, weight, offsets)
+        mag = grouped_mm_reference(x.abs(), weight.abs(), offsets)
+        report(dict(name="bf16_" + name, err=relative_error(got, want, mag.float())))
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +217,8 @@ def interpreted():
 
 
 @requires_interpreter
-@pytest.mark.parametrize("name", ["fp8_" + n for n in FP8_CASES] + ["mxfp4_" + n for n in MXFP4_CASES])
+@pytest.mark.parametrize("name", ["fp8_" + n for n in FP8_CASES] + [f + n for f in ("mxfp4_", "bf16_")
+                                                                   for n in GROUPED_CASES])
 def test_kernel_matches_reference(interpreted, name):
     assert interpreted[name]["err"] <= 2 ** -7, interpreted[name]
 
@@ -192,13 +233,19 @@ def test_fp8_kernel_compiles_for_hopper(partial):
     check_compiles_for_hopper(fp8_linear_triton, ("_fp8_linear_kernel", args, constexprs, 4))
 
 
-def test_mxfp4_kernel_compiles_for_hopper():
+# (MXFP4, BLOCK_N, BLOCK_K, warps): the launches' defaults and the largest tiles of scripts/sweep_experts.py
+@pytest.mark.parametrize("mxfp4, block_n, block_k, warps", [(True, 64, 128, 4), (False, 32, 128, 4),
+                                                            (False, 64, 256, 8), (False, 16, 256, 4)])
+def test_grouped_kernel_compiles_for_hopper_without_spills(mxfp4, block_n, block_k, warps):
     from dsflash_compile.custom_ops import mxfp4_experts_triton
 
-    args = dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", offsets_ptr="*i32", tile_expert_ptr="*i32",
-                tile_first_ptr="*i32", out_ptr="*bf16", E="i32", N="i32", K="i32")
-    constexprs = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, FP32_DOT=False)
-    check_compiles_for_hopper(mxfp4_experts_triton, ("_mxfp4_grouped_kernel", args, constexprs, 4))
+    weight = "*u8" if mxfp4 else "*bf16"
+    args = dict(x_ptr="*bf16", w_ptr=weight, s_ptr="*u8" if mxfp4 else weight, offsets_ptr="*i32",
+                out_ptr="*bf16", E="i32", N="i32", K="i32")
+    # E_PAD 512: the release's 384 experts
+    constexprs = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, E_PAD=512, MXFP4=mxfp4, FP32_DOT=False)
+    usage = check_compiles_for_hopper(mxfp4_experts_triton, ("_grouped_kernel", args, constexprs, warps))
+    assert usage["STACK"] == 0, usage
 
 
 # ----------------------------------------------------------------------------------- the model

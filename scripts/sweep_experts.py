@@ -1,0 +1,87 @@
+"""Sweep `dsflash::grouped_mm`'s launch (the bf16 routed experts at decode) against torch._grouped_mm on the
+flash-40l-e8 shapes (8 experts, top-6; w1/w3 2304 x 5120, w2 5120 x 2304) at batch 1..64. Every variant's
+output is checked against torch._grouped_mm first. Picks the defaults of custom_ops/mxfp4_experts_triton.py
+(BF16_BLOCK_N, BF16_BLOCK_K, NUM_STAGES) and compile()'s moe_few_rows (the largest batch x 6 rows where the
+kernel still wins).
+
+    python scripts/sweep_experts.py --out benchmarks/results
+    python scripts/sweep_experts.py --tokens 1 --full     (every launch variant at batch 1 only)
+
+At batch 1 every launch variant runs; at the other batch sizes the default and the batch-1 winner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from dsflash_compile.benchmarking import print_table, run_metadata, save_results, sweep_variant, time_graph
+from dsflash_compile.custom_ops import mxfp4_experts_triton as kernels
+
+EXPERTS, TOPK, HIDDEN, INTER = 8, 6, 5120, 2304
+TOKENS = [1, 2, 4, 8, 16, 32, 64]
+# (BLOCK_N, BLOCK_K, warps, stages); 64 x 256 at 4 warps spills registers on sm_90 (tests/test_native_weights.py)
+VARIANTS = [v for v in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (2, 3, 4)) if v[:3] != (64, 256, 4)]
+DEFAULT = (kernels.BF16_BLOCK_N, kernels.BF16_BLOCK_K, 4, kernels.NUM_STAGES)
+COLUMNS = [("tokens", "tokens", "d"), ("proj", "proj", ""), ("block_n", "block_n", "d"), ("block_k", "block_k", "d"),
+           ("warps", "num_warps", "d"), ("stages", "num_stages", "d"), ("us", "s", ".1f", 1e6),
+           ("TB/s", "tb_per_s", ".2f"), ("x torch", "vs_torch", ".2f"), ("agrees", "agrees", "")]
+
+
+def case(tokens: int, n: int, k: int, gen: torch.Generator):
+    """Rows sorted by expert as moe.py builds them, the stacked weight, offsets and the picked experts' bytes."""
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen, device="cuda")[:TOPK] for _ in range(tokens)])
+    counts = torch.bincount(ids.flatten(), minlength=EXPERTS)
+    x = torch.randn(tokens * TOPK, k, generator=gen, device="cuda").bfloat16()
+    weight = (torch.randn(EXPERTS, n, k, generator=gen, device="cuda") * k ** -0.5).bfloat16()
+    offsets = counts.cumsum(0).to(torch.int32)
+    return x, weight, offsets, int((counts > 0).sum()) * n * k * 2
+
+
+def sweep(tokens: int, proj: str, variants: list[tuple], gen: torch.Generator) -> list[dict]:
+    n, k = (INTER, HIDDEN) if proj == "w1" else (HIDDEN, INTER)
+    x, weight, offsets, nbytes = case(tokens, n, k, gen)
+    want = torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets).float()
+    scale = want.abs().max().item()
+    torch_s = time_graph(lambda: torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets))
+    rows = [{"tokens": tokens, "proj": proj, "path": "torch._grouped_mm", "s": torch_s, "vs_torch": 1.0,
+             "tb_per_s": nbytes / torch_s / 1e12, "agrees": True}]
+    for block_n, block_k, warps, stages in variants:
+        def call():
+            return kernels.grouped_mm_triton(x, weight, None, offsets, block_n=block_n, block_k=block_k,
+                                             num_warps=warps, num_stages=stages)
+        row = {"tokens": tokens, "proj": proj, "path": "triton", "block_n": block_n, "block_k": block_k,
+               "num_warps": warps, "num_stages": stages}
+        sweep_variant(row, call, lambda out: (out.float() - want).abs().max().item() <= 2 ** -7 * scale)
+        row.update(vs_torch=torch_s / row["s"], tb_per_s=nbytes / row["s"] / 1e12)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
+    parser.add_argument("--full", action="store_true", help="every launch variant at every batch size")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("sweep_experts.py needs a CUDA device")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results, best = [], {}
+    for tokens in args.tokens:  # saved after each batch size so a cut run keeps what it measured
+        for proj in ("w1", "w2"):
+            variants = VARIANTS if args.full or tokens == 1 else sorted({DEFAULT, best.get(proj, DEFAULT)})
+            measured = sweep(tokens, proj, variants, gen)
+            if tokens == 1:
+                top = min((r for r in measured if r["path"] == "triton" and r["agrees"]), key=lambda r: r["s"])
+                best[proj] = (top["block_n"], top["block_k"], top["num_warps"], top["num_stages"])
+            print_table(sorted(measured, key=lambda r: r["s"])[:12], COLUMNS)
+            results += measured
+        save_results({**run_metadata(), "default": DEFAULT, "best_at_batch_1": best, "rows": results},
+                     "experts-sweep", args.out)
+
+
+if __name__ == "__main__":
+    main()

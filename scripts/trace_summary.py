@@ -1,0 +1,151 @@
+"""Where a profiled decode step spends its GPU time: kernels grouped by family, against each family's floor.
+
+    python scripts/trace_summary.py benchmarks/results/decode-trace-flash-40l-e8-b1-passes-2026-11-30.json.gz \
+        --preset flash-40l-e8 --batch 1 --context 4096 --out summary.json
+
+Reads a Chrome trace (json or json.gz, as torch.profiler writes; compile_and_profile.py's decode-trace-*)
+holding one step. Prints per family (moe, gemm, mhc, router, attention, indexer, topk, inductor, aten,
+memcpy, ...): device time, launches, time per launch, and with --preset the family's floor (bytes it must
+read, benchmarking.decode_traffic, over --bandwidth); then the stream's busy and idle time (idle between
+the step's first and last kernel: launch gaps inside a CUDA graph, or host waits when the step is not
+one graph), the largest gaps, whether the step was a CUDA-graph replay (cudaGraphLaunch), and the
+slowest launch configurations (kernel + grid) of each family, which tell the GEMM shapes apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+from pathlib import Path
+
+# first match wins; names are those of the kernels (Triton: the @triton.jit function's name)
+FAMILIES = (
+    ("moe", r"GroupProblem|prepare_grouped_gemm_data|_grouped_kernel"),
+    ("gemm", r"nvjet|gemv|splitKreduce|cublas|cutlass|xmma|gemm|_fp8_linear_kernel"),
+    ("mhc", r"_seam|sinkhorn"),
+    ("router", r"_router_kernel"),
+    ("attention", r"_attention_kernel|_merge_kernel"),
+    ("cache_write", r"_record_write"),
+    ("indexer", r"_scores_kernel|_candidate_union_kernel|_block_max_kernel"),
+    ("topk", r"_histogram_kernel|_compact_kernel|_chunk_select_kernel|_finish_kernel"),
+    ("inductor", r"^triton_"),
+    ("aten", r"at::|at_cuda_detail|cub::"),
+)
+DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+HOST_GAP_US = 100.0  # a gap this long inside a step is the host (launching, syncing), not a graph's launch latency
+
+
+def family(name: str, category: str = "kernel") -> str:
+    if category != "kernel":
+        return "memcpy"
+    return next((fam for fam, pattern in FAMILIES if re.search(pattern, name)), "other")
+
+
+def load_events(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def summarize(events: list[dict], floor_bytes: dict | None = None, bandwidth: float = 4.17e12) -> dict:
+    """The step's device work by family and its idle time; floor_bytes: family -> bytes it must move."""
+    device = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES),
+                    key=lambda e: e["ts"])
+    families: dict[str, dict] = {}
+    configs: dict[tuple, dict] = {}
+    for e in device:
+        fam = family(e["name"], e["cat"])
+        row = families.setdefault(fam, {"family": fam, "us": 0.0, "launches": 0})
+        row["us"] += e["dur"]
+        row["launches"] += 1
+        key = (fam, e["name"][:90], str(e.get("args", {}).get("grid")))
+        config = configs.setdefault(key, {"family": fam, "name": key[1], "grid": key[2], "us": 0.0, "launches": 0})
+        config["us"] += e["dur"]
+        config["launches"] += 1
+    busy = sum(row["us"] for row in families.values())
+    for row in families.values():
+        row["us_per_launch"] = row["us"] / row["launches"]
+        row["share"] = row["us"] / busy
+        if floor_bytes and floor_bytes.get(row["family"]):
+            row["floor_us"] = floor_bytes[row["family"]] / bandwidth * 1e6
+            row["vs_floor"] = row["us"] / row["floor_us"]
+    gaps, end = [], None
+    for e in device:
+        if end is not None and e["ts"] > end:
+            gaps.append({"us": e["ts"] - end, "before": e["name"][:90]})
+        end = max(end or e["ts"], e["ts"] + e["dur"])
+    span = end - device[0]["ts"] if device else 0.0
+    idle = sum(g["us"] for g in gaps)
+    host_gaps = sum(g["us"] for g in gaps if g["us"] >= HOST_GAP_US)
+    runtime = [e["name"] for e in events if e.get("cat") == "cuda_runtime"]
+    return {
+        "kernels": len(device), "busy_us": busy, "span_us": span, "idle_us": idle, "host_gap_us": host_gaps,
+        "launch_gap_us": idle - host_gaps, "graph_launches": runtime.count("cudaGraphLaunch"),
+        "kernel_launches": sum(name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+                               for name in runtime),
+        "families": sorted(families.values(), key=lambda row: -row["us"]),
+        "largest_gaps": sorted(gaps, key=lambda g: -g["us"])[:5],
+        "configs": sorted(configs.values(), key=lambda row: -row["us"]),
+    }
+
+
+def model_floor_bytes(preset: str, batch: int, context: int, weights: str) -> dict:
+    """benchmarking.decode_traffic's bytes per family for a preset, its model built on the meta device."""
+    import torch
+
+    from dsflash_compile import DeepseekV41ForCausalLM, preset_config
+    from dsflash_compile.benchmarking import decode_traffic
+
+    with torch.device("meta"):
+        model = DeepseekV41ForCausalLM(preset_config(preset, weights=weights))
+    return decode_traffic(model, batch, context)["bytes"]
+
+
+def print_summary(summary: dict, configs: int = 4) -> None:
+    from dsflash_compile.benchmarking import print_table
+
+    print_table(summary["families"] + [{"family": "total", "us": summary["busy_us"], "launches": summary["kernels"],
+                                        "floor_us": sum(row.get("floor_us", 0) for row in summary["families"])}],
+                [("family", "family", ""), ("us", "us", ".1f"), ("launches", "launches", "d"),
+                 ("us/launch", "us_per_launch", ".2f"), ("share", "share", ".1%"), ("floor us", "floor_us", ".1f"),
+                 ("x floor", "vs_floor", ".2f")])
+    print(f"\n{summary['kernels']} kernels, busy {summary['busy_us']:.0f} us over a span of "
+          f"{summary['span_us']:.0f} us: "
+          f"idle {summary['idle_us']:.0f} us ({summary['launch_gap_us']:.0f} us in gaps < {HOST_GAP_US:.0f} us, "
+          f"{summary['host_gap_us']:.0f} us in longer ones); {summary['graph_launches']} cudaGraphLaunch, "
+          f"{summary['kernel_launches']} kernel launches from the host")
+    for gap in summary["largest_gaps"]:
+        print(f"  gap {gap['us']:8.1f} us before {gap['before']}")
+    print("\nslowest launch configurations per family:")
+    for fam in [row["family"] for row in summary["families"]]:
+        for row in [c for c in summary["configs"] if c["family"] == fam][:configs]:
+            print(f"  {fam:10s} {row['us']:8.1f} us {row['launches']:4d}x {row['us'] / row['launches']:6.1f} us "
+                  f"grid {row['grid']:12s} {row['name']}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("trace")
+    parser.add_argument("--preset", help="compute each family's floor for this preset (else no floors)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--weights", choices=["native", "bf16"], default="bf16")
+    parser.add_argument("--bandwidth", type=float, default=4.17e12, help="bytes per second (copy bandwidth)")
+    parser.add_argument("--configs", type=int, default=4, help="launch configurations listed per family")
+    parser.add_argument("--out", help="write the summary as JSON here")
+    args = parser.parse_args(argv)
+    floor_bytes = model_floor_bytes(args.preset, args.batch, args.context, args.weights) if args.preset else None
+    summary = summarize(load_events(args.trace), floor_bytes, args.bandwidth)
+    summary.update(trace=args.trace, preset=args.preset, batch=args.batch, context=args.context,
+                   bandwidth=args.bandwidth, floor_bytes=floor_bytes)
+    print_summary(summary, args.configs)
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+        print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()

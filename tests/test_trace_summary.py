@@ -1,0 +1,62 @@
+"""scripts/trace_summary.py on a small synthetic Chrome trace (no GPU, no model)."""
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "trace_summary.py"
+
+
+@pytest.fixture(scope="module")
+def trace_summary():
+    spec = importlib.util.spec_from_file_location("trace_summary", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def kernel(name, ts, dur, grid=(1, 1, 1)):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"grid": list(grid)}}
+
+
+EVENTS = [
+    {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 5},
+    {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 10, "dur": 1},
+    kernel("_seam_kernel", 511, 12, (1, 80, 1)),  # 500 us after the copy: the host
+    kernel("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_splitK_TNT", 524, 6, (4, 15, 1)),  # 1 us launch gap
+    kernel("void cublasLt::splitKreduce_kernel<32, 16>", 530, 2),
+    kernel("_ZN7cutlass13device_kernelIN2at4cuda6detail25GroupProblemShape", 532, 60, (132, 1, 1)),
+    kernel("_grouped_kernel", 592, 30, (6, 72, 1)),
+    kernel("triton_poi_fused_add_0", 623, 1),
+    kernel("triton_poi_fused_add_0", 624, 1),
+    {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": 0, "dur": 3},
+]
+
+
+def test_families_idle_time_and_floors(trace_summary, tmp_path):
+    summary = trace_summary.summarize(EVENTS, floor_bytes={"moe": 4.17e7, "gemm": 4.17e6}, bandwidth=4.17e12)
+    rows = {row["family"]: row for row in summary["families"]}
+    assert {f: (r["us"], r["launches"]) for f, r in rows.items()} == {
+        "moe": (90, 2), "gemm": (8, 2), "mhc": (12, 1), "inductor": (2, 2), "memcpy": (1, 1)}
+    assert [row["family"] for row in summary["families"]][:2] == ["moe", "mhc"]  # by time
+    assert rows["moe"]["floor_us"] == pytest.approx(10) and rows["moe"]["vs_floor"] == pytest.approx(9)
+    assert rows["gemm"]["vs_floor"] == pytest.approx(8) and "floor_us" not in rows["mhc"]
+    assert summary["busy_us"] == 113 and summary["span_us"] == 615
+    assert summary["host_gap_us"] == 500 and summary["launch_gap_us"] == pytest.approx(2)
+    assert summary["graph_launches"] == 1 and summary["kernels"] == 8
+    configs = [c for c in summary["configs"] if c["family"] == "gemm"]
+    assert [(c["grid"], c["launches"]) for c in configs] == [("[4, 15, 1]", 1), ("[1, 1, 1]", 1)]
+
+
+def test_main_reads_gzip_and_writes_json(trace_summary, tmp_path, capsys):
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": EVENTS}, f)
+    trace_summary.main([str(path), "--out", str(tmp_path / "summary.json")])
+    out = capsys.readouterr().out
+    assert "moe" in out and "1 cudaGraphLaunch" in out
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert written["busy_us"] == 113 and written["floor_bytes"] is None
