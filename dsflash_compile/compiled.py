@@ -64,7 +64,8 @@ class CompileOptions:
     # automatic dynamic shapes for the blocks (torch.compile(dynamic=None)): the second size seen in a dimension
     # (batch bucket, prefill length) compiles one symbolic graph per role that every later size reuses, instead
     # of one static graph per size (tiny preset, 3 batch x 3 prefill buckets: 34 graphs instead of 66; on the
-    # H200 a flash-40l-e8 graph takes seconds to compile). Off until the H200 shows those kernels as fast
+    # H200 a flash-40l-e8 graph takes seconds to compile). Off until the H200 shows those kernels as fast; its
+    # first H200 run (serve bench, 11-30) failed in Inductor's coalesce tiling analysis, now off with it
     dynamic_shapes: bool = False
     backend: str = "inductor"  # torch.compile backend ("eager" / "aot_eager": quick graph checks in tests)
 
@@ -153,8 +154,14 @@ class CompiledRunner:
         graphs = 8 * len(self.batch_buckets) * (2 * len(self.prefill_buckets) + 2)
         for limit in ("cache_size_limit", "accumulated_cache_size_limit"):
             setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), graphs))
+        compile_kwargs = dict(backend=options.backend, fullgraph=True, dynamic=None if options.dynamic_shapes else False)
+        if options.dynamic_shapes and options.backend == "inductor":
+            # Inductor's coalesce tiling analysis does not handle symbolic sizes: on the H200 (torch 2.11, 11-30)
+            # it failed the serve compile with an AssertionError in tiling_utils.get_pw_red_splits (its config
+            # note: "does not yet apply to dynamic shapes"; pytorch/pytorch#197077)
+            compile_kwargs["options"] = {"triton.coalesce_tiling_analysis": False}
         for block in model.model.layers:
-            block.compile(backend=options.backend, fullgraph=True, dynamic=None if options.dynamic_shapes else False)
+            block.compile(**compile_kwargs)
         self.cuda_graphs = options.cuda_graphs and model.device.type == "cuda"
         self.graphs: dict[int, tuple] = {}  # batch bucket -> (graph, static ids, static mask, static logits)
         self.pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None

@@ -89,6 +89,13 @@ def test_dynamic_shapes_reuse_one_graph_from_the_second_batch_bucket_on(fresh_dy
     assert graphs[1] > graphs[0] and graphs[2] == graphs[1], graphs
 
 
+def test_dynamic_shapes_inductor_options_are_known(fresh_dynamo):
+    """With Inductor, dynamic_shapes turns off its coalesce tiling analysis (which fails on symbolic sizes):
+    torch.compile checks the option's name when the blocks are wrapped, before anything runs."""
+    dsflash_compile.compile(tiny_model(), max_batch=2, max_length=64, batch_buckets=(1, 2), prefill_buckets=(16,),
+                            dynamic_shapes=True)
+
+
 @torch.no_grad()
 def test_padded_batch_rows_are_inert(fresh_dynamo):
     """Rows padded up to the bucket change nothing but GEMM shapes: logits equal within fp32 rounding."""

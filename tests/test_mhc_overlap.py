@@ -52,10 +52,17 @@ def test_split_ops_equal_the_fused_ops(device, lead):
     out, streams, post, comb, pre_lagged, fn, scale, base, weight = (t.to(device) for t in seam_args(lead))
     fused = ops.mhc_seam(out, streams, post, comb, pre_lagged, fn, scale, base, weight, NORM_EPS, HC_EPS, ITERS)
     got = split_seam(out, streams, post, comb, pre_lagged, fn, scale, base, weight)
-    assert all(torch.equal(g, w) for g, w in zip(got, fused, strict=True))
+    assert_same_bits(got, fused, ("new streams", "normed", "pre", "post", "comb"))
     fused = ops.mhc_entry_seam(streams, pre_lagged, fn, scale, base, weight, NORM_EPS, HC_EPS, ITERS)
     got = split_entry_seam(streams, pre_lagged, fn, scale, base, weight)
-    assert all(torch.equal(g, w) for g, w in zip(got, fused, strict=True))
+    assert_same_bits(got, fused, ("entry normed", "entry pre", "entry post", "entry comb"))
+
+
+def assert_same_bits(got, want, names):
+    """Names each output that differs, with its largest difference and how many values differ."""
+    differ = {name: (f"{(g.float() - w.float()).abs().max().item():.3g}", int((g != w).sum()))
+              for name, g, w in zip(names, got, want, strict=True) if not torch.equal(g, w)}
+    assert not differ, f"split != fused (max |diff|, values differing): {differ}"
 
 
 def test_split_ops_opcheck():
