@@ -45,6 +45,12 @@ TARGET_PROGRAMS = 264
 MAX_EXPERTS_P2 = 512  # the top-k holds [16, E_PAD] int64 keys in registers: 64 per thread at 4 warps
 
 
+def warps_for(x_dtype: torch.dtype) -> int:
+    """fp32 activations (an fp32 model; the bf16 model feeds bf16) take 8 warps: at 4 their IEEE fp32 dot
+    beside the top-k's keys spilled 312 bytes of stack on sm_90 (255 registers); 8 warps halve the keys."""
+    return 8 if x_dtype == torch.float32 else 4
+
+
 @triton.jit
 def _sqrt_softplus(x):
     """sqrt(softplus(x)) as torch computes it (threshold 20), fp32."""
@@ -176,4 +182,5 @@ def _launch(x, weight, bias, weights, ids, topk, normalize, scale, splits):
         ids, tokens, dim, experts, k_per_split, scale,
         TOPK=topk, K_PAD=triton.next_power_of_2(topk), E_PAD=triton.next_power_of_2(experts),
         SPLITS_PAD=triton.next_power_of_2(splits), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K,
-        NORMALIZE=normalize, X_FP32=x.dtype == torch.float32, FP32_DOT=x.device.type != "cuda", num_warps=4)
+        NORMALIZE=normalize, X_FP32=x.dtype == torch.float32, FP32_DOT=x.device.type != "cuda",
+        num_warps=warps_for(x.dtype))
