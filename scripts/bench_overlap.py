@@ -46,13 +46,15 @@ def concurrent_us(trace_path: str, name: str = "_seam_kernel") -> float:
     return total
 
 
-def compile_variant(model, variant: str, batches: list[int], max_length: int, context: int, gen):
+def compile_variant(model, variant: str, batches: list[int], max_length: int, context: int, gen,
+                    dynamic_shapes: bool = False):
     """Compile for `variant` ("fused" or "overlap") and capture its decode graphs. Returns the runner and
     batch -> step function (a step replays the graph; the cache is rewound to `context` before it fills)."""
     torch._dynamo.reset()
     model.compiled_runner = None
     dsflash_compile.compile(model, max_batch=max(batches), max_length=max_length, batch_buckets=tuple(batches),
-                            mhc_overlap=variant != "fused", mhc_overlap_max_tokens=max(batches))
+                            mhc_overlap=variant != "fused", mhc_overlap_max_tokens=max(batches),
+                            dynamic_shapes=dynamic_shapes)
     runner = model.compiled_runner
     steps = {}
     for batch in batches:  # ascending: the last fill leaves every row at `context` tokens
@@ -100,6 +102,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dynamic-shapes", action="store_true",
+                        help="CompileOptions.dynamic_shapes for both variants: one symbolic decode graph from the second "
+                             "batch on, about 2 compiles per variant instead of one per batch")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     batches = sorted(args.batch)
@@ -111,11 +116,12 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     max_length = args.context + args.steps + 64
     result = {**run_metadata(), "preset": args.preset, "context": args.context, "steps": args.steps,
-              "repeats": args.repeats, "batches": {str(b): {} for b in batches}}
+              "repeats": args.repeats, "dynamic_shapes": args.dynamic_shapes, "batches": {str(b): {} for b in batches}}
 
     steps = {}
     for variant in ("fused", "overlap"):
-        runner, steps[variant] = compile_variant(model, variant, batches, max_length, args.context, gen)
+        runner, steps[variant] = compile_variant(model, variant, batches, max_length, args.context, gen,
+                                                 args.dynamic_shapes)
         result[f"{variant}_pass_matches"] = dict(runner.pass_manager.matches)
     steps["split"] = split_variant(runner, steps["overlap"])
     save_results(result, name, args.out)
