@@ -103,8 +103,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dynamic-shapes", action="store_true",
-                        help="CompileOptions.dynamic_shapes for both variants: one symbolic decode graph from the second "
-                             "batch on, about 2 compiles per variant instead of one per batch")
+                        help="CompileOptions.dynamic_shapes for both variants: one symbolic decode graph from the "
+                             "second batch on, about 2 compiles per variant instead of one per batch")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     batches = sorted(args.batch)
