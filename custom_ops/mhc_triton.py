@@ -12,7 +12,7 @@ normalises the block's collapsed rows in place and resets the counter for the ne
 Rounding points are the reference's: fp32 math, bf16 casts of the new streams and of the collapse.
 One token per program by default (block_t > 1 reuses the fn tile over a serial token loop, which the H200
 sweep found slower); more than 16 tokens take wider D chunks. Full seams of ROWS_MIN_TOKENS tokens or more
-run mhc_rows_triton.py's kernel instead (blocks of tokens, the mixes as a matmul, no partials).
+run mhc_rows_triton.py's kernel instead (blocks of tokens, the mixes as a matmul, D split while few blocks).
 The counters (block_counters.py) are shared with the router and rows kernels and a launch leaves them at zero:
 one seam or router in flight per device on the "main" lane.
 
