@@ -12,9 +12,9 @@ normalises the block's collapsed rows in place and resets the counter for the ne
 Rounding points are the reference's: fp32 math, bf16 casts of the new streams and of the collapse.
 One token per program by default (block_t > 1 reuses the fn tile over a serial token loop, which the H200
 sweep found slower); more than 16 tokens take wider D chunks. Full seams of ROWS_MIN_TOKENS tokens or more
-run mhc_rows_triton.py's kernel instead (blocks of tokens, the mixes as a matmul, no partials).
-The counters are shared with the router kernel (router_triton.py) and a launch leaves them at zero: one
-seam or router in flight per device on the "main" lane.
+run mhc_rows_triton.py's kernel instead (blocks of tokens, the mixes as a matmul, D split while few blocks).
+The counters (block_counters.py) are shared with the router and rows kernels and a launch leaves them at zero:
+one seam or router in flight per device on the "main" lane.
 
 The overlapped seam (mhc_split.py, issue 8) launches this kernel twice with half of it switched off by the
 constexprs MIXES and COLLAPSE: the sublayer's input (expansion, collapse, RMSNorm) and the mixes (GEMV,
@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from . import mhc_rows_triton
+from .block_counters import block_counters
 from .mhc_sinkhorn_triton import _sinkhorn
 
 
@@ -130,9 +131,6 @@ def _finish_token(row, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, nor
 BLOCK_D = 64
 WIDE_BLOCK_D = 128
 NORM_BLOCK = 1024
-_COUNTER_SLOTS = 4096
-_counters: dict = {}
-_outgrown: list = []  # smaller buffers replaced by larger ones, never freed
 
 
 def kernel_fits(streams, fn=None) -> bool:
@@ -148,22 +146,6 @@ def _columns_per_program(tokens: int) -> int:
     against 84 and 771 us for 16 tokens x 64 columns (the fn tile's reuse does not pay for the serial token
     loop and the serial finish of a block)."""
     return BLOCK_D if tokens <= 16 else WIDE_BLOCK_D
-
-
-def _block_counters(device: torch.device, blocks: int, lane: str = "main") -> torch.Tensor:
-    """Zeroed int32 counters, kept per device and lane (each launch leaves them at zero) so a call needs no
-    memset. Kernels of one lane never run at the same time; the mixes launch of an overlapped seam runs on
-    the side stream beside the router and seam kernels, so it counts on lane "side"."""
-    key = (device, lane)
-    buf = _counters.get(key)
-    if buf is not None and buf.numel() >= blocks:
-        return buf
-    buf = torch.zeros(max(blocks, _COUNTER_SLOTS), dtype=torch.int32, device=device)
-    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():  # never keep a graph-pool buffer
-        if key in _counters:  # graphs captured earlier still point at the old buffer: keep it alive
-            _outgrown.append(_counters[key])
-        _counters[key] = buf
-    return buf
 
 
 def takes_rows(tokens: int, mixes: bool, collapse: bool) -> bool:
@@ -213,7 +195,7 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
         blocks = triton.cdiv(tokens, block_t)
         partial = flat.new_empty(tokens, chunks, part, dtype=torch.float32)
         _seam_kernel[(blocks, chunks)](
-            *tensors, partial, _block_counters(flat.device, blocks, "main" if collapse else "side"), tokens,
+            *tensors, partial, block_counters(flat.device, blocks, "main" if collapse else "side"), tokens,
             norm_eps, hc_eps, iters, HC=hc, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, PART=part,
             CHUNKS_PAD=triton.next_power_of_2(chunks), NORM_BLOCK=min(NORM_BLOCK, triton.next_power_of_2(dim)),
             HAS_POST=has_post, MIXES=mixes, COLLAPSE=collapse, num_warps=num_warps)

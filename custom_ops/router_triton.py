@@ -18,10 +18,10 @@ The top-k then needs every expert's score, so two counters chain the reductions 
      equal scores), so exact ties are the one place the ids may differ from the reference. The picked
      unbiased scores are gathered back from the scores just stored, then normalised and scaled.
 
-Each launch leaves its counters at zero (the persistent per-device buffer of mhc_triton, so a call needs
-no memset and the kernel is CUDA-graph safe; scratch buffers have shapes fixed by the token count; more
-than ~2600 tokens take several launches, see fused_router_triton). Only one
-router or mHC seam may run at a time on a device (one stream).
+Each launch leaves its counters at zero (the persistent per-device buffer of block_counters.py, so a call
+needs no memset and the kernel is CUDA-graph safe; scratch buffers have shapes fixed by the token count; more
+than ~2600 tokens take several launches, see fused_router_triton). Only one router or mHC seam may run at a
+time on a device (one stream).
 
 Numerics: bf16 x bf16 products are exact in fp32 and accumulate in fp32 (tensor cores); fp32 activations
 take an IEEE fp32 dot (not TF32). softplus is torch's: the identity above 20, else log1p(exp(x)), with
@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _dot
-from .mhc_triton import _COUNTER_SLOTS, _block_counters
+from .block_counters import COUNTER_SLOTS, block_counters
 
 BLOCK_T = 16  # tokens per program: the smallest tl.dot tile, so decode batches up to 64 get 1-4 token blocks
 BLOCK_E = 16  # experts per program: the gate is split finely enough to spread one token's GEMV
@@ -158,9 +158,9 @@ def fused_router_triton(x, weight, bias, topk, normalize, scale, splits=None, la
     weights = x.new_empty(tokens, topk, dtype=torch.float32)
     ids = x.new_empty(tokens, topk, dtype=torch.int64)
     # A launch takes expert blocks + 1 counters per token block. Staying within the persistent buffer's
-    # _COUNTER_SLOTS (2608 tokens at 384 experts) means it is never replaced, which would leave the graphs
+    # COUNTER_SLOTS (2608 tokens at 384 experts) means it is never replaced, which would leave the graphs
     # captured with it pointing at freed memory; longer prefill chunks take several launches.
-    chunk = launch_tokens or BLOCK_T * (_COUNTER_SLOTS // (triton.cdiv(experts, BLOCK_E) + 1))
+    chunk = launch_tokens or BLOCK_T * (COUNTER_SLOTS // (triton.cdiv(experts, BLOCK_E) + 1))
     for start in range(0, tokens, chunk):
         rows = slice(start, start + chunk)
         _launch(x[rows], weight, bias, weights[rows], ids[rows], topk, normalize, scale, splits)
@@ -178,7 +178,7 @@ def _launch(x, weight, bias, weights, ids, topk, normalize, scale, splits):
     partial = x.new_empty(tokens, splits, experts, dtype=torch.float32)
     scores = x.new_empty(tokens, experts, dtype=torch.float32)
     _router_kernel[(token_blocks, expert_blocks, splits)](
-        x, weight, bias, partial, scores, _block_counters(x.device, (expert_blocks + 1) * token_blocks), weights,
+        x, weight, bias, partial, scores, block_counters(x.device, (expert_blocks + 1) * token_blocks), weights,
         ids, tokens, dim, experts, k_per_split, scale,
         TOPK=topk, K_PAD=triton.next_power_of_2(topk), E_PAD=triton.next_power_of_2(experts),
         SPLITS_PAD=triton.next_power_of_2(splits), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K,

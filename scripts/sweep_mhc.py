@@ -9,15 +9,17 @@ Without --rows: tokens per program, columns per program and warps at 1 / 16 / 64
 keeps mhc_triton.py's kernel at any count). Its first sweep (11-30, at 64 and 1024 tokens) set the default
 launches; the token blocks it found slow (16 tokens per program: 2-5x) are left out of the grid.
 
---rows: the rows kernel at 64 ... 8192 tokens (prefill chunks, batched decode), beside mhc_triton.py's kernel
-at its default launch; it prints the fastest launch per token count and the smallest swept count from which
-the rows kernel wins (for mhc_rows_triton.LAUNCH and ROWS_MIN_TOKENS). Its grid: BLOCK_T 16/32/64, BLOCK_D
-32/64/128, 4/8 warps, "ieee"/"tf32x3" dots, keeping the tiles of at most 8 values per thread (BLOCK_T BLOCK_D
-<= 256 warps): 18 launches. The larger tiles spilled registers in offline sm_90 compiles (some also exceed
-the shared memory) and take 5-40 s each to compile; of the 18, four tf32x3 launches spill 8-256 bytes.
-GPU time: about 1 minute of compiles (the 18 took 45 s on a 2-core machine, plus the one-token kernel) and
-some 10 s of runs (5 x 19 variants, each a check and 221 calls; at 8192 tokens the rows kernel should take
-under 1 ms, the one-token kernel about 3 ms).
+--rows: the rows kernel at 64 ... 4096 tokens (prefill chunks, batched decode, bounded replay's trimmed
+layers at 128), beside mhc_triton.py's kernel at its default launch and the rows kernel at its default launch
+(LAUNCH, split_plan's splits); it prints the fastest launch per token count and the smallest swept count from
+which the rows kernel wins (for mhc_rows_triton.LAUNCH, TARGET_PROGRAMS and ROWS_MIN_TOKENS). Its grid: the
+tiles of 8 values a thread (BLOCK_T BLOCK_D = 256 warps: 16 x 64 and 32 x 32 at 4 warps, 16 x 128, 32 x 64 and
+64 x 32 at 8), the five fastest of the 11-30 sweep (mhc-rows-sweep-2026-11-30.json; smaller tiles were 2-9x
+slower, larger ones spilled), TF32x3 dots only ("ieee" was 2.7-3.5x slower at every count), each with 1, 2,
+4 ... 64 D splits as split_plan evens them out (64 of 80 chunks: 40), duplicates and launches of more than
+2 TARGET_PROGRAMS programs left out: 141 launches at the five default counts. GPU time: about a minute of
+compiles (two variants per tile: one split or several) and some 30 s of runs (each a check and 221 calls;
+the rows kernel should take ~20-100 us from 64 to 1024 tokens with the splits, ~360 us at 4096).
 """
 
 from __future__ import annotations
@@ -33,14 +35,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_mhc import HC_EPS, ITERS, NORM_EPS, errors, make_case  # noqa: E402
 
 from dsflash_compile.benchmarking import print_table, run_metadata, save_results, sweep_variant  # noqa: E402
-from dsflash_compile.custom_ops import mhc_triton  # noqa: E402
+from dsflash_compile.custom_ops import mhc_rows_triton, mhc_triton  # noqa: E402
 from dsflash_compile.custom_ops.mhc import entry_seam_reference, seam_reference  # noqa: E402
 
 COLUMNS = [("tokens", "tokens", "d"), ("tokens/program", "block_t", "d"), ("columns/program", "block_d", "d"),
            ("warps", "num_warps", "d"), ("us", "s", ".2f", 1e6), ("agrees", "agrees", "")]
 ROWS_COLUMNS = [("tokens", "tokens", "d"), ("kernel", "kernel", ""), ("tokens/program", "block_t", "d"),
-                ("columns/program", "block_d", "d"), ("warps", "num_warps", "d"), ("dot", "precision", ""),
-                ("us", "s", ".2f", 1e6), ("agrees", "agrees", "")]
+                ("columns/chunk", "block_d", "d"), ("warps", "num_warps", "d"), ("dot", "precision", ""),
+                ("D splits", "splits", "d"), ("us", "s", ".2f", 1e6), ("agrees", "agrees", "")]
+SPLITS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def case(tokens: int):
@@ -72,16 +75,26 @@ def sweep(tokens: int) -> list[dict]:
 
 
 def sweep_rows(tokens: int) -> list[dict]:
-    """The rows kernel's grid (see the module docstring) and mhc_triton.py's kernel at its default launch."""
+    """The rows kernel's grid (see the module docstring), its default launch and mhc_triton.py's kernel at its
+    default launch."""
     args, agrees = case(tokens)
+    dim = args[1].shape[-1]
     rows = [sweep_variant({"tokens": tokens, "kernel": "seam"},
                           lambda: mhc_triton.mhc_seam_triton(*args, rows=False), agrees)]
-    for block_t, block_d, warps, precision in itertools.product((16, 32, 64), (32, 64, 128), (4, 8),
-                                                                ("ieee", "tf32x3")):
-        if block_t * block_d > 256 * warps:
+    launches = [("rows default", mhc_rows_triton.LAUNCH)]
+    for block_t, block_d, warps in itertools.product((16, 32, 64), (32, 64, 128), (4, 8)):
+        if block_t * block_d != 256 * warps:
             continue
-        launch = {"block_t": block_t, "block_d": block_d, "num_warps": warps, "precision": precision}
-        row = {"tokens": tokens, "kernel": "rows", **launch}
+        tile = {"block_t": block_t, "block_d": block_d, "num_warps": warps, "precision": "tf32x3"}
+        seen = set()
+        for wanted in SPLITS:
+            blocks, splits, _ = mhc_rows_triton.split_plan(tokens, dim, {**tile, "splits": wanted})
+            if splits not in seen and blocks * splits <= 2 * mhc_rows_triton.TARGET_PROGRAMS:
+                seen.add(splits)
+                launches.append(("rows", {**tile, "splits": splits}))
+    for kernel, launch in launches:
+        row = {"tokens": tokens, "kernel": kernel, **launch,
+               "splits": mhc_rows_triton.split_plan(tokens, dim, launch)[1]}
         try:
             rows.append(sweep_variant(row, lambda: mhc_triton.mhc_seam_triton(*args, rows=True, rows_launch=launch),
                                       agrees))
@@ -99,8 +112,10 @@ def print_rows_summary(rows: list[dict], tokens: list[int]) -> None:
         seam = next(r for r in rows if r["tokens"] == n and r["kernel"] == "seam")
         best = min((r for r in rows if r["tokens"] == n and r["kernel"] == "rows" and r["agrees"]),
                    key=lambda r: r["s"], default=None)
+        default = next(r for r in rows if r["tokens"] == n and r["kernel"] == "rows default")
         wins[n] = best is not None and best["s"] < seam["s"]
-        print(f"{n} tokens: one-token kernel {seam['s'] * 1e6:.1f} us, best rows launch {best}")
+        print(f"{n} tokens: one-token kernel {seam['s'] * 1e6:.1f} us, rows default launch {default['s'] * 1e6:.1f} us "
+              f"(D splits: {default['splits']}), best rows launch {best}")
     from_here = [n for n in tokens if all(wins[m] for m in tokens if m >= n)]
     print(f"ROWS_MIN_TOKENS: {min(from_here) if from_here else 'none of ' + str(tokens)} (of the swept counts)")
 
@@ -108,12 +123,12 @@ def print_rows_summary(rows: list[dict], tokens: list[int]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", action="store_true", help="sweep mhc_rows_triton.py's kernel instead")
-    parser.add_argument("--tokens", type=int, nargs="+", help="default: 1 16 64 256, with --rows 64 ... 8192")
+    parser.add_argument("--tokens", type=int, nargs="+", help="default: 1 16 64 256, with --rows 64 ... 4096")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sweep_mhc.py needs a CUDA device")
-    tokens = args.tokens or ([64, 256, 1024, 4096, 8192] if args.rows else [1, 16, 64, 256])
+    tokens = args.tokens or ([64, 128, 256, 1024, 4096] if args.rows else [1, 16, 64, 256])
     rows = [row for n in tokens for row in (sweep_rows(n) if args.rows else sweep(n))]
     print_table(rows, ROWS_COLUMNS if args.rows else COLUMNS)
     if args.rows:

@@ -76,6 +76,11 @@ ROWS_CASES = {  # name: (leading dims, D, rows_launch): mhc_rows_triton's kernel
     "rows_prefill": ((37,), 96, {}),
     "rows_batch_seq": ((2, 19), 64, {"block_t": 32, "block_d": 32}),
     "rows_short": ((20,), 96, {"block_d": 32, "num_warps": 8}),
+    # D splits: a short last split with a partial chunk; split_plan's default (4 splits of one chunk); more
+    # splits than SPLIT_GROUP (two group loads of partials)
+    "rows_split": ((37,), 80, {"block_d": 32, "splits": 2}),
+    "rows_split_default": ((20,), 64, {"block_d": 16}),
+    "rows_split_groups": ((2, 9), 160, {"block_d": 16, "splits": 10}),
 }
 
 
@@ -145,20 +150,41 @@ def test_seam_kernel_compiles_for_hopper(has_post, block_t, block_d):
     assert usage["STACK"] == 0, usage
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("has_post", [True, False])
-def test_rows_kernel_compiles_for_hopper(has_post):
-    """Release dims, the rows kernel's default launch, both ops: sm_90 code without spills. The pointers are
-    16-byte aligned, as torch allocates them and as Triton specializes the launch (vectorised, pipelined
-    loads); unaligned ones would compile another variant."""
+def test_rows_kernel_compiles_for_hopper(has_post, split):
+    """Release dims, the rows kernel's default launch with one D split and with several (partials, counters,
+    the finishing program's wider normalisation tiles), both ops: sm_90 code without spills. The pointers
+    (and the columns per split, a multiple of BLOCK_D) are 16-byte aligned, as torch allocates them and as
+    Triton specializes the launch (vectorised, pipelined loads); unaligned ones would compile another variant."""
     from dsflash_compile.custom_ops import mhc_rows_triton
 
     launch = mhc_rows_triton.LAUNCH
-    args = {name: kind for name, kind in KERNEL_ARGS.items() if name not in ("partial_ptr", "counter_ptr")}
-    constexprs = dict(HC=4, D=5120, BLOCK_T=launch["block_t"], BLOCK_D=launch["block_d"], MIX_PAD=32,
-                      HAS_POST=has_post, PRECISION=launch["precision"])
+    norm_d = mhc_rows_triton.NORM_TILE // launch["block_t"] if split else launch["block_d"]
+    constexprs = dict(HC=4, D=5120, BLOCK_T=launch["block_t"], BLOCK_D=launch["block_d"], MIX_PAD=32, NORM_D=norm_d,
+                      HAS_POST=has_post, PRECISION=launch["precision"], SPLIT=split)
+    args = {name: KERNEL_ARGS.get(name, "i32") for name in mhc_rows_triton._seam_rows_kernel.arg_names
+            if name not in constexprs}  # span: i32
     usage = check_compiles_for_hopper(mhc_rows_triton, ("_seam_rows_kernel", args, constexprs, launch["num_warps"]),
-                                      divisible_by_16=[name for name, kind in args.items() if kind.startswith("*")])
+                                      divisible_by_16=[name for name, kind in args.items() if kind.startswith("*")]
+                                      + ["span"])
     assert usage["STACK"] == 0, usage
+
+
+def test_rows_split_plan(monkeypatch):
+    """D splits from the shapes (release D: 80 chunks of 64): about TARGET_PROGRAMS programs by default, whole
+    chunks per split and none left empty, one split once the token blocks fill the GPU."""
+    from dsflash_compile.custom_ops import mhc_rows_triton
+    from dsflash_compile.custom_ops.mhc_rows_triton import LAUNCH, split_plan
+
+    monkeypatch.setattr(mhc_rows_triton, "TARGET_PROGRAMS", 264)
+    assert split_plan(64, 5120, LAUNCH) == (4, 40, 128)  # 66 wanted: 2 chunks each
+    assert split_plan(128, 5120, LAUNCH) == (8, 27, 192)
+    assert split_plan(1024, 5120, LAUNCH) == (64, 4, 1280)
+    assert split_plan(4096, 5120, LAUNCH) == (256, 1, 5120)
+    assert split_plan(64, 5120, {**LAUNCH, "splits": 1}) == (4, 1, 5120)
+    assert split_plan(64, 5120, {**LAUNCH, "splits": 64}) == (4, 40, 128)
+    assert split_plan(64, 96, {**LAUNCH, "splits": 8}) == (4, 2, 64)
 
 
 class RecordedKernel:
@@ -173,7 +199,7 @@ class RecordedKernel:
 
 def test_full_seams_of_many_tokens_take_the_rows_kernel(monkeypatch):
     """mhc_seam_triton's dispatch (host code; the launches recorded, not run): full seams from ROWS_MIN_TOKENS
-    tokens take the rows kernel, one program per block of tokens; fewer tokens and the split launches (mixes
+    tokens take the rows kernel, a program per (block of tokens, D split); fewer tokens and the split launches (mixes
     or collapse off: they must equal _seam_kernel's one launch) take _seam_kernel."""
     pytest.importorskip("triton")
     from dsflash_compile.custom_ops import mhc_rows_triton, mhc_triton
@@ -184,8 +210,9 @@ def test_full_seams_of_many_tokens_take_the_rows_kernel(monkeypatch):
     monkeypatch.setattr(mhc_rows_triton, "_seam_rows_kernel", RecordedKernel("rows", calls))
     block_t = mhc_rows_triton.LAUNCH["block_t"]
     least = mhc_rows_triton.ROWS_MIN_TOKENS
+    dim = 1024  # 16 chunks of 64 to split
     for tokens in (1, least - 1, least, 4 * least + 3):
-        out, streams, post, comb, pre_lagged, fn, scale, base, weight = seam_args((tokens,))
+        out, streams, post, comb, pre_lagged, fn, scale, base, weight = seam_args((tokens,), dim=dim)
         consts = (NORM_EPS, HC_EPS, ITERS)
         calls.clear()
         mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, weight, *consts)
@@ -194,8 +221,11 @@ def test_full_seams_of_many_tokens_take_the_rows_kernel(monkeypatch):
         mhc_seam_triton(None, streams, None, None, None, fn, scale, base, None, *consts, collapse=False)
         full = "rows" if tokens >= least else "seam"
         assert [name for name, _, _ in calls] == [full, full, "seam", "seam"], tokens
-        if full == "rows":
-            assert [grid for _, grid, _ in calls[:2]] == [((tokens + block_t - 1) // block_t,)] * 2
+        if full == "rows":  # (token blocks, D splits) as split_plan says: several where the blocks are few
+            blocks, splits, _ = mhc_rows_triton.split_plan(tokens, dim, mhc_rows_triton.LAUNCH)
+            assert blocks == (tokens + block_t - 1) // block_t
+            assert [grid for _, grid, _ in calls[:2]] == [(blocks, splits)] * 2
+            assert [constexprs["SPLIT"] for _, _, constexprs in calls[:2]] == [splits > 1] * 2
             assert [constexprs["HAS_POST"] for _, _, constexprs in calls[:2]] == [True, False]
     with pytest.raises(ValueError, match="full seams only"):
         mhc_seam_triton(out, streams, post, comb, pre_lagged, None, None, None, weight, *consts, mixes=False, rows=True)
