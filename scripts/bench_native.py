@@ -43,13 +43,34 @@ def error(got, want, mag) -> float:
     return float(((got.float() - want.float()).abs() / mag.float().clamp_min(1e-30)).max())
 
 
-def bench_projection(name, n, k, groups, tokens, gen) -> dict:
+def projection_case(n, k, groups, tokens, gen):
+    """Activations, an FP8 weight, its scales, the weight dequantized, the reference output and sum |x| |w|."""
     x = torch.randn(tokens, groups * k, generator=gen, device="cuda").bfloat16()
     weight, scale = formats.quant_fp8_block(torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5)
-    dense = formats.dequant_fp8_block(weight, scale)
-    row = {"name": name, "tokens": tokens}
     want = fp8_block_linear_reference(x, weight, scale, groups)
     mag = fp8_block_linear_reference(x.abs(), weight.float().abs().to(torch.float8_e4m3fn), scale, groups)
+    return x, weight, scale, formats.dequant_fp8_block(weight, scale), want, mag
+
+
+def experts_case(n, k, tokens, gen):
+    """Rows sorted by expert for top-TOPK random routing, the stacked MXFP4 experts and scales, offsets, the
+    bf16 stack, the reference output, sum |x| |w| and the share of experts used."""
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen, device="cuda")[:TOPK] for _ in range(tokens)]).flatten()
+    counts = torch.bincount(ids, minlength=EXPERTS)
+    offsets = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(ids.numel(), k, generator=gen, device="cuda").bfloat16()
+    encoded = [formats.quant_mxfp4(torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5) for _ in range(EXPERTS)]
+    weight, scale = (torch.stack(t) for t in zip(*encoded))
+    del encoded
+    dense = torch.stack([formats.dequant_mxfp4(w, s) for w, s in zip(weight, scale)])
+    want = mxfp4_grouped_mm_reference(x, weight, scale, offsets)
+    mag = mxfp4_grouped_mm_reference(x.abs(), weight & 0x77, scale, offsets)
+    return x, weight, scale, offsets, dense, want, mag, int((counts > 0).sum()) / EXPERTS
+
+
+def bench_projection(name, n, k, groups, tokens, gen) -> dict:
+    x, weight, scale, dense, want, mag = projection_case(n, k, groups, tokens, gen)
+    row = {"name": name, "tokens": tokens}
     row["err"] = error(fp8_block_linear_triton(x, weight, scale, groups), want, mag)
     timed(row, "bf16_s", lambda: time_graph(lambda: block_diagonal_linear(x, dense, groups)))
     timed(row, "native_s", lambda: time_graph(lambda: fp8_block_linear_triton(x, weight, scale, groups)))
@@ -64,21 +85,11 @@ def bench_projection(name, n, k, groups, tokens, gen) -> dict:
 
 
 def bench_experts(name, n, k, tokens, gen) -> dict:
-    ids = torch.stack([torch.randperm(EXPERTS, generator=gen, device="cuda")[:TOPK] for _ in range(tokens)]).flatten()
-    counts = torch.bincount(ids, minlength=EXPERTS)
-    offsets = counts.cumsum(0).to(torch.int32)
-    x = torch.randn(ids.numel(), k, generator=gen, device="cuda").bfloat16()
-    encoded = [formats.quant_mxfp4(torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5) for _ in range(EXPERTS)]
-    weight, scale = (torch.stack(t) for t in zip(*encoded))
-    del encoded
-    dense = torch.stack([formats.dequant_mxfp4(w, s) for w, s in zip(weight, scale)])
-    row = {"name": name, "tokens": tokens, "experts_used": int((counts > 0).sum())}
-    want = mxfp4_grouped_mm_reference(x, weight, scale, offsets)
-    mag = mxfp4_grouped_mm_reference(x.abs(), weight & 0x77, scale, offsets)
+    x, weight, scale, offsets, dense, want, mag, used = experts_case(n, k, tokens, gen)
+    row = {"name": name, "tokens": tokens, "experts_used": round(used * EXPERTS)}
     row["err"] = error(grouped_mm_triton(x, weight, scale, offsets), want, mag)
     timed(row, "bf16_s", lambda: time_graph(lambda: torch._grouped_mm(x, dense.transpose(1, 2), offs=offsets)))
     timed(row, "native_s", lambda: time_graph(lambda: grouped_mm_triton(x, weight, scale, offsets)))
-    used = row["experts_used"] / EXPERTS
     finish(row, used * (weight.numel() + scale.numel()), used * 2 * dense.numel())
     return row
 

@@ -160,21 +160,26 @@ def test_mxfp4_grouped_mm_errors_name_the_problem():
 
 # ------------------------------------------------------------------------------ the Triton kernels
 
-# name: (rows, outputs, inputs, groups, K splits (None: default))
+# name: (rows, outputs, inputs, groups, launch keywords); every launch of scripts/sweep_native.py's grid once
 FP8_CASES = {
-    "decode_one_token": (1, 64, 256, 1, None),
-    "ragged_rows_and_inputs": (19, 96, 200, 1, None),
-    "split_k": (5, 64, 384, 1, 3),
-    "groups": (3, 128, 64, 2, None),
-    "groups_split_k": (2, 128, 384, 2, 3),
-    "block_m_64": (33, 32, 64, 1, 1),
+    "decode_one_token": (1, 64, 256, 1, {}),
+    "ragged_rows_and_inputs": (19, 96, 200, 1, {}),
+    "split_k": (5, 64, 384, 1, dict(splits=3)),
+    "groups": (3, 128, 64, 2, {}),
+    "groups_split_k": (2, 128, 384, 2, dict(splits=3)),
+    "block_m_64": (33, 32, 64, 1, dict(splits=1, block_m=64)),
+    "block_n_32_uneven_split": (2, 64, 640, 1, dict(block_n=32, splits=2)),
+    "block_n_128_block_k_256": (3, 256, 768, 2, dict(block_n=128, block_k=256, num_stages=4)),
+    "programs_per_sm_4": (1, 64, 1024, 1, dict(programs_per_sm=4)),
 }
-# name: (rows per expert, outputs, inputs); the MXFP4 and the bf16 kernel run each
+# name: (rows per expert, outputs, inputs, MXFP4 launch keywords); the MXFP4 and the bf16 kernel run each
 GROUPED_CASES = {
-    "decode_one_row_per_expert": ([1, 0, 1, 1, 0, 0, 1], 64, 128),
-    "more_rows_than_a_tile": ([17, 0, 2, 33], 96, 64),
-    "one_expert_ragged_inputs": ([0, 5, 0], 32, 96),
-    "ragged_outputs_several_k_blocks": ([2, 1], 40, 288),
+    "decode_one_row_per_expert": ([1, 0, 1, 1, 0, 0, 1], 64, 128, {}),
+    "more_rows_than_a_tile": ([17, 0, 2, 33], 96, 64, {}),
+    "one_expert_ragged_inputs": ([0, 5, 0], 32, 96, {}),
+    "ragged_outputs_several_k_blocks": ([2, 1], 40, 288, {}),
+    "block_n_16_block_k_256": ([1, 2, 0, 1], 48, 512, dict(block_n=16, block_k=256, num_stages=4)),
+    "block_n_32_warps_8": ([1, 0, 3], 64, 384, dict(block_n=32, num_warps=8)),
 }
 
 
@@ -191,16 +196,15 @@ def interpreter_checks():
     from dsflash_compile.custom_ops.mxfp4_experts import grouped_mm_reference, mxfp4_grouped_mm_reference
     from dsflash_compile.custom_ops.mxfp4_experts_triton import grouped_mm_triton
 
-    for name, (rows, n, k, groups, splits) in FP8_CASES.items():
+    for name, (rows, n, k, groups, launch) in FP8_CASES.items():
         x, weight, scale = fp8_case(rows, n, k, groups)
-        block_m = 64 if name == "block_m_64" else None
-        got = fp8_block_linear_triton(x, weight, scale, groups, splits=splits, block_m=block_m)
+        got = fp8_block_linear_triton(x, weight, scale, groups, **launch)
         want = fp8_block_linear_reference(x, weight, scale, groups)
         mag = fp8_block_linear_reference(x.abs(), weight.float().abs().to(torch.float8_e4m3fn), scale, groups)
         report(dict(name="fp8_" + name, err=relative_error(got, want, mag.float())))
-    for name, (counts, n, k) in GROUPED_CASES.items():
+    for name, (counts, n, k, launch) in GROUPED_CASES.items():
         x, weight, scale, offsets = mxfp4_case(counts, n, k)
-        got = grouped_mm_triton(x, weight, scale, offsets)
+        got = grouped_mm_triton(x, weight, scale, offsets, **launch)
         want = mxfp4_grouped_mm_reference(x, weight, scale, offsets)
         mag = mxfp4_grouped_mm_reference(x.abs(), weight & 0x77, scale, offsets)  # sign bits cleared: |w|
         report(dict(name="mxfp4_" + name, err=relative_error(got, want, mag.float())))
@@ -223,28 +227,42 @@ def test_kernel_matches_reference(interpreted, name):
     assert interpreted[name]["err"] <= 2 ** -7, interpreted[name]
 
 
-@pytest.mark.parametrize("partial", [False, True])
-def test_fp8_kernel_compiles_for_hopper(partial):
+# (BLOCK_M, BLOCK_N, BLOCK_K, PARTIAL, PTX, EVEN_K): the defaults and the largest tiles of scripts/sweep_native.py
+# (whose shapes all have EVEN_K)
+@pytest.mark.parametrize("block_m, block_n, block_k, partial, ptx, even_k", [
+    (16, 64, 128, True, True, True), (16, 64, 128, False, False, False), (64, 64, 128, False, True, True),
+    (64, 128, 128, True, True, True), (64, 64, 256, True, True, True), (16, 32, 128, True, True, True)])
+def test_fp8_kernel_compiles_for_hopper_without_spills(block_m, block_n, block_k, partial, ptx, even_k):
     from dsflash_compile.custom_ops import fp8_linear_triton
 
     args = dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", out_ptr="*fp32" if partial else "*bf16", M="i32", N="i32",
                 K="i32", x_stride="i32", n_per_group="i32", k_blocks_per_split="i32")
-    constexprs = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PARTIAL=partial, FP32_DOT=False)
-    check_compiles_for_hopper(fp8_linear_triton, ("_fp8_linear_kernel", args, constexprs, 4))
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=partial, FP32_DOT=False, PTX=ptx,
+                      EVEN_K=even_k)
+    # specialized as a release launch is: torch's pointers and the release's sizes are multiples of 16
+    usage = check_compiles_for_hopper(fp8_linear_triton, ("_fp8_linear_kernel", args, constexprs, 4),
+                                      ("x_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K", "x_stride", "n_per_group"))
+    assert usage["STACK"] == 0, usage
+    args = dict(partial_ptr="*fp32", out_ptr="*bf16", numel="i32", splits="i32")
+    check_compiles_for_hopper(fp8_linear_triton, ("_sum_splits_kernel", args, dict(BLOCK=1024), 4))
 
 
-# (MXFP4, BLOCK_N, BLOCK_K, warps): the launches' defaults and the largest tiles of scripts/sweep_experts.py
-@pytest.mark.parametrize("mxfp4, block_n, block_k, warps", [(True, 64, 128, 4), (False, 32, 128, 4),
-                                                            (False, 64, 256, 8), (False, 16, 256, 4)])
-def test_grouped_kernel_compiles_for_hopper_without_spills(mxfp4, block_n, block_k, warps):
+# (MXFP4, PTX, BLOCK_N, BLOCK_K, warps): the launches' defaults and the largest tiles of scripts/sweep_experts.py
+# and scripts/sweep_native.py
+@pytest.mark.parametrize("mxfp4, ptx, block_n, block_k, warps", [
+    (True, True, 64, 128, 4), (True, False, 64, 128, 4), (True, True, 32, 256, 4), (True, True, 64, 256, 8),
+    (False, False, 32, 128, 4), (False, False, 64, 256, 8), (False, False, 16, 256, 4)])
+def test_grouped_kernel_compiles_for_hopper_without_spills(mxfp4, ptx, block_n, block_k, warps):
     from dsflash_compile.custom_ops import mxfp4_experts_triton
 
     weight = "*u8" if mxfp4 else "*bf16"
     args = dict(x_ptr="*bf16", w_ptr=weight, s_ptr="*u8" if mxfp4 else weight, offsets_ptr="*i32",
                 out_ptr="*bf16", E="i32", N="i32", K="i32")
     # E_PAD 512: the release's 384 experts
-    constexprs = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, E_PAD=512, MXFP4=mxfp4, FP32_DOT=False)
-    usage = check_compiles_for_hopper(mxfp4_experts_triton, ("_grouped_kernel", args, constexprs, warps))
+    constexprs = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, E_PAD=512, MXFP4=mxfp4, FP32_DOT=False,
+                      PTX=ptx)
+    usage = check_compiles_for_hopper(mxfp4_experts_triton, ("_grouped_kernel", args, constexprs, warps),
+                                      ("x_ptr", "w_ptr", "s_ptr", "offsets_ptr", "out_ptr", "N", "K"))
     assert usage["STACK"] == 0, usage
 
 
@@ -416,6 +434,30 @@ def test_fp8_block_linear_cuda_release_shapes(rows, shape):
     assert relative_error(got, want, mag.float()) <= 2 ** -7
     if rows == 8:
         opcheck(ops.fp8_block_linear.default, (x, weight, scale, groups))
+
+
+@requires_cuda
+@pytest.mark.parametrize("ptx", [False, True])
+def test_kernels_dequantize_every_code_exactly_on_cuda(ptx):
+    """x = identity rows, so each output is one product: the kernels' dequantized weights equal the references'
+    bit for bit, for every E4M3 code but NaN and every E2M1 byte, under scales from 2^-107 to 2^7."""
+    from dsflash_compile.custom_ops.fp8_linear_triton import fp8_block_linear_triton
+    from dsflash_compile.custom_ops.mxfp4_experts_triton import grouped_mm_triton
+
+    codes = torch.arange(256, dtype=torch.uint8, device="cuda")
+    codes[(codes & 0x7F) == 0x7F] = 0  # NaN
+    weight = codes.repeat(64, 1).view(torch.float8_e4m3fn)  # [64, 256]: each row every code
+    exps = torch.tensor([20, 100, 120, 127, 134], device="cuda").repeat(2, 2)[:, :8].to(torch.uint8)
+    scale = exps.view(torch.float8_e8m0fnu)  # [2, 8]: 32 x 32 tiles
+    x = torch.eye(256, device="cuda").bfloat16()
+    got = fp8_block_linear_triton(x, weight, scale, block_m=64, ptx=ptx)
+    assert torch.equal(got.t(), formats.dequant_fp8_block(weight, scale))
+    packed = torch.arange(256, device="cuda").to(torch.uint8).view(torch.int8).repeat(64, 1)[None]  # [1, 64, 256]
+    mx_scale = torch.tensor([20, 100, 110, 127, 128], device="cuda").repeat(64, 4)[None, :, :16].to(torch.uint8)
+    mx_scale = mx_scale.view(torch.float8_e8m0fnu)
+    x = torch.eye(512, device="cuda").bfloat16()
+    got = grouped_mm_triton(x, packed, mx_scale, torch.tensor([512], dtype=torch.int32, device="cuda"), ptx=ptx)
+    assert torch.equal(got.t(), formats.dequant_mxfp4(packed[0], mx_scale[0]))
 
 
 @requires_cuda
