@@ -3,8 +3,8 @@
 k picks per query among `scores[..., :R]`; a pick j with j >= visible[b, t] (fewer visible rows than k)
 becomes -1. Exact score ties at the cut go to the lower index (deterministic; the release's
 torch.topk(sorted=False) leaves them implementation-defined, so a tie may resolve differently from it).
-On CUDA the op runs the radix-select kernels of topk_triton.py (the same picks, without a sort of the
-whole row); the CPU path is the reference.
+On CUDA the op runs the Triton kernels of topk_triton.py (radix, row-wise or filter path, by shape: the
+same picks, without a sort of the whole row); the CPU path is the reference.
 """
 
 import torch

@@ -30,6 +30,23 @@ own top k under the same order). A chunk with fewer than k entries pads its slot
 real key, never picked. Picks come out ascending; the finishing kernel maps them as before. Chosen when
 rows x chunks fills the GPU (>= one program per SM) and k <= CHUNK / 2 (each stage must shrink the row);
 the radix split path stays for few rows (decode), where it spreads one row over many programs.
+
+Filter path (many rows wider than one chunk: prefill, 4096 x 8K..512K). The row-wise path ranks every
+entry 16 times (its bisection); this one ranks only a few candidates per row, one program per row. Pass 1
+reads a sample of the row (one 128-byte LINE in SAMPLE, the line rotating from one GROUPS * SAMPLE span to
+the next so that no region of the row is skipped) into GROUPS running maxima, each group a disjoint set
+of entries, and takes T = the k-th largest of the maxima. Guarantee: k groups have a maximum >= T, and
+those are k distinct entries of the row, so the row's k-th largest key is >= T (T is a valid cut for any
+data; a poor T only costs candidates). Pass 2 reads the whole row and stores, in index order, the index
+of every entry above T (up to CAND - K_P2 of them) and of the first k equal to T (ties beyond those can
+never be picked: ties go to the lower index). The candidates hold the row's top k, so the program ranks
+them (bisection over CAND keys read back by index) and writes its k best. For iid scores ~1.1k entries
+per row pass T with SAMPLE 2 (~575 with SAMPLE 1, ~2.3k with 4; simulated, 8K..512K wide). A row with
+more than CAND - K_P2 keys above T (adversarial data, e.g. a period of the group layout) is flagged, and
+the radix path, launched for every row but returning at once where no flag is set, redoes it: exact for
+every input, fast for most. Cost: 1 + 1/SAMPLE reads of the scores; on sm_90 pass 1 issues ~9
+instructions per sampled entry, pass 2 ~46 per entry (most of them Triton's layout conversion for the
+scattered store, and predicates), plus two 16-step bisections per row (GROUPS maxima, CAND candidates).
 """
 
 import torch
@@ -48,6 +65,20 @@ PROGRAMS_PER_SM = 4
 CHUNK = 4096
 CHUNK_WARPS = 4
 FIT_CHUNK = 16384  # rowwise_fits counts programs in chunks this wide (the rule the 11-30 bench measured)
+# filter path (many rows; see the module docstring): running maxima per row, pass 1 reading one LINE of
+# entries in SAMPLE, candidate slots per row, tile of both passes, warps; best guesses (tile 2048: 123
+# registers on sm_90, 2 programs per SM, against 160 and 1 at 4096), scripts/sweep_topk.py measures the others
+GROUPS = 2048
+SAMPLE = 2
+CAND = 4096
+FILTER_BLOCK = 2048
+FILTER_WARPS = 8
+FILTER_ROWS_PER_SM = 2
+LINE = tl.constexpr(64)  # 128 bytes of bf16 scores
+# (GROUPS, SAMPLE, CAND, FILTER_BLOCK, FILTER_WARPS) launches scripts/sweep_topk.py compares, the defaults first
+FILTER_VARIANTS = [(GROUPS, SAMPLE, CAND, FILTER_BLOCK, FILTER_WARPS), (2048, 2, 4096, 4096, 8),
+                   (2048, 1, 2048, 4096, 8), (2048, 1, 2048, 2048, 4), (2048, 4, 4096, 4096, 8),
+                   (1024, 2, 4096, 2048, 8), (2048, 2, 4096, 2048, 4), (2048, 2, 4096, 4096, 16)]
 _KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 KEY_DTYPES = tuple(_KEY_BITS)  # score dtypes the kernels rank
 _BITS_VIEW = {16: torch.int16, 32: torch.int32}
@@ -68,6 +99,39 @@ def _tile_keys(bits_ptr, row, width, off, end, BLOCK: tl.constexpr, KEY_BITS: tl
     live = idx < end
     bits = tl.load(bits_ptr + row.to(tl.int64) * width + idx, mask=live, other=0).to(tl.int32)
     return idx, live, _ordered(bits, KEY_BITS)
+
+
+@triton.jit
+def _unsigned_key(bits, live, KEY_BITS: tl.constexpr):
+    """Sign-extended score bits -> uint32 key of the score's order: >= 1 where live, 0 where not."""
+    key = _ordered(bits, KEY_BITS)
+    if KEY_BITS == 32:  # signed order -> unsigned order
+        u = (key ^ -2147483648).to(tl.uint32, bitcast=True)
+    else:
+        u = (key + 32768).to(tl.uint32)
+    return tl.where(live, u, 0)
+
+
+@triton.jit
+def _kth_largest(u, k, KEY_BITS: tl.constexpr):
+    """The largest t with #(u >= t) >= k by bisection on its bits, one block sum per bit (0 if fewer than
+    k keys are >= 1)."""
+    t = tl.zeros((), tl.uint32)
+    for b in tl.static_range(KEY_BITS):
+        cand = t | (1 << (KEY_BITS - 1 - b))
+        t = tl.where(tl.sum((u >= cand).to(tl.int32)) >= k, cand, t)
+    return t
+
+
+@triton.jit
+def _take(u, live, k, KEY_BITS: tl.constexpr):
+    """0/1 (int32): the k best of the unsigned keys u, every key above the k-th largest and the first
+    (by position) of those equal to it."""
+    t = _kth_largest(u, k, KEY_BITS)
+    above = (u > t).to(tl.int32)
+    tie = (live & (u == t)).to(tl.int32)
+    need = k - tl.sum(above)
+    return above | (tie & ((tl.cumsum(tie) - tie) < need).to(tl.int32))
 
 
 @triton.jit
@@ -100,12 +164,16 @@ def _threshold(hist_ptr, row, k, PASSES: tl.constexpr, NPASS: tl.constexpr, KEY_
 
 
 @triton.jit
-def _histogram_kernel(bits_ptr, hist_ptr, ties_ptr, width, chunk, k, SPLIT, P: tl.constexpr, NPASS: tl.constexpr,
-                      KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
+def _histogram_kernel(bits_ptr, hist_ptr, ties_ptr, flags_ptr, width, chunk, k, SPLIT, P: tl.constexpr,
+                      NPASS: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr, FLAGGED: tl.constexpr):
     """Pass P: histogram of digit P over this program's chunk of the row, among the entries that match
-    the threshold's top P digits; merged per row with atomics (the last pass also keeps its own)."""
+    the threshold's top P digits; merged per row with atomics (the last pass also keeps its own).
+    FLAGGED: only rows whose flag is set (the filter path's overflows); the others return at once."""
     row = tl.program_id(0)
     split = tl.program_id(1)
+    if FLAGGED:
+        if tl.load(flags_ptr + row) == 0:
+            return
     top: tl.constexpr = KEY_BITS - 8 * P  # bits below the matched prefix
     if P > 0:
         prefix, _ = _threshold(hist_ptr, row, k, P, NPASS, KEY_BITS)
@@ -124,11 +192,16 @@ def _histogram_kernel(bits_ptr, hist_ptr, ties_ptr, width, chunk, k, SPLIT, P: t
 
 
 @triton.jit
-def _compact_kernel(bits_ptr, hist_ptr, ties_ptr, count_ptr, picks_ptr, width, chunk, k, SPLIT, NPASS: tl.constexpr,
-                    KEY_BITS: tl.constexpr, SPLIT_P2: tl.constexpr, BLOCK: tl.constexpr):
-    """Write the indices of this chunk's entries above the threshold and of its share of the ties."""
+def _compact_kernel(bits_ptr, hist_ptr, ties_ptr, count_ptr, picks_ptr, flags_ptr, width, chunk, k, SPLIT,
+                    NPASS: tl.constexpr, KEY_BITS: tl.constexpr, SPLIT_P2: tl.constexpr, BLOCK: tl.constexpr,
+                    FLAGGED: tl.constexpr):
+    """Write the indices of this chunk's entries above the threshold and of its share of the ties
+    (FLAGGED: as in _histogram_kernel)."""
     row = tl.program_id(0)
     split = tl.program_id(1)
+    if FLAGGED:
+        if tl.load(flags_ptr + row) == 0:
+            return
     threshold, need = _threshold(hist_ptr, row, k, NPASS, NPASS, KEY_BITS)
     # ties before this chunk: the last pass's own counts of the programs before it, at T's last digit
     before = tl.arange(0, SPLIT_P2)
@@ -165,25 +238,12 @@ def _chunk_select_kernel(keys_ptr, index_ptr, out_keys_ptr, out_index_ptr, width
     live = pos < width
     src = row.to(tl.int64) * width + pos
     if FIRST:
-        key = _ordered(tl.load(keys_ptr + src, mask=live, other=0).to(tl.int32), KEY_BITS)
-        if KEY_BITS == 32:  # signed order -> unsigned order; every live key is >= 1, dead ones 0
-            u = (key ^ -2147483648).to(tl.uint32, bitcast=True)
-        else:
-            u = (key + 32768).to(tl.uint32)
+        u = _unsigned_key(tl.load(keys_ptr + src, mask=live, other=0).to(tl.int32), live, KEY_BITS)
         idx = pos
     else:
         u = tl.load(keys_ptr + src, mask=live, other=0).to(tl.uint32, bitcast=True)
         idx = tl.load(index_ptr + src, mask=live, other=0)
-    u = tl.where(live, u, 0)
-    # bisection: the largest T with #(u >= T) >= k, one bit at a time (T = 0 if the chunk has < k live)
-    t = tl.zeros((), tl.uint32)
-    for b in tl.static_range(KEY_BITS):
-        cand = t | (1 << (KEY_BITS - 1 - b))
-        t = tl.where(tl.sum((u >= cand).to(tl.int32)) >= k, cand, t)
-    above = (u > t).to(tl.int32)
-    tie = (live & (u == t)).to(tl.int32)
-    need = k - tl.sum(above)
-    take = above | (tie & ((tl.cumsum(tie) - tie) < need).to(tl.int32))
+    take = _take(u, live, k, KEY_BITS)
     slot = tl.cumsum(take) - 1  # index order
     if LAST:
         tl.store(out_index_ptr + row.to(tl.int64) * k + slot, idx, mask=take > 0)
@@ -195,6 +255,63 @@ def _chunk_select_kernel(keys_ptr, index_ptr, out_keys_ptr, out_index_ptr, width
         pad = (s >= tl.sum(take)) & (s < k)
         tl.store(out_keys_ptr + base + s, tl.zeros((K_P2,), tl.int32), mask=pad)
         tl.store(out_index_ptr + base + s, tl.zeros((K_P2,), tl.int32), mask=pad)
+
+
+@triton.jit
+def _filter_kernel(bits_ptr, cand_ptr, picks_ptr, flags_ptr, width, k, KEY_BITS: tl.constexpr, GROUPS: tl.constexpr,
+                   SAMPLE: tl.constexpr, CAND: tl.constexpr, K_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """Filter path, one row per program (see the module docstring): a threshold T <= the row's k-th
+    largest key from group maxima of a sample, the candidates' indices (keys above T, the first k equal to
+    it) to cand [rows, CAND], their k best to picks [rows, k]; flags[row] = 1 where the keys above T
+    overflow their CAND - K_P2 slots (picks not written: the radix path redoes the row)."""
+    row = tl.program_id(0)
+    src = bits_ptr + row.to(tl.int64) * width
+    # pass 1: matrix row m (SPAN entries) gives group g the entry at column LINE * (g // LINE * SAMPLE +
+    # m % SAMPLE) + g % LINE: one LINE in SAMPLE, the line rotating with m, every entry in one group at most
+    SPAN: tl.constexpr = GROUPS * SAMPLE
+    TILE_ROWS: tl.constexpr = BLOCK // GROUPS
+    g = tl.arange(0, GROUPS)[None, :]
+    column = g // LINE * SAMPLE * LINE + g % LINE
+    maxima = tl.zeros((GROUPS,), tl.uint32)
+    for m0 in range(0, tl.cdiv(width, SPAN), TILE_ROWS):
+        m = m0 + tl.arange(0, TILE_ROWS)[:, None]
+        idx = m * SPAN + m % SAMPLE * LINE + column
+        live = idx < width
+        u = _unsigned_key(tl.load(src + idx, mask=live, other=0).to(tl.int32), live, KEY_BITS)
+        maxima = tl.maximum(maxima, tl.max(u, axis=0))
+    # T >= 1 means >= k groups hold a key >= T, k distinct entries of the row: its k-th largest is >= T
+    threshold = _kth_largest(maxima, k, KEY_BITS)
+    # pass 2: candidates in index order, keys above T in slots 0 .. CAP - 1, the first k equal to T after.
+    # Both counts in one int32 (tiles < 2^16 entries): one scan and one sum per tile. Only the index is
+    # stored (each scattered store costs a layout conversion); the keys are read again at the end
+    CAP: tl.constexpr = CAND - K_P2
+    cand = cand_ptr + row.to(tl.int64) * CAND
+    n_above = 0
+    n_tie = 0
+    for off in range(0, width, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        live = idx < width
+        u = _unsigned_key(tl.load(src + idx, mask=live, other=0).to(tl.int32), live, KEY_BITS)
+        above = u > threshold
+        tie = live & (u == threshold)
+        both = above.to(tl.int32) + (tie.to(tl.int32) << 16)
+        counts = tl.cumsum(both)
+        slot = tl.where(above, n_above + (counts & 65535) - 1, CAP + n_tie + (counts >> 16) - 1)
+        tl.store(cand + slot, idx, mask=(above & (slot < CAP)) | (tie & (slot < CAP + k)))
+        total = tl.sum(both)
+        n_above += total & 65535
+        n_tie += total >> 16
+    overflow = n_above > CAP
+    tl.store(flags_ptr + row, overflow.to(tl.int32))
+    # the k best candidates are the row's top k: every key left out is below it. Ties at the k-th largest
+    # all sit in one region (above T, or equal to it), in index order there
+    tl.debug_barrier()  # the candidates were stored by other threads of this program
+    s = tl.arange(0, CAND)
+    live = tl.where(s < CAP, s < n_above, s - CAP < tl.minimum(n_tie, k))
+    idx = tl.load(cand + s, mask=live, other=0)
+    u = _unsigned_key(tl.load(src + idx, mask=live, other=0).to(tl.int32), live, KEY_BITS)
+    take = _take(u, live, k, KEY_BITS)
+    tl.store(picks_ptr + row.to(tl.int64) * k + tl.cumsum(take) - 1, idx, mask=(take > 0) & (n_above <= CAP))
 
 
 @triton.jit
@@ -260,23 +377,42 @@ def select_rowwise(scores: torch.Tensor, k: int, chunk: int = CHUNK, num_warps: 
         keys, index, width, first = out_keys, out_index, out_width, False
 
 
-def select_topk(scores: torch.Tensor, k: int, split: int | None = None, block: int | None = None,
-                chunk: int | None = None) -> torch.Tensor:
-    """Indices int32 [rows, k] (in no order) of the k largest of each row of scores [rows, width] (bf16,
-    fp16 or fp32), ties to the lower index. split/block force the radix path with those programs per row
-    and tile; chunk forces the row-wise path with that chunk; neither: chosen by rowwise_fits."""
+def filter_fits(rows: int, width: int, k: int, device) -> bool:
+    """The filter path's choice (shapes only): one program per row, so at least FILTER_ROWS_PER_SM rows per
+    SM; rows wider than one CHUNK (narrower ones take the row-wise path in one pass); and room for 3k
+    candidates above the threshold (CAND - K_P2 slots)."""
+    return (rows >= FILTER_ROWS_PER_SM * _num_sms(device) and width > CHUNK
+            and 4 * triton.next_power_of_2(k) <= CAND)
+
+
+def select_filtered(scores: torch.Tensor, k: int, groups: int = GROUPS, sample: int = SAMPLE, cand: int = CAND,
+                    block: int = FILTER_BLOCK, num_warps: int = FILTER_WARPS,
+                    flags: torch.Tensor | None = None) -> torch.Tensor:
+    """The filter path (see the module docstring): indices int32 [rows, k] in no order, the same picks as
+    select_topk; rows whose candidates overflow are redone by the radix path, launched for flagged rows
+    only. flags: an int32 [rows] buffer for the overflow flags (the sweep reads it); all powers of 2."""
     rows, width = scores.shape
-    if scores.dtype not in _KEY_BITS:
-        raise TypeError(f"select_topk: scores must be bf16, fp16 or fp32, got {scores.dtype}")
-    if not 0 < k <= width:
-        raise ValueError(f"select_topk: k = {k} must be in [1, {width}] (the row width)")
-    if width >= 1 << 31:
-        raise ValueError(f"select_topk: {width} entries per row exceed 2^31")
-    if chunk is not None or (split is None and block is None and rowwise_fits(rows, width, k, scores.device)):
-        return select_rowwise(scores, k, chunk or CHUNK)
     key_bits = _KEY_BITS[scores.dtype]
+    k_p2 = triton.next_power_of_2(k)
+    if not (k_p2 < cand and LINE.value <= groups <= block < 1 << 16):  # (two counts share an int32)
+        raise ValueError(f"select_filtered: needs next_power_of_2(k) = {k_p2} < cand = {cand} and "
+                         f"{LINE.value} <= groups = {groups} <= block = {block} < 2^16")
+    bits = scores.contiguous().view(_BITS_VIEW[key_bits])
+    candidates = torch.empty(rows, cand, dtype=torch.int32, device=scores.device)
+    picks = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
+    flags = torch.empty(rows, dtype=torch.int32, device=scores.device) if flags is None else flags
+    _filter_kernel[(rows,)](bits, candidates, picks, flags, width, k, KEY_BITS=key_bits, GROUPS=groups, SAMPLE=sample,
+                            CAND=cand, K_P2=k_p2, BLOCK=block, num_warps=num_warps)
+    return _select_radix(bits, k, picks, flags=flags)
+
+
+def _select_radix(bits: torch.Tensor, k: int, picks: torch.Tensor, split: int | None = None,
+                  block: int | None = None, flags: torch.Tensor | None = None) -> torch.Tensor:
+    """The radix path on score bits [rows, width] into picks; flags: only the rows whose flag is set."""
+    rows, width = bits.shape
+    key_bits = bits.element_size() * 8
     npass = key_bits // 8
-    programs = PROGRAMS_PER_SM * _num_sms(scores.device)  # enough to fill the GPU a few times over
+    programs = PROGRAMS_PER_SM * _num_sms(bits.device)  # enough to fill the GPU a few times over
     if block is None:
         block = BLOCK if rows * width >= programs * BLOCK else SMALL_BLOCK
     tiles = triton.cdiv(width, block)
@@ -284,19 +420,41 @@ def select_topk(scores: torch.Tensor, k: int, split: int | None = None, block: i
         split = triton.cdiv(programs, rows)
     chunk = triton.cdiv(tiles, max(1, min(split, tiles))) * block
     split = triton.cdiv(width, chunk)  # (a runtime argument: new shapes compile nothing new)
-    bits = scores.contiguous().view(_BITS_VIEW[key_bits])
-    counters = torch.zeros(rows * (npass * 256 + 1), dtype=torch.int32, device=scores.device)
+    counters = torch.zeros(rows * (npass * 256 + 1), dtype=torch.int32, device=bits.device)
     hist, count = counters[:rows * npass * 256], counters[rows * npass * 256:]
-    ties = torch.empty(rows * split * 256, dtype=torch.int32, device=scores.device)
-    picks = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
+    ties = torch.empty(rows * split * 256, dtype=torch.int32, device=bits.device)
     warps = 8 if block >= BLOCK else 4
+    flagged = flags is not None
+    flags = picks if flags is None else flags  # (not read unless flagged)
     for p in range(npass):
-        _histogram_kernel[(rows, split)](bits, hist, ties, width, chunk, k, split, P=p, NPASS=npass, KEY_BITS=key_bits,
-                                         BLOCK=block, num_warps=warps)
-    _compact_kernel[(rows, split)](bits, hist, ties, count, picks, width, chunk, k, split, NPASS=npass,
+        _histogram_kernel[(rows, split)](bits, hist, ties, flags, width, chunk, k, split, P=p, NPASS=npass,
+                                         KEY_BITS=key_bits, BLOCK=block, FLAGGED=flagged, num_warps=warps)
+    _compact_kernel[(rows, split)](bits, hist, ties, count, picks, flags, width, chunk, k, split, NPASS=npass,
                                    KEY_BITS=key_bits, SPLIT_P2=triton.next_power_of_2(split), BLOCK=block,
-                                   num_warps=warps)
+                                   FLAGGED=flagged, num_warps=warps)
     return picks
+
+
+def select_topk(scores: torch.Tensor, k: int, split: int | None = None, block: int | None = None,
+                chunk: int | None = None) -> torch.Tensor:
+    """Indices int32 [rows, k] (in no order) of the k largest of each row of scores [rows, width] (bf16,
+    fp16 or fp32), ties to the lower index. split/block force the radix path with those programs per row
+    and tile; chunk forces the row-wise path with that chunk; none: the filter path where filter_fits, else
+    the row-wise one where rowwise_fits, else the radix one."""
+    rows, width = scores.shape
+    if scores.dtype not in _KEY_BITS:
+        raise TypeError(f"select_topk: scores must be bf16, fp16 or fp32, got {scores.dtype}")
+    if not 0 < k <= width:
+        raise ValueError(f"select_topk: k = {k} must be in [1, {width}] (the row width)")
+    if width >= 1 << 31:
+        raise ValueError(f"select_topk: {width} entries per row exceed 2^31")
+    auto = split is None and block is None and chunk is None
+    if auto and filter_fits(rows, width, k, scores.device):
+        return select_filtered(scores, k)
+    if chunk is not None or (auto and rowwise_fits(rows, width, k, scores.device)):
+        return select_rowwise(scores, k, chunk or CHUNK)
+    picks = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
+    return _select_radix(scores.contiguous().view(_BITS_VIEW[_KEY_BITS[scores.dtype]]), k, picks, split, block)
 
 
 def finish(picks: torch.Tensor, mode: int, values: torch.Tensor | None = None, visible: torch.Tensor | None = None,

@@ -1,8 +1,10 @@
 """Sweep the top-k launch (k = 512) on the shapes where the 11-30 H200 bench found topk_indices slower than
-torch.topk (4096 rows x 8K..512K, 64 x 128K, 8 x 512K): the row-wise path at chunk 1K..32K entries and 4 / 8
-/ 16 warps, the radix split path, and torch.topk. Every variant's picks are checked against torch.topk's
-values first (k distinct ids, each at least the k-th largest value). Picks the defaults of custom_ops/topk_triton.py (CHUNK, CHUNK_WARPS,
-rowwise_fits).
+torch.topk (4096 rows x 8K..512K) and on decode shapes (64 x 128K, 8 x 512K): the filter path at the
+launches of topk_triton.FILTER_VARIANTS (with how many rows overflowed into the radix fallback), the
+row-wise path at its two best 11-30 launches, the radix split path, the choice select_topk makes by shape
+("auto"), and torch.topk. Every variant's picks are checked against torch.topk's values first (k distinct
+ids, each at least the k-th largest value). Picks the defaults of custom_ops/topk_triton.py (GROUPS,
+SAMPLE, CAND, FILTER_BLOCK, FILTER_WARPS, filter_fits, rowwise_fits).
 
     python scripts/sweep_topk.py --out benchmarks/results
     python scripts/sweep_topk.py --shapes 64x131072 8x524288      (some shapes; the JSON is rewritten after each)
@@ -11,17 +13,17 @@ rowwise_fits).
 from __future__ import annotations
 
 import argparse
-import itertools
-
 import torch
 
 from dsflash_compile.benchmarking import print_table, run_metadata, save_results, sweep_variant, time_graph
 from dsflash_compile.custom_ops import topk_triton
 
 K = 512
-SHAPES = [(4096, 8192), (4096, 16384), (4096, 131072), (64, 131072), (8, 524288), (64, 524288), (4096, 524288)]
-COLUMNS = [("rows", "rows", "d"), ("width", "width", "d"), ("path", "path", ""), ("chunk", "chunk", "d"),
-           ("warps", "num_warps", "d"), ("ms", "s", ".3f", 1e3), ("x torch", "vs_torch", ".2f"),
+SHAPES = [(4096, 8192), (4096, 16384), (4096, 131072), (4096, 524288), (64, 131072), (8, 524288)]
+ROWWISE = [(4096, 4), (8192, 8)]  # (chunk, warps): the 11-30 sweep's best at 4096 rows and at 64 x 128K
+COLUMNS = [("rows", "rows", "d"), ("width", "width", "d"), ("path", "path", ""), ("groups", "groups", "d"),
+           ("sample", "sample", "d"), ("cand", "cand", "d"), ("chunk", "chunk", "d"), ("warps", "num_warps", "d"),
+           ("ms", "s", ".3f", 1e3), ("x torch", "vs_torch", ".2f"), ("overflow", "overflow", "d"),
            ("agrees", "agrees", "")]
 
 
@@ -35,18 +37,23 @@ def sweep(rows: int, width: int) -> list[dict]:
         picks = picks.long().sort(dim=1).values
         return bool((scores.float().gather(1, picks) >= want).all()) and bool((picks.diff(dim=1) > 0).all())
     out = [{"rows": rows, "width": width, "path": "torch.topk", "s": torch_s, "vs_torch": 1.0, "agrees": True}]
-    variants = [("radix", None, None)] + [("rowwise", c, w) for c, w in itertools.product(
-        (1024, 2048, 4096, 8192, 16384, 32768), (4, 8, 16)) if c < width or c == 1024]
-    for path, chunk, warps in variants:
-        if path == "radix":
-            def call():
-                return topk_triton.select_topk(scores, K, block=topk_triton.BLOCK)
-        else:
-            def call():
-                return topk_triton.select_rowwise(scores, K, chunk, warps)
-        row = sweep_variant({"rows": rows, "width": width, "path": path, "chunk": chunk, "num_warps": warps},
-                            call, agrees, calls=2, replays=5)
+    print(out[0], flush=True)
+    variants = [({"path": "auto"}, lambda: topk_triton.select_topk(scores, K)),
+                ({"path": "radix"}, lambda: topk_triton.select_topk(scores, K, block=topk_triton.BLOCK))]
+    variants += [({"path": "rowwise", "chunk": chunk, "num_warps": warps},
+                  lambda chunk=chunk, warps=warps: topk_triton.select_rowwise(scores, K, chunk, warps))
+                 for chunk, warps in ROWWISE]
+    flags = torch.zeros(rows, dtype=torch.int32, device="cuda")
+    for groups, sample, cand, block, warps in topk_triton.FILTER_VARIANTS:
+        variants.append(({"path": "filter", "groups": groups, "sample": sample, "cand": cand, "chunk": block,
+                          "num_warps": warps},
+                         lambda args=(groups, sample, cand, block, warps): topk_triton.select_filtered(
+                             scores, K, *args, flags=flags)))
+    for params, call in variants:
+        row = sweep_variant({"rows": rows, "width": width, **params}, call, agrees, calls=2, replays=5)
         row["vs_torch"] = torch_s / row["s"]
+        if row["path"] == "filter":  # rows whose candidates overflowed into the radix fallback
+            row["overflow"] = int(flags.sum())
         out.append(row)
     return out
 

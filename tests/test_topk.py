@@ -6,6 +6,10 @@ import pytest
 import torch
 
 import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
+try:
+    from dsflash_compile.custom_ops.topk_triton import FILTER_VARIANTS
+except ImportError:  # no triton: the compile checks skip
+    FILTER_VARIANTS = []
 from hopper import check_compiles_for_hopper
 from interp import report, run_interpreted, requires_interpreter
 
@@ -29,6 +33,15 @@ ROWWISE_CASES = {  # name: (rows, width, k, dtype, chunk): the row-wise path (on
     "rowwise_k_half_chunk": (3, 700, 64, torch.bfloat16, 128),
     "rowwise_k_one": (3, 900, 1, torch.float32, 128),
     "rowwise_k_equals_width": (2, 64, 64, torch.bfloat16, 128),
+}
+
+FILTER_CASES = {  # name: (rows, width, k, dtype, groups, sample, cand, block, periodic rows): the filter path
+    "filter_bf16_ties_inf": (4, 3000, 40, torch.bfloat16, 128, 2, 256, 256, ()),
+    "filter_fp32_every_line": (3, 2500, 100, torch.float32, 256, 1, 1024, 512, ()),
+    "filter_fp16_sample4": (3, 5000, 33, torch.float16, 64, 4, 256, 128, ()),
+    "filter_k_one": (3, 900, 1, torch.bfloat16, 64, 2, 128, 128, ()),
+    "filter_overflow_fallback": (5, 3000, 40, torch.bfloat16, 128, 2, 256, 256, (3, 4)),
+    "filter_fp32_overflow_fallback": (4, 2000, 20, torch.float32, 64, 2, 128, 128, (0,)),
 }
 
 
@@ -57,7 +70,8 @@ def make_visible(rows, width, k, seed=0, device="cpu"):
 def interpreter_checks():
     """Entry point of the subprocess: picks of every case against the reference."""
     from dsflash_compile.custom_ops.topk import top_k_stable, topk_indices_reference
-    from dsflash_compile.custom_ops.topk_triton import select_topk, topk_indices_triton
+    from dsflash_compile.custom_ops.topk_triton import (VISIBLE, finish, select_filtered, select_topk,
+                                                        topk_indices_triton)
 
     for name, (rows, width, k, dtype, split, tile) in CASES.items():
         scores = make_scores(rows, width, dtype)
@@ -75,11 +89,25 @@ def interpreter_checks():
         out = topk_indices_triton(scores.view(1, rows, width), k, visible.view(1, rows), chunk=chunk)
         ref = topk_indices_reference(scores.view(1, rows, width), k, visible.view(1, rows))
         report(dict(name=name, same_picks=bool(torch.equal(picks, want)), same_op=bool(torch.equal(out, ref))))
-    # tie-free random rows, the path chosen by shape (the interpreter's 8 "SMs": 16 rows fill it)
-    scores = torch.randperm(16 * 3000, generator=torch.Generator().manual_seed(7)).float().view(16, 3000) - 20000
-    picks = select_topk(scores, 50).long()
-    report(dict(name="rowwise_auto_tie_free", same_picks=bool(torch.equal(picks, top_k_stable(scores, 50)[1].sort(-1).values)),
-                same_op=True))
+    for name, (rows, width, k, dtype, groups, sample, cand, block, periodic) in FILTER_CASES.items():
+        scores = make_scores(rows, width, dtype, seed=5)
+        for row in periodic:  # a period of the group layout: far more than cand keys above the threshold
+            scores[row] = (torch.arange(width) % (groups * sample)).to(dtype)
+        flags = torch.zeros(rows, dtype=torch.int32)
+        picks = select_filtered(scores, k, groups, sample, cand, block, flags=flags)
+        want = top_k_stable(scores, k)[1].sort(-1).values
+        visible = make_visible(rows, width, k, seed=5)
+        out = finish(picks, VISIBLE, visible=visible)
+        ref = topk_indices_reference(scores.view(1, rows, width), k, visible.view(1, rows)).view(rows, k)
+        report(dict(name=name, same_picks=bool(torch.equal(picks.long().sort(-1).values, want)),
+                    same_op=bool(torch.equal(out, ref)), flagged=flags.nonzero().flatten().tolist()))
+    # tie-free random rows, the path chosen by shape (the interpreter's 8 "SMs"): row-wise for 16 rows of
+    # one chunk, filter for 16 rows wider than one (the default launch: GROUPS, CAND, ...)
+    for name, width in (("rowwise_auto_tie_free", 3000), ("filter_auto_tie_free", 5000)):
+        scores = torch.randperm(16 * width, generator=torch.Generator().manual_seed(7)).float().view(16, width)
+        picks = select_topk(scores - 20000, 50).long().sort(-1).values
+        report(dict(name=name, same_picks=bool(torch.equal(picks, top_k_stable(scores, 50)[1].sort(-1).values)),
+                    same_op=True))
 
 
 @pytest.fixture(scope="module")
@@ -88,27 +116,39 @@ def interpreted():
 
 
 @requires_interpreter
-@pytest.mark.parametrize("name", list(CASES) + list(ROWWISE_CASES) + ["rowwise_auto_tie_free"])
+@pytest.mark.parametrize("name", list(CASES) + list(ROWWISE_CASES) + list(FILTER_CASES) +
+                         ["rowwise_auto_tie_free", "filter_auto_tie_free"])
 def test_topk_kernel_matches_reference(interpreted, name):
     """The same k indices as top_k_stable (ties to the lower index, -0 == +0, all -inf rows), and the op's
-    output (ascending, -1 for picks past visible) equal to the reference; radix and row-wise paths (the
-    row-wise one also returns its picks ascending, and is what select_topk picks for many rows)."""
+    output (ascending, -1 for picks past visible) equal to the reference; radix, row-wise and filter paths
+    (the row-wise one also returns its picks ascending; select_topk picks row-wise or filter for many
+    rows). Filter cases: exactly the periodic rows overflow their candidates and take the radix fallback;
+    ties at the cut, all -inf rows and -inf tails (fewer finite entries than k) do not."""
     result = interpreted[name]
     assert result["same_picks"] and result["same_op"], result
+    if name in FILTER_CASES:
+        assert result["flagged"] == list(FILTER_CASES[name][-1]), result
 
 
 TOPK_KERNELS = {  # name: (kernel, args, constexprs, num_warps), as select_topk / finish launch them
     f"histogram_{bits}bit_pass{p}_tile{tile}": (
-        "_histogram_kernel", dict(bits_ptr=f"*i{bits}", hist_ptr="*i32", ties_ptr="*i32", width="i32", chunk="i32",
-                                  k="i32", SPLIT="i32"),
-        dict(P=p, NPASS=bits // 8, KEY_BITS=bits, BLOCK=tile), warps)
+        "_histogram_kernel", dict(bits_ptr=f"*i{bits}", hist_ptr="*i32", ties_ptr="*i32", flags_ptr="*i32",
+                                  width="i32", chunk="i32", k="i32", SPLIT="i32"),
+        dict(P=p, NPASS=bits // 8, KEY_BITS=bits, BLOCK=tile, FLAGGED=tile == 4096), warps)
     for bits in (16, 32) for p in range(bits // 8) for tile, warps in ((4096, 8), (1024, 4))
 } | {
     f"compact_{bits}bit_tile{tile}": (
         "_compact_kernel", dict(bits_ptr=f"*i{bits}", hist_ptr="*i32", ties_ptr="*i32", count_ptr="*i32",
-                                picks_ptr="*i32", width="i32", chunk="i32", k="i32", SPLIT="i32"),
-        dict(NPASS=bits // 8, KEY_BITS=bits, SPLIT_P2=4, BLOCK=tile), warps)
+                                picks_ptr="*i32", flags_ptr="*i32", width="i32", chunk="i32", k="i32", SPLIT="i32"),
+        dict(NPASS=bits // 8, KEY_BITS=bits, SPLIT_P2=4, BLOCK=tile, FLAGGED=tile == 4096), warps)
     for bits in (16, 32) for tile, warps in ((4096, 8), (1024, 4))
+} | {
+    f"filter_{bits}bit_groups{groups}_sample{sample}_cand{cand}_block{block}_warps{warps}": (
+        "_filter_kernel", dict(bits_ptr=f"*i{bits}", cand_ptr="*i32", picks_ptr="*i32", flags_ptr="*i32",
+                               width="i32", k="i32"),
+        dict(KEY_BITS=bits, GROUPS=groups, SAMPLE=sample, CAND=cand, K_P2=512, BLOCK=block), warps)
+    for bits, (groups, sample, cand, block, warps) in [(32, (2048, 2, 4096, 4096, 8))] + [
+        (16, variant) for variant in FILTER_VARIANTS]
 } | {
     f"finish_mode{mode}_k{kp}": ("_finish_kernel", dict(picks_ptr="*i32", values_ptr="*bf16", visible_ptr="*i64",
                                                         blocks_ptr="*i32", out_ptr="*i32", width="i32", k="i32",
@@ -126,10 +166,13 @@ TOPK_KERNELS = {  # name: (kernel, args, constexprs, num_warps), as select_topk 
 
 @pytest.mark.parametrize("name", list(TOPK_KERNELS))
 def test_topk_kernels_compile_for_hopper(name):
-    """Every variant the op launches compiles for sm_90 without spilling registers."""
+    """Every variant the op launches (and scripts/sweep_topk.py's filter variants) compiles for sm_90
+    without spilling registers."""
     from dsflash_compile.custom_ops import topk_triton
 
-    check_compiles_for_hopper(topk_triton, TOPK_KERNELS[name])
+    spec = TOPK_KERNELS[name]
+    aligned = ("bits_ptr", "cand_ptr", "picks_ptr", "width") if spec[0] == "_filter_kernel" else ()  # as launched
+    assert check_compiles_for_hopper(topk_triton, spec, aligned)["STACK"] == 0
 
 
 def test_select_topk_rejects_bad_input():
@@ -144,7 +187,8 @@ def test_select_topk_rejects_bad_input():
 
 # ----------------------------------------------------------------------------------------------- CUDA
 
-GPU_SHAPES = [(1, 16384), (64, 16384), (1, 1 << 20), (8, 1 << 20), (64, 131072), (4096, 16384), (512, 524288)]
+GPU_SHAPES = [(1, 16384), (64, 16384), (1, 1 << 20), (8, 1 << 20), (64, 131072), (4096, 8192), (4096, 16384),
+              (4096, 131072), (512, 524288)]
 
 
 @requires_cuda
@@ -166,9 +210,9 @@ def test_topk_indices_cuda_equals_reference(rows, width, dtype):
 
 @requires_cuda
 @pytest.mark.parametrize("rows,width", [(4096, 16384), (64, 1 << 19), (300, 70000)])
-def test_rowwise_and_radix_paths_cuda_agree(rows, width):
-    """Both paths forced on many-row shapes (one and two row-wise stages, a ragged last chunk): the
-    reference's picks exactly, bf16 ties included."""
+def test_rowwise_radix_and_filter_paths_cuda_agree(rows, width):
+    """The three paths forced on many-row shapes (one and two row-wise stages, a ragged last chunk; the
+    filter path at every launch the sweep compares): the reference's picks exactly, bf16 ties included."""
     from dsflash_compile.custom_ops import topk_triton
     from dsflash_compile.custom_ops.topk import topk_indices_reference
 
@@ -179,6 +223,34 @@ def test_rowwise_and_radix_paths_cuda_agree(rows, width):
         bad = (topk_triton.topk_indices_triton(scores, 512, visible, **kwargs) != ref).any(-1).sum().item()
         print(f"topk {name} {rows}x{width}: {'PASS' if bad == 0 else 'FAIL'} ({bad} rows differ)")
         assert bad == 0, name
+    for variant in topk_triton.FILTER_VARIANTS:
+        picks = topk_triton.select_filtered(scores.view(rows, width), 512, *variant)
+        bad = (topk_triton.finish(picks, topk_triton.VISIBLE, visible=visible.view(rows)) != ref).any(-1).sum().item()
+        print(f"topk filter {variant} {rows}x{width}: {'PASS' if bad == 0 else 'FAIL'} ({bad} rows differ)")
+        assert bad == 0, variant
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows,width,dtype", [(4096, 524288, torch.bfloat16), (4096, 16384, torch.float32)])
+def test_filter_path_cuda_prefill_with_overflow(rows, width, dtype):
+    """The filter path at the largest prefill shape and on fp32, with some rows periodic in its group
+    layout (far more candidates than slots: exactly those rows take the radix fallback): the reference's
+    picks exactly."""
+    from dsflash_compile.custom_ops import topk_triton
+    from dsflash_compile.custom_ops.topk import topk_indices_reference
+
+    scores = make_scores(rows, width, dtype, device="cuda")
+    periodic = [5, rows - 1]
+    scores[periodic] = (torch.arange(width, device="cuda") % (topk_triton.GROUPS * topk_triton.SAMPLE)).to(dtype)
+    visible = make_visible(rows, width, 512, device="cuda")
+    flags = torch.zeros(rows, dtype=torch.int32, device="cuda")
+    out = topk_triton.finish(topk_triton.select_filtered(scores, 512, flags=flags), topk_triton.VISIBLE,
+                             visible=visible)
+    ref = topk_indices_reference(scores, 512, visible)
+    bad = (out != ref).any(-1).sum().item()
+    print(f"topk filter {rows}x{width} {dtype}: {'PASS' if bad == 0 else 'FAIL'} ({bad} rows differ), "
+          f"overflowed rows {flags.nonzero().flatten().tolist()}")
+    assert bad == 0 and flags.nonzero().flatten().tolist() == periodic
 
 
 @requires_cuda
