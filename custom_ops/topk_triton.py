@@ -74,6 +74,9 @@ CAND = 4096
 FILTER_BLOCK = 2048
 FILTER_WARPS = 8
 FILTER_ROWS_PER_SM = 2
+# Off until the filter kernel has run on a GPU (its CUDA tests and scripts/sweep_topk.py call select_filtered
+# directly): select_topk keeps the row-wise path the H200 checked; then filter_fits decides
+FILTER_ON = False
 LINE = tl.constexpr(64)  # 128 bytes of bf16 scores
 # (GROUPS, SAMPLE, CAND, FILTER_BLOCK, FILTER_WARPS) launches scripts/sweep_topk.py compares, the defaults first
 FILTER_VARIANTS = [(GROUPS, SAMPLE, CAND, FILTER_BLOCK, FILTER_WARPS), (2048, 2, 4096, 4096, 8),
@@ -378,10 +381,10 @@ def select_rowwise(scores: torch.Tensor, k: int, chunk: int = CHUNK, num_warps: 
 
 
 def filter_fits(rows: int, width: int, k: int, device) -> bool:
-    """The filter path's choice (shapes only): one program per row, so at least FILTER_ROWS_PER_SM rows per
-    SM; rows wider than one CHUNK (narrower ones take the row-wise path in one pass); and room for 3k
+    """The filter path's choice (shapes only; never while FILTER_ON is off): one program per row, so at least
+    FILTER_ROWS_PER_SM rows per SM; rows wider than one CHUNK (narrower ones take the row-wise path in one pass); and room for 3k
     candidates above the threshold (CAND - K_P2 slots)."""
-    return (rows >= FILTER_ROWS_PER_SM * _num_sms(device) and width > CHUNK
+    return (FILTER_ON and rows >= FILTER_ROWS_PER_SM * _num_sms(device) and width > CHUNK
             and 4 * triton.next_power_of_2(k) <= CAND)
 
 

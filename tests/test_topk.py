@@ -69,6 +69,7 @@ def make_visible(rows, width, k, seed=0, device="cpu"):
 
 def interpreter_checks():
     """Entry point of the subprocess: picks of every case against the reference."""
+    from dsflash_compile.custom_ops import topk_triton
     from dsflash_compile.custom_ops.topk import top_k_stable, topk_indices_reference
     from dsflash_compile.custom_ops.topk_triton import (VISIBLE, finish, select_filtered, select_topk,
                                                         topk_indices_triton)
@@ -102,9 +103,10 @@ def interpreter_checks():
         report(dict(name=name, same_picks=bool(torch.equal(picks.long().sort(-1).values, want)),
                     same_op=bool(torch.equal(out, ref)), flagged=flags.nonzero().flatten().tolist()))
     # tie-free random rows, the path chosen by shape (the interpreter's 8 "SMs"): row-wise for 16 rows of
-    # one chunk, filter for 16 rows wider than one (the default launch: GROUPS, CAND, ...)
+    # one chunk, filter (once switched on: FILTER_ON) for 16 rows wider than one (the default launch)
     for name, width in (("rowwise_auto_tie_free", 3000), ("filter_auto_tie_free", 5000)):
         scores = torch.randperm(16 * width, generator=torch.Generator().manual_seed(7)).float().view(16, width)
+        topk_triton.FILTER_ON = name.startswith("filter")
         picks = select_topk(scores - 20000, 50).long().sort(-1).values
         report(dict(name=name, same_picks=bool(torch.equal(picks, top_k_stable(scores, 50)[1].sort(-1).values)),
                     same_op=True))
