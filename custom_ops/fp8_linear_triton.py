@@ -31,7 +31,9 @@ from .attention_triton import _dot, _num_sms
 BLOCK_K = 128
 PROGRAMS_PER_SM = 2
 NUM_STAGES = 3  # Triton's default, what the launch has run with
-PTX = True  # the inline-PTX conversion (False: the same math in Triton, the interpreter's path)
+PTX = False  # the inline-PTX conversion (False: the same math in Triton, the interpreter's path)
+# False until its CUDA tests (every code, both conversions) have passed on a GPU; then scripts/sweep_native.py
+# decides
 # Above this many rows (prefill) the op dequantizes the weight once and multiplies with cuBLAS (its reference):
 # this kernel converts every weight tile again for each block of rows (~5 CUDA-core instructions per value
 # in all), which at large row counts costs more than the tensor-core work. A first guess: scripts/bench_native.py

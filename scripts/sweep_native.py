@@ -28,14 +28,15 @@ from dsflash_compile.custom_ops.mxfp4_experts_triton import grouped_mm_triton
 from dsflash_compile.layers import block_diagonal_linear
 
 # fp8_block_linear_triton keywords; the first two: the default launch with the 11-30 conversion (Triton code) and
-# with the PTX one (both with the scale prefetch and the one-kernel split sum)
-FP8_VARIANTS = [dict(ptx=False), dict()] + [
-    dict(block_n=bn, block_k=bk, programs_per_sm=pps, num_stages=stages)
+# with the PTX one (both with the scale prefetch and the one-kernel split sum); the grid with PTX (off by default
+# until this run)
+FP8_VARIANTS = [dict(ptx=False), dict(ptx=True)] + [
+    dict(block_n=bn, block_k=bk, programs_per_sm=pps, num_stages=stages, ptx=True)
     for bn, bk, pps, stages in [(32, 128, 2, 3), (128, 128, 2, 3), (64, 256, 2, 3), (64, 128, 4, 3),
                                 (128, 128, 4, 3), (64, 128, 2, 4)]]
 # grouped_mm_triton keywords (MXFP4), the first two likewise
-MXFP4_VARIANTS = [dict(ptx=False), dict()] + [
-    dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+MXFP4_VARIANTS = [dict(ptx=False), dict(ptx=True)] + [
+    dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, ptx=True)
     for bn, bk, warps, stages in [(16, 128, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (64, 256, 8, 3),
                                   (32, 128, 4, 4), (16, 256, 4, 4)]]
 COLUMNS = [("op", "name", "s"), ("tokens", "tokens", "d"), ("variant", "variant", "s"), ("us", "s", ".1f", 1e6),
