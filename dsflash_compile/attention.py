@@ -14,7 +14,7 @@ from . import custom_ops  # noqa: F401  (registers torch.ops.dsflash)
 from .cache import LayerCache
 from .configuration_deepseek_v41 import DeepseekV41TextConfig, LayerRole
 from .context import ForwardContext
-from .layers import Linear, RMSNorm, quant_linear
+from .layers import Linear, RMSNorm, fuse_outputs, quant_linear, view_outputs
 from .quant import fp4_qdq_e4m3, fp4_qdq_ue8m0, fp8_qdq
 from .rope import apply_rope, rotation
 
@@ -133,6 +133,19 @@ class Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.zeros(self.heads, dtype=torch.float32))
         self.compressor = Compressor(config, role.ratio) if role.is_kv_source else None
         self.indexer = Indexer(config, role) if role.is_index_source else None
+        self.wqkv_a = None  # wq_a and wkv as one projection (fuse_input_projections)
+
+    def fuse_input_projections(self, fuse: bool = True) -> None:
+        """wq_a and wkv read the same quantized input: hold them as one projection (their tensors become views of
+        its own, outside the checkpoint), so a decode step runs one GEMV for both. fuse=False: two again (the
+        views keep exactly the fused tensors' bytes alive)."""
+        self.wqkv_a = fuse_outputs(self.wq_a, self.wkv) if fuse else None
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)  # converts wq_a's, wkv's and the fused tensors separately: views again
+        if self.wqkv_a is not None:
+            view_outputs(self.wqkv_a, (self.wq_a, self.wkv))
+        return self
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: LayerCache,
                 topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -142,9 +155,13 @@ class Attention(nn.Module):
         role, cache = self.role, ctx.cache
         rot = ctx.rotations[role.rope_kind]
 
-        qr = self.q_norm(self.wq_a(x))
+        if self.wqkv_a is not None:
+            q_a, kv_a = self.wqkv_a(x).split([self.wq_a.out_features, self.wkv.out_features], dim=-1)
+        else:
+            q_a, kv_a = self.wq_a(x), self.wkv(x)
+        qr = self.q_norm(q_a)
         q = apply_rope(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), rot)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), rot)
+        kv = apply_rope(self.kv_norm(kv_a), rot)
         if self.quantize:
             kv = fp8_qdq(kv)  # the window K=V is FP8 over all dims, RoPE tail included
         ring = state.window

@@ -7,7 +7,8 @@ What it sets up (SYSTEM.md, the compiler):
   - our FX passes in Inductor (`passes.install`) and the routed experts stacked for grouped GEMMs (no
     host syncs in the MoE); in graphs of at most `mhc_overlap_max_tokens` tokens (decode) each mHC seam's
     mixes can run on a side CUDA stream beside the next sublayer (passes/mhc_overlap.py; mhc_overlap=True);
-  - regional compilation: every decoder block is compiled (fullgraph; static shapes unless dynamic_shapes).
+  - regional compilation: every decoder block and Engram module is compiled (fullgraph; static shapes unless
+    dynamic_shapes).
     Blocks get their cache tensors as arguments (cache.LayerCache), so all layers of one role share one
     compiled graph per shape: compile time grows with the number of roles (about six), not of layers (40);
   - one static cache (max_batch x max_length) with fixed tensor addresses, reset in place by every
@@ -56,8 +57,19 @@ class CompileOptions:
     # issue 5: grouped GEMMs of the bf16 routed experts with at most this many (token, slot) rows run
     # dsflash::grouped_mm (each picked expert's weight streamed once over many programs) instead of
     # torch._grouped_mm, whose CUTLASS grouped GEMM took 63 us per projection at decode batch 1 (2.3 TB/s: 6
-    # picked experts, 142 MB). 96 rows = batch 16 at top-6; not yet measured on the H200 (scripts/sweep_experts.py)
-    moe_few_rows: int = 96
+    # picked experts, 142 MB). 112 rows = batch 16 at top-6 + the shared expert's row; not yet measured on the
+    # H200 (scripts/sweep_experts.py)
+    moe_few_rows: int = 112
+    # issue 5: bf16 weights: the shared expert as one more slice of the routed stacks (every token's last pair,
+    # weight 1: the same bits), so its three GEMVs and two split-K reduces per layer (28 us at B1 on the H200,
+    # floor 17) ride in the grouped GEMMs. No effect on native weights (FP8 shared, MXFP4 routed) or ParallelMoE
+    moe_shared_stacked: bool = True
+    # issue 5: each attention's wq_a and wkv (same quantized input) as one projection: one GEMV instead of two at
+    # decode (H200 B1: 5.8 + 1.7 reduce and 5.1 + 1.7 us, floor together 4.4); tensors shared, checkpoint unchanged
+    fuse_input_projections: bool = True
+    # issue 5: the Engram modules (outside the blocks: they run before their layer's block) compiled too; eager
+    # they were ~53 small aten kernels each per decode step
+    compile_engram: bool = True
     cuda_graphs: bool = True  # decode as mode="reduce-overhead" (CUDA only)
     trimmed_graphs: bool = True  # bounded replay's trimmed layers as CUDA graphs too (with cuda_graphs)
     swa_bounded_replay: bool | None = None  # sets the model config's switch (None: keep the config's value)
@@ -136,9 +148,11 @@ class CompiledRunner:
         # Inductor keeps fused intermediates in fp32, which moves FP8/FP4 quantization steps.
         passes.keep_model_rounding()
         for layer in model.model.layers:
-            if not layer.ffn.grouped:
-                layer.ffn.stack_experts()
+            shared = options.moe_shared_stacked and layer.ffn.can_stack_shared()
+            if not layer.ffn.grouped or layer.ffn.shared_stacked != shared:
+                layer.ffn.stack_experts(shared)
             layer.ffn.few_rows = options.moe_few_rows
+            layer.attn.fuse_input_projections(options.fuse_input_projections)
         if options.swa_bounded_replay is not None:
             text.swa_bounded_replay = options.swa_bounded_replay
         self.cache = model.new_cache(options.max_batch, options.max_length)
@@ -162,6 +176,10 @@ class CompiledRunner:
             compile_kwargs["options"] = {"triton.coalesce_tiling_analysis": False}
         for block in model.model.layers:
             block.compile(**compile_kwargs)
+            if block.engram is not None and options.compile_engram:
+                block.engram.compile(**compile_kwargs)
+            elif block.engram is not None:
+                block.engram._compiled_call_impl = None  # eager again (a model compiled before with it on)
         self.cuda_graphs = options.cuda_graphs and model.device.type == "cuda"
         self.graphs: dict[int, tuple] = {}  # batch bucket -> (graph, static ids, static mask, static logits)
         self.pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None

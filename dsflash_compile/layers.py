@@ -97,6 +97,49 @@ def quant_linear(config, in_features: int, out_features: int, quantize_input: bo
     return cls(in_features, out_features, quantize_input, storage, groups)
 
 
+def fuse_outputs(*linears: QuantLinear) -> QuantLinear:
+    """One projection computing `linears` (same input and input quantization, no groups) concatenated along their
+    outputs: one GEMM where there were several. Its tensors are buffers outside the checkpoint, and the linears'
+    become views of their slices (no extra memory; names and checkpoints unchanged; see view_outputs)."""
+    first = linears[0]
+    layouts = {(type(m), m.in_features, m.quantize_input, m.storage, m.groups) for m in linears}
+    if len(layouts) > 1 or first.groups != 1 or any(m.out_features % _rows_per_scale(m, "scale") for m in linears):
+        raise ValueError(f"fuse_outputs: these projections do not share an input layout: {linears}")
+    with torch.device("meta"):
+        fused = type(first)(first.in_features, sum(m.out_features for m in linears), first.quantize_input,
+                            first.storage)
+    for leaf in _leaves(first):
+        delattr(fused, leaf)
+        fused.register_buffer(leaf, torch.cat([getattr(m, leaf).detach() for m in linears]), persistent=False)
+    view_outputs(fused, linears)
+    return fused
+
+
+def view_outputs(fused: QuantLinear, linears) -> None:
+    """Point each of `linears`' tensors at its slice of fused's (after fuse_outputs, or a move of the model)."""
+    for leaf in _leaves(fused):
+        sizes = [m.out_features // _rows_per_scale(m, leaf) for m in linears]
+        for m, t in zip(linears, getattr(fused, leaf).split(sizes)):
+            hold(m, leaf, t)
+
+
+def hold(linear: nn.Module, leaf: str, t: torch.Tensor) -> None:
+    """Make `t` (a view of a fused or stacked tensor) the linear's tensor `leaf`, as the parameter or buffer it is."""
+    if leaf in linear._parameters:
+        setattr(linear, leaf, nn.Parameter(t, requires_grad=False))
+    else:
+        setattr(linear, leaf, t)
+
+
+def _leaves(linear: QuantLinear) -> tuple[str, ...]:
+    return ("weight", "scale") if isinstance(linear, NativeQuantLinear) else ("weight",)
+
+
+def _rows_per_scale(linear: QuantLinear, leaf: str) -> int:
+    """Output rows per row of the tensor `leaf`: native FP8 scales cover 32x32 tiles."""
+    return 32 if leaf == "scale" and isinstance(linear, NativeQuantLinear) and linear.storage == "fp8" else 1
+
+
 class Linear(nn.Linear):
     """A bias-free projection stored unquantized (bf16 in the release); `dtype` fp32 where the reference
     computes in fp32 (the ratio > 1 compressor)."""

@@ -12,7 +12,9 @@ Two ways to run the routed experts, with the same math and the same summation or
     grouped GEMM is `dsflash::mxfp4_grouped_mm`; such a model is stacked from the start (and again after
     from_pretrained assigns the loaded tensors), so it runs grouped unless told otherwise. With bf16 weights,
     up to `few_rows` (token, slot) pairs (compile() sets it: the decode step) run `dsflash::grouped_mm`,
-    else torch._grouped_mm.
+    else torch._grouped_mm. With bf16 weights the shared expert can be stacked too (`stack_experts(shared=True)`):
+    it is then every token's last pair, with weight 1 (exact), and added last as before, so the same bits
+    with three projections fewer per layer.
 """
 
 import torch
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_deepseek_v41 import DeepseekV41TextConfig
-from .layers import quant_linear
+from .layers import hold, quant_linear
 from .quant import fp8_qdq
 
 
@@ -82,6 +84,7 @@ class MoE(nn.Module):
         # the experts' tensors: bf16 `weight`, or native `weight` (packed E2M1) and `scale` (UE8M0)
         self.leaves = ("weight", "scale") if self.native else ("weight",)
         self.grouped = False  # set by stack_experts()
+        self.shared_stacked = False  # the shared expert is the stacks' last slice (stack_experts(shared=True))
         self.few_rows = 0  # bf16 grouped GEMMs of at most this many rows run dsflash::grouped_mm (see _grouped_mm)
         if self.native:
             self.stack_experts()
@@ -89,8 +92,12 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, x = x.shape, x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(x)
-        y = self.routed(x, weights, ids)
-        y += self.shared_experts(x)
+        if self.grouped and self.shared_stacked:  # the shared expert: one more pair per token (id E, weight 1)
+            shared = torch.full_like(ids[:, :1], len(self.experts))
+            y = self._routed_grouped(x, F.pad(weights, (0, 1), value=1.0), torch.cat([ids, shared], 1))
+        else:
+            y = self.routed(x, weights, ids)
+            y += self.shared_experts(x)
         return y.to(x.dtype).view(shape)
 
     def routed(self, x, weights, ids) -> torch.Tensor:
@@ -106,27 +113,38 @@ class MoE(nn.Module):
             y[token] += self.experts[e](x[token], weights[token, slot, None])
         return y
 
-    def stack_experts(self) -> None:
+    def stack_experts(self, shared: bool = False) -> None:
         """Hold each routed projection's tensors of all experts in one [E, ...] tensor; every expert's tensor
         becomes a view of its slice (no extra memory; names and checkpoints unchanged). Moving the model
-        later keeps them views (see _apply). A stale stack (tensors assigned since) is rebuilt."""
+        later keeps them views (see _apply). A stale stack (tensors assigned since) is rebuilt.
+        shared: the shared expert becomes slice E ([E + 1, ...]; bf16 weights only, see can_stack_shared)."""
+        if shared and not self.can_stack_shared():
+            raise ValueError("stack_experts(shared=True): only a bf16 MoE without collectives can stack its shared "
+                             "expert (native ones are FP8, the routed MXFP4; ParallelMoE reduces the routed part)")
+        if self.shared_stacked and not shared:  # its own tensors again: its views would keep the old stacks alive
+            for linear in (self.shared_experts.w1, self.shared_experts.w2, self.shared_experts.w3):
+                hold(linear, "weight", linear.weight.detach().clone())
+        self.shared_stacked = shared
         for name in ("w1", "w2", "w3"):
             for leaf in self.leaves:
-                stacked = torch.stack([getattr(getattr(e, name), leaf).detach() for e in self.experts])
+                stacked = torch.stack([getattr(getattr(e, name), leaf).detach() for e in self._stacked()])
                 self.register_buffer(f"{name}_{leaf}_stacked", stacked, persistent=False)  # not a checkpoint tensor
         self._view_experts()
         self.grouped = True
+
+    def can_stack_shared(self) -> bool:
+        return not self.native
+
+    def _stacked(self) -> list:
+        """The experts whose tensors the stacks hold, in slice order."""
+        return [*self.experts, self.shared_experts] if self.shared_stacked else list(self.experts)
 
     def _view_experts(self) -> None:
         for name in ("w1", "w2", "w3"):
             for leaf in self.leaves:
                 stacked = getattr(self, f"{name}_{leaf}_stacked")
-                for e, t in zip(self.experts, stacked):
-                    linear = getattr(e, name)
-                    if leaf in linear._parameters:
-                        setattr(linear, leaf, nn.Parameter(t, requires_grad=False))
-                    else:
-                        setattr(linear, leaf, t)
+                for e, t in zip(self._stacked(), stacked):
+                    hold(getattr(e, name), leaf, t)
 
     def _apply(self, fn, recurse=True):
         # .to()/.cuda() convert each expert's view and the stack separately: point the experts back at the
@@ -152,7 +170,7 @@ class MoE(nn.Module):
         tokens, k = ids.shape
         expert = ids.flatten()
         order = expert.argsort(stable=True)  # pair p = token * k + slot, grouped by expert
-        counts = torch.zeros(len(self.experts), dtype=torch.int32, device=x.device)
+        counts = torch.zeros(len(self.experts) + self.shared_stacked, dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, expert, torch.ones_like(expert, dtype=torch.int32))
         offsets = counts.cumsum(0, dtype=torch.int32)
         first = self.experts[0]

@@ -202,6 +202,9 @@ class ParallelMoE(MoE):
     graph) by computing other ranks' pairs with weight 0; the loop skips them. An all-to-all of only the
     routed pairs is the alternative, to be chosen by measurement on 2 GPUs."""
 
+    def can_stack_shared(self) -> bool:
+        return False  # the routed part is reduced over ranks, the shared expert is not (or is TP-split)
+
     def routed(self, x, weights, ids) -> torch.Tensor:
         """This rank's tokens' routed output, summed over every rank's experts (the shared expert, added by
         MoE.forward, is replicated or TP-split with its own all-reduce: row_parallel)."""

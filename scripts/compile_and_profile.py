@@ -1,6 +1,7 @@
 """Compile a preset with dsflash_compile.compile and profile its decode step against the eager day-zero path.
 
     python scripts/compile_and_profile.py --preset flash-40l-e8 --batch 1 64 --context 4096
+    python scripts/compile_and_profile.py --batch 1 64 --variants unfused,passes   # issue 5's fusions off / on
 
 Reports, per batch size: decode step time of day-zero (eager, reference ops, bf16 caches, reference MoE
 loop, no graphs), compiled without our passes and compiled with them (CUDA-graph replays); kernels per
@@ -32,6 +33,21 @@ from dsflash_compile.benchmarking import (copy_bandwidth, decode_traffic, profil
                                           save_results)
 from dsflash_compile.custom_ops import records  # noqa: E402
 from dsflash_compile.custom_ops.dispatch import reference_kernels  # noqa: E402
+
+
+# compiled variants (CompileOptions besides the defaults), in the order they run; "warm" recompiles "passes" after
+# torch._dynamo.reset() (Inductor's FX graph cache)
+VARIANTS = {
+    "no-passes": {"passes": False},
+    "torch-moe": {"moe_few_rows": 0},  # the routed experts on torch._grouped_mm at every batch (before issue 5)
+    # issue 5's decode fusions off: shared expert on its own GEMMs, wq_a and wkv apart, Engram eager
+    "unfused": {"moe_shared_stacked": False, "fuse_input_projections": False, "compile_engram": False},
+    "no-shared-stack": {"moe_shared_stacked": False},
+    "no-qkv-fusion": {"fuse_input_projections": False},
+    "eager-engram": {"compile_engram": False},
+    "passes": {},
+    "warm": {},
+}
 
 
 def fill_cache(cache, batch: int, context: int, gen: torch.Generator) -> None:
@@ -103,7 +119,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--variants", default="day-zero,no-passes,passes",
-                        help="of day-zero, no-passes, torch-moe (passes, experts on torch._grouped_mm), passes")
+                        help="of day-zero, " + ", ".join(f"{k} ({v})" for k, v in VARIANTS.items() if k != "warm"))
     parser.add_argument("--layers", type=int, help="override num_hidden_layers (keeps the preset's schedule prefix)")
     parser.add_argument("--weights", choices=["native", "bf16"], default="bf16",
                         help="FP8/MXFP4 projections kept as stored (native) or dequantized to bf16")
@@ -151,16 +167,13 @@ def main() -> None:
             save_results(result, f"compile-profile-{args.preset}", args.out)
             del cache
 
-    # torch-moe: passes, the routed experts on torch._grouped_mm at every batch (before issue 5's moe_few_rows)
-    for variant in [v for v in ("no-passes", "torch-moe", "passes", "warm")
-                    if v in variants or (v == "warm" and "passes" in variants)]:
+    for variant in [v for v in VARIANTS if v in variants or (v == "warm" and "passes" in variants)]:
         key = variant.replace("-", "_")
         torch._dynamo.reset()
         counters.clear()
         model.compiled_runner = None
-        few_rows = {"moe_few_rows": 0} if variant == "torch-moe" else {}
-        dsflash_compile.compile(model, max_batch=max_batch, max_length=max_length, passes=variant != "no-passes",
-                                batch_buckets=tuple(args.batch), **few_rows)
+        dsflash_compile.compile(model, max_batch=max_batch, max_length=max_length, batch_buckets=tuple(args.batch),
+                                **VARIANTS[variant])
         runner = model.compiled_runner
         for batch, (ids, mask) in inputs.items():
             row = rows[batch]
@@ -197,7 +210,7 @@ def main() -> None:
         summary = {k: round(v * 1e6, 1) for k, v in row.items() if k.endswith("_s") and "compile" not in k}
         print(f"batch {batch}: step us {summary}  floor {fl * 1e6:.1f} us  "
               f"compile s { {k: round(v, 1) for k, v in row.items() if 'compile_s' in k} }")
-        for k in ("day_zero_profile", "no_passes_profile", "torch_moe_profile", "passes_profile"):
+        for k in ["day_zero_profile"] + [f"{v.replace('-', '_')}_profile" for v in VARIANTS]:
             if k in row:
                 print(f"  {k}: {row[k]['kernels']} kernels, {row[k]['device_us']:.0f} us device time")
         print(f"  pass matches {row.get('pass_matches')}, graph breaks {row.get('passes_graph_breaks')}, "

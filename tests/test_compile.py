@@ -44,12 +44,18 @@ def distinct_roles(model, layers=None) -> int:
                 for r in roles})
 
 
+def compiled_modules(model, layers=slice(None)) -> int:
+    """Graphs one shape compiles over `layers`: one per role, and one per Engram module (their tables differ
+    in rows, so each has its own)."""
+    return distinct_roles(model, layers) + sum(b.engram is not None for b in model.model.layers[layers])
+
+
 def prefill_and_decode_graphs(model) -> int:
     """Graphs of one prefill bucket longer than the window and one decode batch: every layer at the bucket's
     length (prompts up to the window are not trimmed), the layers after the last KV source at the window's
     length (longer prompts: bounded replay), every layer at one token."""
     cut = model.model.text_config.last_kv_source_layer + 1
-    return 2 * distinct_roles(model) + distinct_roles(model, slice(cut, None))
+    return 2 * compiled_modules(model) + compiled_modules(model, slice(cut, None))
 
 
 @torch.no_grad()

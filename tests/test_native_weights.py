@@ -148,6 +148,56 @@ def test_moe_few_rows_path_equals_the_expert_loop():
     assert torch.equal(moe(x), want)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("few_rows", [0, 64])
+def test_shared_expert_stacked_gives_the_same_bits_and_checkpoint(few_rows):
+    """stack_experts(shared=True): the shared expert as slice E of the stacks (weight 1, added last) gives the
+    unstacked MoE's bits through either grouped GEMM; its tensors are views of the stacks under unchanged
+    names, and unstacking gives them their own storage back."""
+    torch.manual_seed(0)
+    moe = DeepseekV41ForCausalLM(preset_config("tiny")).model.layers[0].ffn
+    x = torch.randn(5, 2, moe.gate.weight.shape[1]).bfloat16()
+    want, names = moe(x), list(moe.state_dict())
+    moe.stack_experts(shared=True)
+    moe.few_rows = few_rows
+    assert moe.w1_weight_stacked.shape[0] == len(moe.experts) + 1
+    def storage(t):
+        return t.untyped_storage().data_ptr()
+
+    assert storage(moe.shared_experts.w2.weight) == storage(moe.w2_weight_stacked)
+    assert list(moe.state_dict()) == names
+    assert torch.equal(moe(x), want)
+    moe.stack_experts()
+    assert storage(moe.shared_experts.w1.weight) != storage(moe.w1_weight_stacked)
+    assert moe.w1_weight_stacked.shape[0] == len(moe.experts)
+    assert torch.equal(moe(x), want)
+    with pytest.raises(ValueError, match="bf16 MoE"):
+        DeepseekV41ForCausalLM(preset_config("tiny", weights="native")).model.layers[0].ffn.stack_experts(True)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("weights", ["bf16", "native"])
+def test_fused_input_projections_give_the_same_logits_and_checkpoint(weights):
+    """Attention.fuse_input_projections: wq_a and wkv as one projection give the same logits; their tensors
+    are views of the fused ones under unchanged names (also after a move), and unfusing runs two again."""
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(preset_config("tiny", weights=weights)).eval()
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(1))
+    want, names = model(ids).logits, list(model.state_dict())
+    for layer in model.model.layers:
+        layer.attn.fuse_input_projections()
+    model._apply(torch.clone)
+    attn = model.model.layers[0].attn
+    for leaf in ("weight", "scale") if weights == "native" else ("weight",):
+        fused = getattr(attn.wqkv_a, leaf).untyped_storage().data_ptr()
+        assert all(getattr(m, leaf).untyped_storage().data_ptr() == fused for m in (attn.wq_a, attn.wkv))
+    assert list(model.state_dict()) == names
+    assert torch.equal(model(ids).logits, want)  # on CPU each output's dot product is the same
+    for layer in model.model.layers:
+        layer.attn.fuse_input_projections(False)
+    assert torch.equal(model(ids).logits, want)
+
+
 def test_mxfp4_grouped_mm_errors_name_the_problem():
     x, weight, scale, offsets = mxfp4_case([2, 1], 32, 64)
     with pytest.raises(ValueError, match="offsets must be int32"):
