@@ -68,8 +68,9 @@ class CompileOptions:
     # decode (H200 B1: 5.8 + 1.7 reduce and 5.1 + 1.7 us, floor together 4.4); tensors shared, checkpoint unchanged
     fuse_input_projections: bool = True
     # issue 5: the Engram modules (outside the blocks: they run before their layer's block) compiled too; eager
-    # they were ~53 small aten kernels each per decode step
-    compile_engram: bool = True
+    # they were ~53 small aten kernels each per decode step. Off until it has compiled on a GPU: Inductor does no
+    # arithmetic on float8_e8m0fnu scales and hands those ops back to aten (fine on the CPU)
+    compile_engram: bool = False
     cuda_graphs: bool = True  # decode as mode="reduce-overhead" (CUDA only)
     trimmed_graphs: bool = True  # bounded replay's trimmed layers as CUDA graphs too (with cuda_graphs)
     swa_bounded_replay: bool | None = None  # sets the model config's switch (None: keep the config's value)

@@ -44,7 +44,7 @@ VARIANTS = {
     "unfused": {"moe_shared_stacked": False, "fuse_input_projections": False, "compile_engram": False},
     "no-shared-stack": {"moe_shared_stacked": False},
     "no-qkv-fusion": {"fuse_input_projections": False},
-    "eager-engram": {"compile_engram": False},
+    "engram-compiled": {"compile_engram": True},  # off by default until measured
     "passes": {},
     "warm": {},
 }

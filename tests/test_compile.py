@@ -45,9 +45,10 @@ def distinct_roles(model, layers=None) -> int:
 
 
 def compiled_modules(model, layers=slice(None)) -> int:
-    """Graphs one shape compiles over `layers`: one per role, and one per Engram module (their tables differ
-    in rows, so each has its own)."""
-    return distinct_roles(model, layers) + sum(b.engram is not None for b in model.model.layers[layers])
+    """Graphs one shape compiles over `layers`: one per role, and with compile_engram one per Engram module
+    (their tables differ in rows, so each has its own)."""
+    engram = model.compiled_runner.options.compile_engram if model.compiled_runner else False
+    return distinct_roles(model, layers) + engram * sum(b.engram is not None for b in model.model.layers[layers])
 
 
 def prefill_and_decode_graphs(model) -> int:
@@ -59,12 +60,13 @@ def prefill_and_decode_graphs(model) -> int:
 
 
 @torch.no_grad()
-def test_compiled_generate_equals_eager_and_never_recompiles(fresh_dynamo):
+@pytest.mark.parametrize("compile_engram", [False, True])
+def test_compiled_generate_equals_eager_and_never_recompiles(fresh_dynamo, compile_engram):
     model = tiny_model()
     ids = prompts(4, 20)
     want = model.generate(ids, max_new_tokens=12, do_sample=False)
     dsflash_compile.compile(model, max_batch=4, max_length=256, batch_buckets=(4,), prefill_buckets=(32,),
-                            backend="eager", passes=False)
+                            backend="eager", passes=False, compile_engram=compile_engram)
     model.compiled_runner.warm_up()  # compiles both shapes now; generate() then compiles nothing new
     got = model.generate(ids, max_new_tokens=12, do_sample=False)
     assert torch.equal(got, want)  # a full batch bucket: the same shapes, so the same numbers
