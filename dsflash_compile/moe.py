@@ -165,13 +165,17 @@ class MoE(nn.Module):
             return torch.ops.dsflash.grouped_mm(xs, weight, offsets)
         return torch._grouped_mm(xs, weight.transpose(1, 2), offs=offsets)
 
-    def _routed_grouped(self, x, weights, ids) -> torch.Tensor:
-        """The routed experts as grouped GEMMs over (token, slot) pairs sorted by expert."""
+    def _routed_grouped(self, x, weights, ids, elsewhere: bool = False) -> torch.Tensor:
+        """The routed experts as grouped GEMMs over (token, slot) pairs sorted by expert. elsewhere: ids may be
+        -1 (a pair another rank's experts take: ParallelMoE); such a pair sorts after every expert's pairs,
+        past the last offset, so no GEMM computes it (shapes stay static), and it adds zero."""
         tokens, k = ids.shape
         expert = ids.flatten()
-        order = expert.argsort(stable=True)  # pair p = token * k + slot, grouped by expert
-        counts = torch.zeros(len(self.experts) + self.shared_stacked, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, expert, torch.ones_like(expert, dtype=torch.int32))
+        here = expert >= 0
+        groups = len(self.experts) + self.shared_stacked
+        order = torch.where(here, expert, groups).argsort(stable=True)  # pair p = token * k + slot, by expert
+        counts = torch.zeros(groups, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, expert.clamp(min=0), here.to(torch.int32))
         offsets = counts.cumsum(0, dtype=torch.int32)
         first = self.experts[0]
         xs = (fp8_qdq(x) if first.w1.quantize_input else x)[order // k]
@@ -184,8 +188,10 @@ class MoE(nn.Module):
         # Back to each token's slots in ascending expert id, summed one by one (the loop's order).
         rank = torch.empty_like(order)
         rank[order] = torch.arange(order.numel(), device=x.device)
-        slots = ids.argsort(dim=1) + k * torch.arange(tokens, device=x.device).unsqueeze(1)
-        picked = out[rank[slots]]  # [tokens, k, D]
+        ascending = ids.argsort(dim=1)
+        picked = out[rank[ascending + k * torch.arange(tokens, device=x.device).unsqueeze(1)]]  # [tokens, k, D]
+        if elsewhere:  # rows past the last offset are undefined for torch._grouped_mm
+            picked = torch.where(here.view(tokens, k).gather(1, ascending).unsqueeze(-1), picked, 0.0)
         y = picked[:, 0].float()
         for j in range(1, k):
             y = y + picked[:, j].float()

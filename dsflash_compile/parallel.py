@@ -199,8 +199,9 @@ class ParallelMoE(MoE):
     The simplest dispatch, for small batches: every rank sees every token (replicated under TP / EP,
     all-gathered with its routing under DP attention) and the combine sums the ranks' outputs (all-reduce,
     or reduce-scatter back to the tokens' owners). The grouped path keeps static shapes (no host sync, one
-    graph) by computing other ranks' pairs with weight 0; the loop skips them. An all-to-all of only the
-    routed pairs is the alternative, to be chosen by measurement on 2 GPUs."""
+    graph) by sorting other ranks' pairs after its own, past the last offset: no GEMM computes them (the
+    loop skips them too). An all-to-all of only the routed pairs is the alternative, to be chosen by
+    measurement on 2 GPUs."""
 
     def can_stack_shared(self) -> bool:
         return False  # the routed part is reduced over ranks, the shared expert is not (or is TP-split)
@@ -217,6 +218,6 @@ class ParallelMoE(MoE):
         """The routed experts' output from this rank's experts only (fp32; zero where none is here)."""
         local = ids - self.first_expert
         mine = (local >= 0) & (local < len(self.experts))
-        if self.grouped:  # static shapes: other ranks' pairs ride along on expert 0 with weight 0
-            return self._routed_grouped(x, torch.where(mine, weights, 0.0), torch.where(mine, local, 0))
+        if self.grouped:  # static shapes: other ranks' pairs sort past the last offset, computed by no GEMM
+            return self._routed_grouped(x, torch.where(mine, weights, 0.0), torch.where(mine, local, -1), True)
         return self._routed_loop(x, weights, torch.where(mine, local, -1))

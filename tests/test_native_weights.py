@@ -150,6 +150,29 @@ def test_moe_few_rows_path_equals_the_expert_loop():
 
 @torch.no_grad()
 @pytest.mark.parametrize("few_rows", [0, 64])
+def test_grouped_moe_computes_no_pair_marked_elsewhere(few_rows, monkeypatch):
+    """ParallelMoE marks other ranks' pairs -1: the grouped GEMMs stop at the last local pair (every offset
+    ends there) and the output is the expert loop's, which skips them; both grouped GEMMs."""
+    torch.manual_seed(0)
+    moe = DeepseekV41ForCausalLM(preset_config("tiny")).model.layers[0].ffn
+    moe.stack_experts()
+    moe.few_rows = few_rows
+    x = torch.randn(6, moe.gate.weight.shape[1]).bfloat16()
+    weights, ids = moe.gate(x)
+    ids = ids.masked_fill(ids % 2 == 1, -1)  # odd experts on another rank
+    want = moe._routed_loop(x, weights, ids)
+    grouped, rows = moe._grouped_mm, []
+
+    def counting(xs, name, offsets):
+        rows.append(int(offsets[-1]))
+        return grouped(xs, name, offsets)
+    monkeypatch.setattr(moe, "_grouped_mm", counting)
+    assert torch.equal(moe._routed_grouped(x, weights, ids, elsewhere=True), want)
+    assert rows == [int((ids >= 0).sum())] * 3
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("few_rows", [0, 64])
 def test_shared_expert_stacked_gives_the_same_bits_and_checkpoint(few_rows):
     """stack_experts(shared=True): the shared expert as slice E of the stacks (weight 1, added last) gives the
     unstacked MoE's bits through either grouped GEMM; its tensors are views of the stacks under unchanged
