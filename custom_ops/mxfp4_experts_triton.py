@@ -82,28 +82,31 @@ def _e2m1_bf16(packed, scale, PTX: tl.constexpr):
 
 @triton.jit
 def _tile_of(slot, offsets_ptr, E, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
-    """(expert of tile slot `slot`, E past the last tile; the expert's first slot): expert e has
-    ceil(rows_e / BLOCK_M) tiles, numbered in expert order."""
+    """(expert of tile slot `slot`, E past the last tile; the expert's first slot, or the first slot past the
+    last tile): expert e has ceil(rows_e / BLOCK_M) tiles, numbered in expert order."""
     ex = tl.arange(0, E_PAD)
     ends = tl.load(offsets_ptr + ex, mask=ex < E, other=0)
     starts = tl.load(offsets_ptr + ex - 1, mask=(ex > 0) & (ex < E), other=0)
     tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
     tile_end = tl.cumsum(tiles, 0)
     expert = tl.sum(((tile_end <= slot) & (ex < E)).to(tl.int32), 0)  # searchsorted(tile_end, slot, right=True)
-    return expert, tl.sum(tl.where(ex == expert, tile_end - tiles, 0), 0)
+    return expert, tl.where(expert < E, tl.sum(tl.where(ex == expert, tile_end - tiles, 0), 0), tl.sum(tiles, 0))
 
 
 @triton.jit
-def _grouped_kernel(x_ptr, w_ptr, s_ptr, offsets_ptr, out_ptr, E, N, K, BLOCK_M: tl.constexpr,
+def _grouped_kernel(x_ptr, w_ptr, s_ptr, offsets_ptr, out_ptr, P, E, N, K, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr, MXFP4: tl.constexpr,
                     FP32_DOT: tl.constexpr, PTX: tl.constexpr):
-    """MXFP4: w packed E2M1 [E, N, K/2] with UE8M0 scales s [E, N, K/32]; else w bf16 [E, N, K] (s unused)."""
+    """MXFP4: w packed E2M1 [E, N, K/2] with UE8M0 scales s [E, N, K/32]; else w bf16 [E, N, K] (s unused).
+    out [P, N]: the slots past the last tile write zeros into the rows past the last expert (u-th such slot:
+    u-th block of those rows), so the output needs no zero fill beforehand."""
     slot, pid_n = tl.program_id(0), tl.program_id(1)
     expert, first_slot = _tile_of(slot, offsets_ptr, E, BLOCK_M, E_PAD)
-    used = expert < E  # slots past the last tile do nothing
+    used = expert < E
     e = tl.minimum(expert, E - 1)  # keeps every address in bounds
-    row_end = tl.where(used, tl.load(offsets_ptr + e), 0)
-    expert_start = tl.where(e > 0, tl.load(offsets_ptr + e - 1, mask=e > 0, other=0), 0)
+    last_end = tl.load(offsets_ptr + E - 1)
+    row_end = tl.where(used, tl.load(offsets_ptr + e), P)
+    expert_start = tl.where(used, tl.where(e > 0, tl.load(offsets_ptr + e - 1, mask=e > 0, other=0), 0), last_end)
     m = expert_start + (slot - first_slot) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_in, n_in = m < row_end, n < N
@@ -113,7 +116,7 @@ def _grouped_kernel(x_ptr, w_ptr, s_ptr, offsets_ptr, out_ptr, E, N, K, BLOCK_M:
     else:
         w_rows = w_ptr + (e.to(tl.int64) * N + n[:, None]) * K
     s_rows = s_ptr + (e.to(tl.int64) * N + n[:, None]) * tl.cdiv(K, 32)
-    blocks = tl.where(used, tl.cdiv(K, BLOCK_K), 0)
+    blocks = tl.where(used, tl.cdiv(K, BLOCK_K), 0)  # a tail slot stores its zero accumulator
     kt = tl.arange(0, BLOCK_K // 32)
     exps = tl.load(s_rows + kt[None, :], mask=n_in[:, None] & (kt * 32 < K)[None, :], other=0) if MXFP4 else 0
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -138,23 +141,26 @@ def _grouped_kernel(x_ptr, w_ptr, s_ptr, offsets_ptr, out_ptr, E, N, K, BLOCK_M:
 
 
 def grouped_mm_triton(x, weight, scale, offsets, block_m=BLOCK_M, block_n=None, block_k=None, num_warps=4,
-                      num_stages=NUM_STAGES, ptx=None):
+                      num_stages=NUM_STAGES, ptx=None, out=None):
     """bf16 [P, N] as the reference (rows past offsets[-1] are zero). scale None: bf16 weight [E, N, K]; else
     MXFP4 weight and scale (mxfp4_experts.py). Block sizes (None: the format's default), warps, pipeline
-    stages and the MXFP4 conversion (ptx None: PTX on CUDA) for sweeps."""
+    stages and the MXFP4 conversion (ptx None: PTX on CUDA) for sweeps; out: the bf16 [P, N] to write
+    (default: a new one; every element is written)."""
     mxfp4 = scale is not None
     block_n = block_n or (BLOCK_N if mxfp4 else BF16_BLOCK_N)
     block_k = block_k or (BLOCK_K if mxfp4 else BF16_BLOCK_K)
     rows, k = x.shape
     experts, n, _ = weight.shape
-    out = x.new_zeros(rows, n)
+    out = x.new_empty(rows, n) if out is None else out
     if rows == 0:
         return out
     weight = weight.contiguous()
     w, s = (weight.view(torch.uint8), scale.contiguous().view(torch.uint8)) if mxfp4 else (weight, weight)
-    slots = rows // block_m + min(experts, rows)  # the most tiles any routing of the rows needs
+    # the most tiles any routing of the rows needs, + 1: then the slots past the last tile always cover the rows
+    # past the last expert (tiles <= (rows here + (block_m - 1) x nonempty experts) / block_m)
+    slots = rows // block_m + min(experts, rows) + 1
     _grouped_kernel[(slots, triton.cdiv(n, block_n))](
-        x.contiguous(), w, s, offsets, out, experts, n, k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        x.contiguous(), w, s, offsets, out, rows, experts, n, k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         E_PAD=triton.next_power_of_2(experts), MXFP4=mxfp4, FP32_DOT=x.device.type != "cuda",
         PTX=x.device.type == "cuda" and PTX if ptx is None else ptx, num_warps=num_warps, num_stages=num_stages)
     return out

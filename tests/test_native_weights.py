@@ -256,6 +256,14 @@ GROUPED_CASES = {
 }
 
 
+# name: (rows per expert, rows past the last expert, launch keywords)
+TAIL_CASES = {
+    "all_rows_past": ([0, 0, 0], 40, {}),
+    "every_expert_full_tail_several_tiles": ([16, 16, 16, 16, 16, 16, 16, 16], 37, {}),
+    "ragged_tail_block_m_16": ([1, 17, 0, 3], 33, dict(block_n=16)),
+}
+
+
 def relative_error(got, want, mag) -> float:
     """Worst |got - want| relative to sum |x| |w| (the summation order moves results by about one bf16
     rounding of the larger of the two)."""
@@ -286,6 +294,16 @@ def interpreter_checks():
         want = grouped_mm_reference(x, weight, offsets)
         mag = grouped_mm_reference(x.abs(), weight.abs(), offsets)
         report(dict(name="bf16_" + name, err=relative_error(got, want, mag.float())))
+    # rows past the last expert (ParallelMoE's pairs of other ranks): the kernel writes their zeros itself
+    for name, (counts, tail, launch) in TAIL_CASES.items():
+        x, weight, scale, offsets = mxfp4_case(counts + [tail], 64, 128)
+        offsets, weight, scale = offsets[:-1], weight[:-1], scale[:-1]
+        out = torch.full((x.shape[0], 64), float("nan"), dtype=torch.bfloat16)
+        got = grouped_mm_triton(x, weight, scale, offsets, out=out, **launch)
+        want = mxfp4_grouped_mm_reference(x, weight, scale, offsets)
+        report(dict(name="tail_" + name, same=bool(torch.equal(got[offsets[-1]:], want[offsets[-1]:])),
+                    err=relative_error(got, want, mxfp4_grouped_mm_reference(x.abs(), weight & 0x77, scale,
+                                                                             offsets).float().clamp_min(1e-30))))
 
 
 @pytest.fixture(scope="module")
@@ -298,6 +316,14 @@ def interpreted():
                                                                    for n in GROUPED_CASES])
 def test_kernel_matches_reference(interpreted, name):
     assert interpreted[name]["err"] <= 2 ** -7, interpreted[name]
+
+
+@requires_interpreter
+@pytest.mark.parametrize("name", list(TAIL_CASES))
+def test_grouped_kernel_zeroes_rows_past_the_last_expert(interpreted, name):
+    """Rows past offsets[-1] come out zero from an output filled with NaN: no zero fill needed before."""
+    r = interpreted["tail_" + name]
+    assert r["same"] and r["err"] <= 2 ** -7, r
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, PARTIAL, PTX, EVEN_K): the defaults and the largest tiles of scripts/sweep_native.py
@@ -329,7 +355,7 @@ def test_grouped_kernel_compiles_for_hopper_without_spills(mxfp4, ptx, block_n, 
 
     weight = "*u8" if mxfp4 else "*bf16"
     args = dict(x_ptr="*bf16", w_ptr=weight, s_ptr="*u8" if mxfp4 else weight, offsets_ptr="*i32",
-                out_ptr="*bf16", E="i32", N="i32", K="i32")
+                out_ptr="*bf16", P="i32", E="i32", N="i32", K="i32")
     # E_PAD 512: the release's 384 experts
     constexprs = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, E_PAD=512, MXFP4=mxfp4, FP32_DOT=False,
                       PTX=ptx)
