@@ -17,10 +17,10 @@ The counters (block_counters.py) are shared with the router and rows kernels and
 one seam or router in flight per device on the "main" lane.
 
 The overlapped seam (mhc_split.py, issue 8) launches this kernel twice with half of it switched off by the
-constexprs MIXES and COLLAPSE: the sublayer's input (expansion, collapse, RMSNorm) and the mixes (GEMV,
-sigmoids, Sinkhorn) of the new streams. Each half runs the same expressions over the same chunks in the same
-order as the one launch, so the values are the same bits. The mixes half runs on a side stream beside the
-router and seam kernels, so it counts on its own "side" lane.
+runtime flags mixes and collapse: the sublayer's input (expansion, collapse, RMSNorm) and the mixes (GEMV,
+sigmoids, Sinkhorn) of the new streams. All launches run one compiled kernel (the flags are not specialized),
+so each half computes its values exactly as the one launch does: the same bits. The mixes half runs on a side
+stream beside the router and seam kernels, so it counts on its own "side" lane.
 """
 
 import torch
@@ -32,13 +32,16 @@ from .block_counters import block_counters
 from .mhc_sinkhorn_triton import _sinkhorn
 
 
-@triton.jit
+# has_post, mixes, collapse are runtime flags, never specialized (do_not_specialize: Triton would compile a 1
+# apart): the one launch and both split launches then run one binary, so their reductions add in the same order.
+# As constexprs each variant was compiled on its own, and on the H200 (11-30) the split seam's bits differed
+# from the fused one's (the sm_90 code gave some reductions other layouts, hence other summation orders).
+@triton.jit(do_not_specialize=["has_post", "mixes", "collapse"])
 def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, scale_ptr, base_ptr, weight_ptr,
                  new_streams_ptr, normed_ptr, pre_out_ptr, post_out_ptr, comb_out_ptr, partial_ptr, counter_ptr,
-                 N, norm_eps, hc_eps, iters,
+                 N, norm_eps, hc_eps, iters, has_post, mixes, collapse,
                  HC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                 PART: tl.constexpr, CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr, HAS_POST: tl.constexpr,
-                 MIXES: tl.constexpr = True, COLLAPSE: tl.constexpr = True):
+                 PART: tl.constexpr, CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr):
     block = tl.program_id(0)
     chunk = tl.program_id(1)
     chunks = tl.num_programs(1)
@@ -47,30 +50,29 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
     d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
     in_d = d < D
     col = tl.arange(0, PART)  # partial row: MIX mix dot products, the streams' and the collapse's sum of squares
-    if MIXES:
-        fn = tl.load(fn_ptr + col[:, None, None] * (HC * D) + i[None, :, None] * D + d[None, None, :],
-                     mask=(col < MIX)[:, None, None] & in_d[None, None, :], other=0.0)
+    fn = tl.load(fn_ptr + col[:, None, None] * (HC * D) + i[None, :, None] * D + d[None, None, :],
+                 mask=(col < MIX)[:, None, None] & in_d[None, None, :] & (mixes != 0), other=0.0)
     sd = i[:, None] * D + d[None, :]
     for t in range(BLOCK_T):
         row = (block * BLOCK_T + t).to(tl.int64)
         if row < N:
             x = tl.load(streams_ptr + row * HC * D + sd, mask=in_d[None, :], other=0.0).to(tl.float32)
-            if HAS_POST:  # Y_j = post_j * out + sum_i comb[i, j] X_i, rounded to bf16
+            if has_post != 0:  # Y_j = post_j * out + sum_i comb[i, j] X_i, rounded to bf16
                 o = tl.load(out_ptr + row * D + d, mask=in_d, other=0.0).to(tl.float32)
                 q = tl.load(post_ptr + row * HC + i)
                 c = tl.load(comb_ptr + row * HC * HC + i[:, None] * HC + i[None, :])
                 y = (q[:, None] * o[None, :] + tl.sum(c[:, :, None] * x[:, None, :], axis=0)).to(tl.bfloat16)
                 tl.store(new_streams_ptr + row * HC * D + sd, y, mask=in_d[None, :])
                 x = y.to(tl.float32)
-            # the split launches (MIXES or COLLAPSE off) store zeros for the sums they skip and compute the
-            # others with the same expressions, so their results equal the one-launch seam's bit for bit
+            # the split launches (mixes or collapse off) store zeros for the sums they skip and compute the
+            # others in the same code, so their results equal the one-launch seam's bit for bit
             mix = tl.zeros((PART,), dtype=tl.float32)
-            streams_ss = 0.0
-            collapse_ss = 0.0
-            if MIXES:
+            streams_ss = tl.sum(mix, axis=0)
+            collapse_ss = streams_ss
+            if mixes != 0:
                 mix = tl.sum(tl.sum(fn * x[None, :, :], axis=2), axis=1)
                 streams_ss = tl.sum(tl.sum(x * x, axis=1), axis=0)
-            if COLLAPSE:
+            if collapse != 0:
                 p = tl.load(pre_lag_ptr + row * HC + i)
                 collapsed = tl.sum(p[:, None] * x, axis=0).to(tl.bfloat16)
                 tl.store(normed_ptr + row * D + d, collapsed, mask=in_d)
@@ -86,14 +88,14 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
             if row < N:
                 _finish_token(row, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr, pre_out_ptr,
                               post_out_ptr, comb_out_ptr, norm_eps, hc_eps, iters, HC, D, PART, CHUNKS_PAD,
-                              NORM_BLOCK, MIXES, COLLAPSE)
+                              NORM_BLOCK, mixes, collapse)
         tl.atomic_xchg(counter_ptr + block, 0)
 
 
 @triton.jit
 def _finish_token(row, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr, pre_out_ptr, post_out_ptr,
                   comb_out_ptr, norm_eps, hc_eps, iters, HC: tl.constexpr, D: tl.constexpr, PART: tl.constexpr,
-                  CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr, MIXES: tl.constexpr, COLLAPSE: tl.constexpr):
+                  CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr, mixes, collapse):
     """Sum one token's partials over the chunks, then mixes -> (pre, post, Sinkhorn comb) and the RMSNorm
     (each where its flag is on)."""
     MIX: tl.constexpr = (2 + HC) * HC
@@ -102,7 +104,7 @@ def _finish_token(row, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, nor
     rows = partial_ptr + (row * chunks + ch) * PART
     live = ch < chunks
     # .cg: bypass L1 (not coherent across SMs) to read what the other programs wrote
-    if MIXES:
+    if mixes != 0:
         pre_dot = tl.sum(tl.load(rows[:, None] + i[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg"), 0)
         post_dot = tl.sum(tl.load(rows[:, None] + HC + i[None, :], mask=live[:, None], other=0.0,
                                   cache_modifier=".cg"), 0)
@@ -118,7 +120,7 @@ def _finish_token(row, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, nor
         tl.store(post_out_ptr + row * HC + i, post)
         tl.store(comb_out_ptr + row * HC * HC + i[:, None] * HC + i[None, :], comb)
 
-    if COLLAPSE:
+    if collapse != 0:
         collapse_ss = tl.sum(tl.load(rows + MIX + 1, mask=live, other=0.0, cache_modifier=".cg"), 0)
         rstd = tl.math.rsqrt(collapse_ss / D + norm_eps)
         for d0 in range(0, D, NORM_BLOCK):
@@ -196,9 +198,9 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
         partial = flat.new_empty(tokens, chunks, part, dtype=torch.float32)
         _seam_kernel[(blocks, chunks)](
             *tensors, partial, block_counters(flat.device, blocks, "main" if collapse else "side"), tokens,
-            norm_eps, hc_eps, iters, HC=hc, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, PART=part,
-            CHUNKS_PAD=triton.next_power_of_2(chunks), NORM_BLOCK=min(NORM_BLOCK, triton.next_power_of_2(dim)),
-            HAS_POST=has_post, MIXES=mixes, COLLAPSE=collapse, num_warps=num_warps)
+            norm_eps, hc_eps, iters, int(has_post), int(mixes), int(collapse), HC=hc, D=dim, BLOCK_D=block_d,
+            BLOCK_T=block_t, PART=part, CHUNKS_PAD=triton.next_power_of_2(chunks),
+            NORM_BLOCK=min(NORM_BLOCK, triton.next_power_of_2(dim)), num_warps=num_warps)
     lead = tuple(lead)
     outputs = [new_streams.view(lead + (hc, dim))] if has_post else []
     if collapse:

@@ -134,18 +134,18 @@ def test_seam_kernel_matches_reference(interpreted, name):
 KERNEL_ARGS = dict(out_ptr="*bf16", streams_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", pre_lag_ptr="*fp32",
                    fn_ptr="*fp32", scale_ptr="*fp32", base_ptr="*fp32", weight_ptr="*bf16", new_streams_ptr="*bf16",
                    normed_ptr="*bf16", pre_out_ptr="*fp32", post_out_ptr="*fp32", comb_out_ptr="*fp32",
-                   partial_ptr="*fp32", counter_ptr="*i32", N="i32", norm_eps="fp32", hc_eps="fp32", iters="i32")
+                   partial_ptr="*fp32", counter_ptr="*i32", N="i32", norm_eps="fp32", hc_eps="fp32", iters="i32",
+                   has_post="i32", mixes="i32", collapse="i32")
 
 
-@pytest.mark.parametrize("has_post", [True, False])
 @pytest.mark.parametrize("block_t, block_d", [(1, 64), (1, 128), (16, 64)])
-def test_seam_kernel_compiles_for_hopper(has_post, block_t, block_d):
-    """Release dims (hc 4, D 5120), the default launches (decode, wider chunks) and a token block, both
-    ops: sm_90 code, no spills."""
+def test_seam_kernel_compiles_for_hopper(block_t, block_d):
+    """Release dims (hc 4, D 5120), the default launches (decode, wider chunks) and a token block: sm_90
+    code, no spills (one binary for both ops and the split halves: their flags are runtime arguments)."""
     from dsflash_compile.custom_ops import mhc_triton
 
     constexprs = dict(HC=4, D=5120, BLOCK_D=block_d, BLOCK_T=block_t, PART=32, CHUNKS_PAD=128,
-                      NORM_BLOCK=mhc_triton.NORM_BLOCK, HAS_POST=has_post)
+                      NORM_BLOCK=mhc_triton.NORM_BLOCK)
     check_compiles_for_hopper(mhc_triton, ("_seam_kernel", KERNEL_ARGS, constexprs, 4))
 
 
