@@ -12,9 +12,9 @@ group's inputs, which needs each group's outputs to be a multiple of BLOCK_N.
 Where decode time went (11-30, H200): ~8 CUDA-core instructions per weight value (Triton converts one byte
 per register: byte shuffles, E4M3 -> f16 -> f32, an fp32 multiply by the scale, f32 -> bf16), a tile scale
 load in every iteration that waited a full memory latency (a byte gather is no cp.async candidate, so the
-pipeliner left it in place), and two torch kernels (sum, cast) after split programs. Now: the conversion is
-inline PTX on 4 codes per register (PTX: 2.5 instructions per value, exact), the scales of the next K block
-are loaded one iteration ahead, and the split sum is one kernel.
+pipeliner left it in place), and two torch kernels (sum, cast) after split programs. Now the scales of the
+next K block are loaded one iteration ahead and the split sum is one kernel; an inline-PTX conversion on 4
+codes per register (2.5 instructions per value, exact) is written but off (PTX) until it has run on a GPU.
 
 Numerics: every product of a bf16 activation and a dequantized weight is exact in fp32 (code x 2^e is the
 reference's bf16 weight, rounded the same way where it is subnormal); only the fp32 summation order differs
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_triton import _dot, _num_sms
+from .attention_triton import _dot, _e4m3_rows, _num_sms
 
 BLOCK_K = 128
 PROGRAMS_PER_SM = 2
@@ -59,14 +59,21 @@ _E4M3_PTX = tl.constexpr("""{
 
 
 @triton.jit
-def _e4m3_bf16(codes, scale, PTX: tl.constexpr):
-    """E4M3 codes uint8 times bf16 powers of two of the same shape -> bf16, the reference's dequantized values
-    (the product rounds as torch's where it is subnormal). PTX: per 4 codes two E4M3x2 -> f16x2, four f16 ->
-    f32, two f32 pairs -> bf16x2 and two bf16x2 multiplies, on whole registers."""
+def _e4m3_bf16(codes, exps, PTX: tl.constexpr):
+    """E4M3 codes uint8 [N, C] times their 32-column tiles' power-of-two scales (UE8M0 bytes exps [N, C / 32])
+    -> bf16 [N, C], the reference's dequantized values (the product rounds as torch's where it is subnormal).
+    PTX: per 4 codes two E4M3x2 -> f16x2, four f16 -> f32, two f32 pairs -> bf16x2 and two bf16x2 multiplies
+    by the scales as bf16 (the byte is bf16's exponent field), on whole registers. Else the 11-30 conversion
+    (attention_triton._e4m3_rows: the code in fp32 times the tile's fp32 scale, one bf16 rounding)."""
+    N: tl.constexpr = codes.shape[0]
+    C: tl.constexpr = codes.shape[1]
     if PTX:
+        scale = (exps.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (N, C // 32, 32)), (N, C))
         return tl.inline_asm_elementwise(asm=_E4M3_PTX, constraints="=r,=r,r,r,r", args=[codes, scale],
                                          dtype=tl.bfloat16, is_pure=True, pack=4)
-    return (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale.to(tl.float32)).to(tl.bfloat16)
+    scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # the fp32 exponent field
+    return _e4m3_rows(codes, scale[:, :, None], N, C, 32).to(tl.bfloat16)
 
 
 @triton.jit
@@ -98,9 +105,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, x_stride, n_per_gr
         # loaded where it is used it stalls every iteration for a memory latency (the last one reloads itself)
         kt = (first + tl.minimum(i + 1, blocks - 1)) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
         next_exps = tl.load(s_rows + kt[None, :], mask=(kt * 32 < K)[None, :], other=0)
-        scale = (exps.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)  # UE8M0 byte = the bf16 exponent field
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
-        w = _e4m3_bf16(codes, scale, PTX)
+        w = _e4m3_bf16(codes, exps, PTX)
         acc += _dot(x, tl.trans(w), FP32_DOT)
         exps = next_exps
     out = m[:, None] * N + n[None, :]
@@ -144,8 +149,8 @@ def default_splits(tiles: int, k_blocks: int, device: torch.device, programs_per
 def fp8_block_linear_triton(x, weight, scale, groups=1, splits=None, block_m=None, block_n=None,
                             block_k=BLOCK_K, num_warps=4, num_stages=NUM_STAGES, ptx=None,
                             programs_per_sm=PROGRAMS_PER_SM):
-    """bf16 [..., N] as the reference. splits / block sizes / warps / stages / the conversion (ptx: None is
-    PTX on CUDA) / the programs per SM that the default splits aim at: for sweeps."""
+    """bf16 [..., N] as the reference. splits / block sizes / warps / stages / the conversion (ptx: None is the
+    module's PTX flag, on CUDA only) / the programs per SM that the default splits aim at: for sweeps."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     (m, _), (n, k) = rows.shape, weight.shape
     if m == 0:

@@ -12,7 +12,7 @@ row against one expert's slice, so the kernel streams each selected expert's wei
 small output blocks to fill the SMs (torch._grouped_mm's CUTLASS kernel at 6 rows: ~2.3 TB/s of the
 H200's 4.2 on bf16 weights, 11-30 trace).
 
-Dequantization (PTX): the bf16 bytes of the 8 E2M1 magnitudes held as tables in registers, looked up by
+Dequantization, inline PTX (written, off until it has run on a GPU: PTX): the bf16 bytes of the 8 E2M1 magnitudes held as tables in registers, looked up by
 prmt on 4 nibbles at a time, the sign bits moved in with prmt + lop3, then one bf16x2 multiply by the
 power-of-two scale (whose UE8M0 byte is the bf16 exponent field): 2.75 instructions per value in the PTX, ~7
 per value in the whole loop on sm_90 (ptxas copies the table constants; masks, x fragments), against ~12 for
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_triton import _dot
+from .attention_triton import _dot, _e2m1_rows
 
 BLOCK_M = 16  # decode rows per expert are few (one per token that picked it); tl.dot's smallest tile
 BLOCK_N = 64
@@ -63,34 +63,39 @@ _E2M1_PTX = tl.constexpr("""{
 
 
 @triton.jit
-def _e2m1_bf16(packed, scale, PTX: tl.constexpr):
-    """Packed E2M1 bytes uint8 [N, P] (even element low) times each byte's bf16 power-of-two scale ->
-    bf16 [N, 2P], the reference's dequantized values."""
+def _e2m1_bf16(packed, exps, PTX: tl.constexpr):
+    """Packed E2M1 bytes uint8 [N, P] (even element low) times their 32-input groups' power-of-two scales
+    (UE8M0 bytes exps [N, 2P / 32]) -> bf16 [N, 2P], the reference's dequantized values. PTX: the table
+    lookup above and a bf16x2 multiply by the scales as bf16 (the byte is bf16's exponent field). Else the
+    11-30 conversion (attention_triton._e2m1_rows: E2M1 -> E4M3 rewrite, fp32 scale, one bf16 rounding)."""
     N: tl.constexpr = packed.shape[0]
     P: tl.constexpr = packed.shape[1]
     if PTX:
+        scale = (exps.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (N, P // 16, 16)), (N, P))
         lo, hi = tl.inline_asm_elementwise(asm=_E2M1_PTX, constraints="=r,=r,=r,=r,r,r,r", args=[packed, scale],
                                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    else:  # each nibble rewritten as the E4M3 code of value / 64 (see attention_triton._e2m1_as_e4m3)
-        lo = ((packed & 7) << 2) | ((packed & 8) << 4)
-        hi = ((packed >> 2) & 0x1C) | (packed & 0x80)
-        s = scale.to(tl.float32) * 64.0
-        lo = (lo.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s).to(tl.bfloat16)
-        hi = (hi.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s).to(tl.bfloat16)
-    return tl.reshape(tl.join(lo, hi), (N, 2 * P))
+        return tl.reshape(tl.join(lo, hi), (N, 2 * P))
+    scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # the fp32 exponent field
+    return _e2m1_rows(packed, scale[:, :, None], N, 2 * P, 32).to(tl.bfloat16)
 
 
 @triton.jit
-def _tile_of(slot, offsets_ptr, E, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
-    """(expert of tile slot `slot`, E past the last tile; the expert's first slot, or the first slot past the
-    last tile): expert e has ceil(rows_e / BLOCK_M) tiles, numbered in expert order."""
+def _tile_of(slot, offsets_ptr, E, P, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
+    """(expert of tile slot `slot`, E past the last tile; the first row of its tile; the end of its rows):
+    expert e has ceil(rows_e / BLOCK_M) tiles, numbered in expert order; a slot past the last tile takes the
+    u-th block of the rows past the last expert (end P), u counted from the first such slot."""
     ex = tl.arange(0, E_PAD)
     ends = tl.load(offsets_ptr + ex, mask=ex < E, other=0)
     starts = tl.load(offsets_ptr + ex - 1, mask=(ex > 0) & (ex < E), other=0)
     tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
     tile_end = tl.cumsum(tiles, 0)
     expert = tl.sum(((tile_end <= slot) & (ex < E)).to(tl.int32), 0)  # searchsorted(tile_end, slot, right=True)
-    return expert, tl.where(expert < E, tl.sum(tl.where(ex == expert, tile_end - tiles, 0), 0), tl.sum(tiles, 0))
+    mine = ex == expert
+    first_slot = tl.where(expert < E, tl.sum(tl.where(mine, tile_end - tiles, 0), 0), tl.sum(tiles, 0))
+    start = tl.where(expert < E, tl.sum(tl.where(mine, starts, 0), 0), tl.max(ends, 0))
+    end = tl.where(expert < E, tl.sum(tl.where(mine, ends, 0), 0), P)
+    return expert, start + (slot - first_slot) * BLOCK_M, end
 
 
 @triton.jit
@@ -101,13 +106,10 @@ def _grouped_kernel(x_ptr, w_ptr, s_ptr, offsets_ptr, out_ptr, P, E, N, K, BLOCK
     out [P, N]: the slots past the last tile write zeros into the rows past the last expert (u-th such slot:
     u-th block of those rows), so the output needs no zero fill beforehand."""
     slot, pid_n = tl.program_id(0), tl.program_id(1)
-    expert, first_slot = _tile_of(slot, offsets_ptr, E, BLOCK_M, E_PAD)
+    expert, first_row, row_end = _tile_of(slot, offsets_ptr, E, P, BLOCK_M, E_PAD)
     used = expert < E
     e = tl.minimum(expert, E - 1)  # keeps every address in bounds
-    last_end = tl.load(offsets_ptr + E - 1)
-    row_end = tl.where(used, tl.load(offsets_ptr + e), P)
-    expert_start = tl.where(used, tl.where(e > 0, tl.load(offsets_ptr + e - 1, mask=e > 0, other=0), 0), last_end)
-    m = expert_start + (slot - first_slot) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m = first_row + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_in, n_in = m < row_end, n < N
     x_rows = x_ptr + m[:, None].to(tl.int64) * K
@@ -129,10 +131,7 @@ def _grouped_kernel(x_ptr, w_ptr, s_ptr, offsets_ptr, out_ptr, P, E, N, K, BLOCK
             # the next block's scales now, used one iteration later (the last one reloads itself)
             kt = tl.minimum(i + 1, blocks - 1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
             next_exps = tl.load(s_rows + kt[None, :], mask=n_in[:, None] & (kt * 32 < K)[None, :], other=0)
-            scale = (exps.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)  # UE8M0 byte = the bf16 exponent field
-            scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)),
-                               (BLOCK_N, BLOCK_K // 2))
-            w = _e2m1_bf16(packed, scale, PTX)
+            w = _e2m1_bf16(packed, exps, PTX)
             exps = next_exps
         else:
             w = tl.load(w_rows + k[None, :], mask=n_in[:, None] & (k < K)[None, :], other=0.0)
@@ -144,7 +143,7 @@ def grouped_mm_triton(x, weight, scale, offsets, block_m=BLOCK_M, block_n=None, 
                       num_stages=NUM_STAGES, ptx=None, out=None):
     """bf16 [P, N] as the reference (rows past offsets[-1] are zero). scale None: bf16 weight [E, N, K]; else
     MXFP4 weight and scale (mxfp4_experts.py). Block sizes (None: the format's default), warps, pipeline
-    stages and the MXFP4 conversion (ptx None: PTX on CUDA) for sweeps; out: the bf16 [P, N] to write
+    stages and the MXFP4 conversion (ptx None: the module's PTX flag, on CUDA only) for sweeps; out: the bf16 [P, N] to write
     (default: a new one; every element is written)."""
     mxfp4 = scale is not None
     block_n = block_n or (BLOCK_N if mxfp4 else BF16_BLOCK_N)

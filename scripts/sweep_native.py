@@ -1,7 +1,7 @@
 """Sweep of the native-weight kernels' variants (issue 9) against bf16 at decode, side by side in one run:
 
   projections   bf16 cuBLAS (`layers.block_diagonal_linear`), the 11-30 conversion (ptx=False: Triton code,
-                ~6 instructions per value) and the PTX conversion (2.5 per value) over a small grid of launches
+                ~8 instructions per value, in the new loop) and the PTX conversion (2.5 per value) over a small grid of launches
                 (BLOCK_N, BLOCK_K, programs per SM that the K splits aim at, pipeline stages)
   experts       384 MXFP4 experts, top-6: torch._grouped_mm and dsflash::grouped_mm over bf16 stacks, the Triton
                 conversion and the PTX table lookup over a grid of (BLOCK_N, BLOCK_K, warps, stages)
