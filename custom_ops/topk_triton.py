@@ -382,8 +382,8 @@ def select_rowwise(scores: torch.Tensor, k: int, chunk: int = CHUNK, num_warps: 
 
 def filter_fits(rows: int, width: int, k: int, device) -> bool:
     """The filter path's choice (shapes only; never while FILTER_ON is off): one program per row, so at least
-    FILTER_ROWS_PER_SM rows per SM; rows wider than one CHUNK (narrower ones take the row-wise path in one pass); and room for 3k
-    candidates above the threshold (CAND - K_P2 slots)."""
+    FILTER_ROWS_PER_SM rows per SM; rows wider than one CHUNK (narrower ones take the row-wise path in one
+    pass); and room for 3k candidates above the threshold (CAND - K_P2 slots)."""
     return (FILTER_ON and rows >= FILTER_ROWS_PER_SM * _num_sms(device) and width > CHUNK
             and 4 * triton.next_power_of_2(k) <= CAND)
 

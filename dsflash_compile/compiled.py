@@ -7,10 +7,10 @@ What it sets up (SYSTEM.md, the compiler):
   - our FX passes in Inductor (`passes.install`) and the routed experts stacked for grouped GEMMs (no
     host syncs in the MoE); in graphs of at most `mhc_overlap_max_tokens` tokens (decode) each mHC seam's
     mixes can run on a side CUDA stream beside the next sublayer (passes/mhc_overlap.py; mhc_overlap=True);
-  - regional compilation: every decoder block and Engram module is compiled (fullgraph; static shapes unless
-    dynamic_shapes).
-    Blocks get their cache tensors as arguments (cache.LayerCache), so all layers of one role share one
-    compiled graph per shape: compile time grows with the number of roles (about six), not of layers (40);
+  - regional compilation: every decoder block (and with compile_engram every Engram module) is compiled
+    (fullgraph; static shapes unless dynamic_shapes). Blocks get their cache tensors as arguments
+    (cache.LayerCache), so all layers of one role share one compiled graph per shape: compile time grows
+    with the number of roles (about six), not of layers (40);
   - one static cache (max_batch x max_length) with fixed tensor addresses, reset in place by every
     generate() call;
   - decode (one new column per row): the whole step (set-up, 40 compiled blocks, head) captured as ONE
@@ -169,7 +169,8 @@ class CompiledRunner:
         graphs = 8 * len(self.batch_buckets) * (2 * len(self.prefill_buckets) + 2)
         for limit in ("cache_size_limit", "accumulated_cache_size_limit"):
             setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), graphs))
-        compile_kwargs = dict(backend=options.backend, fullgraph=True, dynamic=None if options.dynamic_shapes else False)
+        compile_kwargs = dict(backend=options.backend, fullgraph=True,
+                              dynamic=None if options.dynamic_shapes else False)
         if options.dynamic_shapes and options.backend == "inductor":
             # Inductor's coalesce tiling analysis does not handle symbolic sizes: on the H200 (torch 2.11, 11-30)
             # it failed the serve compile with an AssertionError in tiling_utils.get_pw_red_splits (its config

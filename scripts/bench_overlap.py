@@ -116,7 +116,8 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     max_length = args.context + args.steps + 64
     result = {**run_metadata(), "preset": args.preset, "context": args.context, "steps": args.steps,
-              "repeats": args.repeats, "dynamic_shapes": args.dynamic_shapes, "batches": {str(b): {} for b in batches}}
+              "repeats": args.repeats, "dynamic_shapes": args.dynamic_shapes,
+              "batches": {str(b): {} for b in batches}}
 
     steps = {}
     for variant in ("fused", "overlap"):
