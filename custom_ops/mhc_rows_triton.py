@@ -47,9 +47,10 @@ from .mhc_sinkhorn_triton import _sinkhorn
 # ~100 at 1024): the sweep prints the ROWS_MIN_TOKENS it would pick, likely 64-128.
 ROWS_MIN_TOKENS = 1024
 # The fastest launch at every count swept; TF32x3 on tensor cores is 2.7-3.5x faster than "ieee" (fp32 FMAs)
-# and agreed with the reference as closely (the sweep's check). splits: D splits per token block, None for
-# split_plan's default (one from 264 token blocks up)
-LAUNCH = dict(block_t=16, block_d=64, num_warps=4, precision="tf32x3", splits=None)
+# and agreed with the reference as closely (the sweep's check). splits: D splits per token block; 1 (the kernel
+# the sweep measured) until the D split has run on a GPU, then None (split_plan's default: one split from 264
+# token blocks up) if the sweep bears out its estimates
+LAUNCH = dict(block_t=16, block_d=64, num_warps=4, precision="tf32x3", splits=1)
 # Two programs per SM of an H200 (132 SMs), all resident at once: the default launch takes 255 registers a
 # thread and 95 KB of shared memory (sm_90 compile); two programs of a block per SM ran 1.3x the throughput
 # of one (4096 tokens = 256 programs in 359 us, 1024 = 64 programs in 233)

@@ -285,8 +285,9 @@ def _filter_kernel(bits_ptr, cand_ptr, picks_ptr, flags_ptr, width, k, KEY_BITS:
     # T >= 1 means >= k groups hold a key >= T, k distinct entries of the row: its k-th largest is >= T
     threshold = _kth_largest(maxima, k, KEY_BITS)
     # pass 2: candidates in index order, keys above T in slots 0 .. CAP - 1, the first k equal to T after.
-    # Both counts in one int32 (tiles < 2^16 entries): one scan and one sum per tile. Only the index is
-    # stored (each scattered store costs a layout conversion); the keys are read again at the end
+    # Both counts in one int32 (tiles < 2^15 entries: the ties' count sits in the signed high half): one scan
+    # and one sum per tile. Only the index is stored (each scattered store costs a layout conversion); the keys
+    # are read again at the end
     CAP: tl.constexpr = CAND - K_P2
     cand = cand_ptr + row.to(tl.int64) * CAND
     n_above = 0
@@ -397,9 +398,9 @@ def select_filtered(scores: torch.Tensor, k: int, groups: int = GROUPS, sample: 
     rows, width = scores.shape
     key_bits = _KEY_BITS[scores.dtype]
     k_p2 = triton.next_power_of_2(k)
-    if not (k_p2 < cand and LINE.value <= groups <= block < 1 << 16):  # (two counts share an int32)
+    if not (k_p2 < cand and LINE.value <= groups <= block < 1 << 15):  # (two counts share an int32)
         raise ValueError(f"select_filtered: needs next_power_of_2(k) = {k_p2} < cand = {cand} and "
-                         f"{LINE.value} <= groups = {groups} <= block = {block} < 2^16")
+                         f"{LINE.value} <= groups = {groups} <= block = {block} < 2^15")
     bits = scores.contiguous().view(_BITS_VIEW[key_bits])
     candidates = torch.empty(rows, cand, dtype=torch.int32, device=scores.device)
     picks = torch.empty(rows, k, dtype=torch.int32, device=scores.device)

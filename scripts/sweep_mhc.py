@@ -110,11 +110,12 @@ def print_rows_summary(rows: list[dict], tokens: list[int]) -> None:
     wins = {}
     for n in tokens:
         seam = next(r for r in rows if r["tokens"] == n and r["kernel"] == "seam")
-        best = min((r for r in rows if r["tokens"] == n and r["kernel"] == "rows" and r["agrees"]),
+        best = min((r for r in rows if r["tokens"] == n and r["kernel"] == "rows" and r["agrees"] and r.get("s")),
                    key=lambda r: r["s"], default=None)
         default = next(r for r in rows if r["tokens"] == n and r["kernel"] == "rows default")
         wins[n] = best is not None and best["s"] < seam["s"]
-        print(f"{n} tokens: one-token kernel {seam['s'] * 1e6:.1f} us, rows default launch {default['s'] * 1e6:.1f} us "
+        default_us = f"{default['s'] * 1e6:.1f} us" if default.get("s") else "failed"
+        print(f"{n} tokens: one-token kernel {seam['s'] * 1e6:.1f} us, rows default launch {default_us} "
               f"(D splits: {default['splits']}), best rows launch {best}")
     from_here = [n for n in tokens if all(wins[m] for m in tokens if m >= n)]
     print(f"ROWS_MIN_TOKENS: {min(from_here) if from_here else 'none of ' + str(tokens)} (of the swept counts)")
@@ -130,6 +131,8 @@ def main() -> None:
         raise SystemExit("sweep_mhc.py needs a CUDA device")
     tokens = args.tokens or ([64, 128, 256, 1024, 4096] if args.rows else [1, 16, 64, 256])
     rows = [row for n in tokens for row in (sweep_rows(n) if args.rows else sweep(n))]
+    # saved first: a launch that failed has no time, and the summaries below must not lose the run
+    save_results({**run_metadata(), "rows": rows}, "mhc-rows-sweep" if args.rows else "mhc-sweep", args.out)
     print_table(rows, ROWS_COLUMNS if args.rows else COLUMNS)
     if args.rows:
         print_rows_summary(rows, tokens)
@@ -137,7 +140,6 @@ def main() -> None:
         for n in tokens:
             best = min((r for r in rows if r["tokens"] == n and r["agrees"]), key=lambda r: r["s"])
             print(f"best at {n} tokens: {best}")
-    save_results({**run_metadata(), "rows": rows}, "mhc-rows-sweep" if args.rows else "mhc-sweep", args.out)
 
 
 if __name__ == "__main__":

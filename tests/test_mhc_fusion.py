@@ -79,7 +79,7 @@ ROWS_CASES = {  # name: (leading dims, D, rows_launch): mhc_rows_triton's kernel
     # D splits: a short last split with a partial chunk; split_plan's default (4 splits of one chunk); more
     # splits than SPLIT_GROUP (two group loads of partials)
     "rows_split": ((37,), 80, {"block_d": 32, "splits": 2}),
-    "rows_split_default": ((20,), 64, {"block_d": 16}),
+    "rows_split_default": ((20,), 64, {"block_d": 16, "splits": None}),
     "rows_split_groups": ((2, 9), 160, {"block_d": 16, "splits": 10}),
 }
 
@@ -176,10 +176,11 @@ def test_rows_split_plan(monkeypatch):
     from dsflash_compile.custom_ops.mhc_rows_triton import LAUNCH, split_plan
 
     monkeypatch.setattr(mhc_rows_triton, "TARGET_PROGRAMS", 264)
-    assert split_plan(64, 5120, LAUNCH) == (4, 40, 128)  # 66 wanted: 2 chunks each
-    assert split_plan(128, 5120, LAUNCH) == (8, 27, 192)
-    assert split_plan(1024, 5120, LAUNCH) == (64, 4, 1280)
-    assert split_plan(4096, 5120, LAUNCH) == (256, 1, 5120)
+    auto = {**LAUNCH, "splits": None}
+    assert split_plan(64, 5120, auto) == (4, 40, 128)  # 66 wanted: 2 chunks each
+    assert split_plan(128, 5120, auto) == (8, 27, 192)
+    assert split_plan(1024, 5120, auto) == (64, 4, 1280)
+    assert split_plan(4096, 5120, auto) == (256, 1, 5120)
     assert split_plan(64, 5120, {**LAUNCH, "splits": 1}) == (4, 1, 5120)
     assert split_plan(64, 5120, {**LAUNCH, "splits": 64}) == (4, 40, 128)
     assert split_plan(64, 96, {**LAUNCH, "splits": 8}) == (4, 2, 64)
