@@ -36,6 +36,9 @@ FAMILIES = (
 DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 HOST_GAP_US = 100.0  # a gap this long inside a step is the host (launching, syncing), not a graph's launch latency
 
+# benchmarking.copy_bandwidth() on the H200 (compile-profile-flash-40l-e8-*-2026-11-30.json: 4.167e12)
+H200_COPY_BANDWIDTH = 4.17e12
+
 
 def family(name: str, category: str = "kernel") -> str:
     if category != "kernel":
@@ -50,7 +53,7 @@ def load_events(path: str) -> list[dict]:
     return trace["traceEvents"] if isinstance(trace, dict) else trace
 
 
-def summarize(events: list[dict], floor_bytes: dict | None = None, bandwidth: float = 4.17e12) -> dict:
+def summarize(events: list[dict], floor_bytes: dict | None = None, bandwidth: float = H200_COPY_BANDWIDTH) -> dict:
     """The step's device work by family and its idle time; floor_bytes: family -> bytes it must move."""
     device = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES),
                     key=lambda e: e["ts"])
@@ -133,7 +136,8 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--weights", choices=["native", "bf16"], default="bf16")
-    parser.add_argument("--bandwidth", type=float, default=4.17e12, help="bytes per second (copy bandwidth)")
+    parser.add_argument("--bandwidth", type=float, default=H200_COPY_BANDWIDTH,
+                        help="bytes per second (default: the H200's measured copy bandwidth)")
     parser.add_argument("--configs", type=int, default=4, help="launch configurations listed per family")
     parser.add_argument("--out", help="write the summary as JSON here")
     args = parser.parse_args(argv)
