@@ -12,7 +12,8 @@ row against one expert's slice, so the kernel streams each selected expert's wei
 small output blocks to fill the SMs (torch._grouped_mm's CUTLASS kernel at 6 rows: ~2.3 TB/s of the
 H200's 4.2 on bf16 weights, 11-30 trace).
 
-Dequantization, inline PTX (written, off until it has run on a GPU: PTX): the bf16 bytes of the 8 E2M1 magnitudes held as tables in registers, looked up by
+Dequantization, inline PTX (PTX, the default on CUDA: 1.4-1.5x the Triton conversion on the H200, 11-30,
+scripts/sweep_native.py): the bf16 bytes of the 8 E2M1 magnitudes held as tables in registers, looked up by
 prmt on 4 nibbles at a time, the sign bits moved in with prmt + lop3, then one bf16x2 multiply by the
 power-of-two scale (whose UE8M0 byte is the bf16 exponent field): 2.75 instructions per value in the PTX, ~7
 per value in the whole loop on sm_90 (ptxas copies the table constants; masks, x fragments), against ~12 for
@@ -37,7 +38,7 @@ BLOCK_K = 128
 BF16_BLOCK_N = 32
 BF16_BLOCK_K = 128
 NUM_STAGES = 3  # Triton's default, what the MXFP4 launch has run with
-PTX = False  # the inline-PTX conversion (False: the same values in Triton, the interpreter's path)
+PTX = True  # the inline-PTX conversion on CUDA (False: the same values in Triton, the interpreter's path)
 # False until its CUDA tests (every code, both conversions) have passed on a GPU; then scripts/sweep_native.py
 # decides
 

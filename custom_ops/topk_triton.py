@@ -66,21 +66,21 @@ CHUNK = 4096
 CHUNK_WARPS = 4
 FIT_CHUNK = 16384  # rowwise_fits counts programs in chunks this wide (the rule the 11-30 bench measured)
 # filter path (many rows; see the module docstring): running maxima per row, pass 1 reading one LINE of
-# entries in SAMPLE, candidate slots per row, tile of both passes, warps; best guesses (tile 2048: 123
-# registers on sm_90, 2 programs per SM, against 160 and 1 at 4096), scripts/sweep_topk.py measures the others
+# entries in SAMPLE, candidate slots per row, tile of both passes, warps. The H200 sweep (scripts/sweep_topk.py,
+# 11-30 b) was fastest at SAMPLE 1, CAND 2048, tile 2048, 4 warps: 4096 rows x 16K / 128K in 0.32 / 1.85 ms,
+# 2.0 / 2.1x torch.topk, the row-wise path 0.95 / 0.69x; no row overflowed. At 64 and 8 rows it ties the
+# row-wise path or loses (one program per row leaves SMs idle): FILTER_ROWS_PER_SM keeps those off it
 GROUPS = 2048
-SAMPLE = 2
-CAND = 4096
+SAMPLE = 1
+CAND = 2048
 FILTER_BLOCK = 2048
-FILTER_WARPS = 8
+FILTER_WARPS = 4
 FILTER_ROWS_PER_SM = 2
-# Off until the filter kernel has run on a GPU (its CUDA tests and scripts/sweep_topk.py call select_filtered
-# directly): select_topk keeps the row-wise path the H200 checked; then filter_fits decides
-FILTER_ON = False
+FILTER_ON = True  # False: select_topk never picks the filter path (row-wise or radix by shape)
 LINE = tl.constexpr(64)  # 128 bytes of bf16 scores
 # (GROUPS, SAMPLE, CAND, FILTER_BLOCK, FILTER_WARPS) launches scripts/sweep_topk.py compares, the defaults first
 FILTER_VARIANTS = [(GROUPS, SAMPLE, CAND, FILTER_BLOCK, FILTER_WARPS), (2048, 2, 4096, 4096, 8),
-                   (2048, 1, 2048, 4096, 8), (2048, 1, 2048, 2048, 4), (2048, 4, 4096, 4096, 8),
+                   (2048, 1, 2048, 4096, 8), (2048, 2, 4096, 2048, 8), (2048, 4, 4096, 4096, 8),
                    (1024, 2, 4096, 2048, 8), (2048, 2, 4096, 2048, 4), (2048, 2, 4096, 4096, 16)]
 _KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 KEY_DTYPES = tuple(_KEY_BITS)  # score dtypes the kernels rank
