@@ -138,7 +138,10 @@ class Attention(nn.Module):
     def fuse_input_projections(self, fuse: bool = True) -> None:
         """wq_a and wkv read the same quantized input: hold them as one projection (their tensors become views of
         its own, outside the checkpoint), so a decode step runs one GEMV for both. fuse=False: two again (the
-        views keep exactly the fused tensors' bytes alive)."""
+        views keep exactly the fused tensors' bytes alive). Fusing a fused layer again keeps its tensors: decode
+        graphs captured by an earlier compile() still read them."""
+        if fuse and self.wqkv_a is not None:
+            return
         self.wqkv_a = fuse_outputs(self.wq_a, self.wkv) if fuse else None
 
     def _apply(self, fn, recurse=True):

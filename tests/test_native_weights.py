@@ -228,6 +228,9 @@ def test_fused_input_projections_give_the_same_logits_and_checkpoint(weights):
         assert all(getattr(m, leaf).untyped_storage().data_ptr() == fused for m in (attn.wq_a, attn.wkv))
     assert list(model.state_dict()) == names
     assert torch.equal(model(ids).logits, want)  # on CPU each output's dot product is the same
+    held = attn.wqkv_a
+    attn.fuse_input_projections()  # a second compile(): graphs captured by the first still read these tensors
+    assert attn.wqkv_a is held
     for layer in model.model.layers:
         layer.attn.fuse_input_projections(False)
     assert torch.equal(model(ids).logits, want)
