@@ -60,6 +60,11 @@ class CompileOptions:
     # picked experts, 142 MB). 112 rows = batch 16 at top-6 + the shared expert's row; not yet measured on the
     # H200 (scripts/sweep_experts.py)
     moe_few_rows: int = 112
+    # issue 5: the routed pairs sorted by expert by counting (MoE._expert_order) where pairs x groups is at most
+    # this (any decode batch up to 64 and 1.5K-token prefill chunks of the release): Inductor turned argsort
+    # into one single-program kernel, 39 us per layer at B64 on the H200 (1.5 of 24 ms). Same bits; not yet
+    # timed on the H200 (compile_and_profile's sort-moe variant is the argsort)
+    moe_count_order: int = 1 << 22
     # issue 5: bf16 weights: the shared expert as one more slice of the routed stacks (every token's last pair,
     # weight 1: the same bits), so its three GEMVs and two split-K reduces per layer (28 us at B1 on the H200,
     # floor 17) ride in the grouped GEMMs. No effect on native weights (FP8 shared, MXFP4 routed) or ParallelMoE
@@ -153,6 +158,7 @@ class CompiledRunner:
             if not layer.ffn.grouped or layer.ffn.shared_stacked != shared:
                 layer.ffn.stack_experts(shared)
             layer.ffn.few_rows = options.moe_few_rows
+            layer.ffn.count_order = options.moe_count_order
             layer.attn.fuse_input_projections(options.fuse_input_projections)
         if options.swa_bounded_replay is not None:
             text.swa_bounded_replay = options.swa_bounded_replay

@@ -158,6 +158,33 @@ def test_moe_few_rows_path_equals_the_expert_loop(monkeypatch):
     assert len(calls) == 3  # w1, w3, w2
 
 
+@pytest.mark.parametrize("pairs, groups", [(1, 1), (7, 9), (448, 9), (900, 385)])
+def test_counting_order_is_the_stable_argsort(pairs, groups):
+    """MoE._expert_order by counting gives argsort(stable=True)'s order and its inverse, ties (many pairs per
+    expert), empty experts and pairs keyed `groups` (no GEMM computes them) included; count_order is the
+    bound on pairs x groups past which argsort runs."""
+    moe = DeepseekV41ForCausalLM(preset_config("tiny")).model.layers[0].ffn
+    key = torch.randint(0, groups + 1, (pairs,), generator=torch.Generator().manual_seed(pairs))
+    key[::5] = groups
+    want = key.argsort(stable=True)
+    for bound in (0, pairs * (groups + 1) - 1, pairs * (groups + 1)):
+        moe.count_order = bound
+        order, rank = moe._expert_order(key, groups)
+        assert torch.equal(order, want) and torch.equal(order[rank], torch.arange(pairs)), bound
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("count_order", [0, 1 << 22])
+def test_moe_counting_order_gives_the_same_bits(count_order):
+    torch.manual_seed(0)
+    moe = DeepseekV41ForCausalLM(preset_config("tiny")).model.layers[0].ffn
+    x = torch.randn(5, 3, moe.gate.weight.shape[1]).bfloat16()
+    want = moe(x)
+    moe.stack_experts()
+    moe.count_order = count_order
+    assert torch.equal(moe(x), want)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("few_rows", [0, 64])
 def test_grouped_moe_computes_no_pair_marked_elsewhere(few_rows, monkeypatch):
