@@ -22,14 +22,14 @@ from functools import cached_property
 import torch
 
 from . import checkpoint
-from .cache import DeepseekV41Cache, growing_bytes_per_token
+from .cache import CUDA_CACHE_FORMATS, DeepseekV41Cache, growing_bytes_per_token
 from .configuration_deepseek_v41 import DeepseekV41TextConfig
 from .parallel import ParallelConfig
 from .pretrained import to_official
 
 GIB = 2 ** 30
 H200_GIB = 139  # usable per H200 (of its 141 GB)
-CACHE_FORMATS = {"window_format": "fp8", "compressed_format": "nvfp4", "index_format": "mxfp4"}  # CUDA's
+CACHE_FORMATS = {f"{kind}_format": fmt for kind, fmt in CUDA_CACHE_FORMATS.items()}  # DeepseekV41Cache's kwargs
 
 # name -> group, first match wins; anything else is a replicated dense tensor
 GROUPS = ("routed experts", "attention (TP-split)", "shared experts", "dense (replicated)", "embed + head",
