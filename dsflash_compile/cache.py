@@ -29,12 +29,12 @@ from .custom_ops import records
 # An FP8 record (UE8M0 scales) cannot hold NVFP4-grid values exactly, so FP8 compressed rows exist only
 # for the attention benchmark's comparison, not as a cache format.
 _ALLOWED = {"window": ("fp8", "bf16"), "compressed": ("nvfp4", "bf16"), "index": ("mxfp4", "bf16")}
-_CUDA_DEFAULT = {"window": "fp8", "compressed": "nvfp4", "index": "mxfp4"}
+CUDA_CACHE_FORMATS = {"window": "fp8", "compressed": "nvfp4", "index": "mxfp4"}  # "auto" on CUDA
 
 
 def resolve_format(kind: str, fmt: str, device) -> str:
     if fmt == "auto":
-        return _CUDA_DEFAULT[kind] if torch.device(device or "cpu").type == "cuda" else "bf16"
+        return CUDA_CACHE_FORMATS[kind] if torch.device(device or "cpu").type == "cuda" else "bf16"
     if fmt not in _ALLOWED[kind]:
         raise ValueError(f"{kind}_format={fmt!r}: choose one of {', '.join(_ALLOWED[kind])} or 'auto'")
     return fmt

@@ -142,6 +142,7 @@ def cmd_bench(args, parser) -> int:
 
 def add_plan(sub) -> None:
     from . import memory_plan
+    from .parallel import LAYOUT_NAMES
 
     plan = sub.add_parser("plan", help="figures computed from a config (est, nothing measured)")
     which = plan.add_subparsers(dest="plan", required=True)
@@ -153,8 +154,8 @@ def add_plan(sub) -> None:
     memory.add_argument("--gpus", type=int, nargs="+", default=[4, 8], help="GPUs per node (default: 4 8)")
     memory.add_argument("--context", type=int, nargs="+", default=[131072, 1048576],
                         help="tokens per request (default: 131072 1048576)")
-    memory.add_argument("--layout", nargs="+", choices=list(memory_plan.LAYOUTS), default=["dp-ep", "tp-ep"],
-                        help="parallel layouts (default: dp-ep tp-ep)")
+    memory.add_argument("--layout", nargs="+", choices=LAYOUT_NAMES, default=["dp+ep", "tp+ep"],
+                        help="parallel layouts of parallel.py (default: dp+ep tp+ep)")
     memory.add_argument("--engram", nargs="+", choices=memory_plan.ENGRAM, default=list(memory_plan.ENGRAM),
                         help="Engram tables in host memory, on every GPU, or split over the GPUs (default: all)")
     memory.add_argument("--gpu-gib", type=float, default=memory_plan.H200_GIB, help="usable GiB per GPU")

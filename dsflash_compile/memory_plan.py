@@ -21,15 +21,15 @@ from functools import cached_property
 
 import torch
 
-from . import checkpoint
-from .cache import DeepseekV41Cache, growing_bytes_per_token
+from . import checkpoint, parallel
+from .cache import CUDA_CACHE_FORMATS, DeepseekV41Cache, growing_bytes_per_token
 from .configuration_deepseek_v41 import DeepseekV41TextConfig
 from .parallel import ParallelConfig
 from .pretrained import to_official
 
 GIB = 2 ** 30
 H200_GIB = 139  # usable per H200 (of its 141 GB)
-CACHE_FORMATS = {"window_format": "fp8", "compressed_format": "nvfp4", "index_format": "mxfp4"}  # CUDA's
+CACHE_FORMATS = {f"{kind}_format": fmt for kind, fmt in CUDA_CACHE_FORMATS.items()}  # DeepseekV41Cache's kwargs
 
 # name -> group, first match wins; anything else is a replicated dense tensor
 GROUPS = ("routed experts", "attention (TP-split)", "shared experts", "dense (replicated)", "embed + head",
@@ -42,17 +42,11 @@ _GROUP_OF = (
     ("embed + head", re.compile(r"^(model\.embed|head)\.weight$")),
     ("buffers", re.compile(r"^model\.(engram_token_map|\w+_inv_freq)$")),
 )
-# TP's split dim by name; routed experts are TP-split only when ep == 1
+# TP's split dim by name; routed experts are TP-split only when ep == 1 (as parallel.py shards: gpu_bytes is
+# checked against parallelize, tests/test_memory_plan.py)
 _TP_DIM = ((re.compile(r"\.attn\.(wq_b\.|wo_a\.|attn_sink$)|experts(\.\d+)?\.w[13]\."), 0),
            (re.compile(r"\.attn\.wo_b\.|experts(\.\d+)?\.w2\."), 1))
 _EXPERT_ID = re.compile(r"\.experts\.(\d+)\.")
-
-# the layouts of parallel.py, for N GPUs; every dimension spans the one group
-LAYOUTS = {
-    "dp-ep": lambda n: ParallelConfig(tp=1, ep=n, dp_attention=True),  # dense replicated, own requests per GPU
-    "tp-ep": lambda n: ParallelConfig(tp=n, ep=n),  # attention heads and shared expert split, requests replicated
-    "tp": lambda n: ParallelConfig(tp=n, ep=1),  # also every routed expert's intermediate dim split
-}
 ENGRAM = ("host", "gpu", "gpu-split")  # host memory (planned); every GPU (today); rows split over GPUs (planned)
 
 
@@ -204,14 +198,12 @@ def gpu_bytes(spec: TensorSpec, layout: ParallelConfig, gpus: int, engram: str, 
 
 
 def layout_config(name: str, gpus: int, text: DeepseekV41TextConfig) -> ParallelConfig:
-    if name not in LAYOUTS:
-        raise ValueError(f"unknown layout {name!r}; choose one of {', '.join(LAYOUTS)}")
-    layout = LAYOUTS[name](gpus)
-    layout.validate(text, gpus)  # names what does not divide (experts by ep, heads by tp, ...)
-    return layout
+    config = parallel.layout(name, gpus)  # names an unknown layout, or a GPU count it cannot use
+    config.validate(text, gpus)  # names what does not divide (experts by ep, heads by tp, ...)
+    return config
 
 
-def plan(text: DeepseekV41TextConfig, gpus=(4, 8), contexts=(131072, 1048576), layouts=("dp-ep", "tp-ep"),
+def plan(text: DeepseekV41TextConfig, gpus=(4, 8), contexts=(131072, 1048576), layouts=("dp+ep", "tp+ep"),
          engram=ENGRAM, gpu_gib: float = H200_GIB, reserve_gib: float = 0.0) -> list[dict]:
     """One row per (GPUs, layout, Engram placement): rank 0's weight bytes per group, what is left for caches
     after `reserve_gib` (activations, workspace: not computed here), and the requests of each context that fit
@@ -221,7 +213,7 @@ def plan(text: DeepseekV41TextConfig, gpus=(4, 8), contexts=(131072, 1048576), l
             raise ValueError(f"unknown Engram placement {place!r}; choose one of {', '.join(ENGRAM)}")
     if min(gpus) < 1:
         raise ValueError(f"gpus {min(gpus)} must be >= 1")
-    parallel = {(n, name): layout_config(name, n, text) for n in gpus for name in layouts}
+    configs = {(n, name): layout_config(name, n, text) for n in gpus for name in layouts}
     for context in contexts:
         if context < 1:
             raise ValueError(f"context {context} must be >= 1 token")
@@ -236,7 +228,7 @@ def plan(text: DeepseekV41TextConfig, gpus=(4, 8), contexts=(131072, 1048576), l
     rows = []
     for n in gpus:
         for name in layouts:
-            layout = parallel[n, name]
+            layout = configs[n, name]
             for place in engram:
                 groups = dict.fromkeys(GROUPS, 0)
                 for s, count in kinds.values():

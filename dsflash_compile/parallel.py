@@ -57,6 +57,24 @@ class ParallelConfig:
                              f"must be a multiple of {QUANT_BLOCK} (FP8 tiles and activation groups)")
 
 
+# The deployments by name (the scripts, memory_plan and the tests name them here). 1gpu: the unsharded model;
+# tp: heads, the shared and every routed expert's intermediate dim split, requests replicated; ep: whole routed
+# experts per rank, the rest replicated; tp+ep: both; dp+ep: EP, each rank its own requests (DP attention)
+LAYOUT_NAMES = ("1gpu", "tp", "ep", "tp+ep", "dp+ep")
+
+
+def layout(name: str, world: int) -> ParallelConfig:
+    """The ParallelConfig of layout `name` over a group of `world` ranks: every sharded dimension spans the
+    whole group (whether the model divides by it is ParallelConfig.validate's check)."""
+    if name not in LAYOUT_NAMES:
+        raise ValueError(f"unknown layout {name!r}; choose one of {', '.join(LAYOUT_NAMES)}")
+    if (world == 1) != (name == "1gpu") or world < 1:  # a 1-rank tp / ep would just be the unsharded model
+        wants = "exactly 1 rank" if name == "1gpu" else "2 or more ranks ('1gpu' on one)"
+        raise ValueError(f"layout {name!r} needs {wants}, not world={world}")
+    return ParallelConfig(tp=world if "tp" in name else 1, ep=world if "ep" in name else 1,
+                          dp_attention=name == "dp+ep")
+
+
 def init_distributed(backend: str | None = None) -> dist.ProcessGroup:
     """The default process group from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*),
     initialised once: NCCL with each rank on its local GPU, gloo on CPU."""

@@ -42,16 +42,8 @@ from torch._dynamo.utils import counters
 import dsflash_compile
 from compile_and_profile import fill_cache
 from dsflash_compile.benchmarking import print_table, profile_summary, run_metadata, save_results, sync
-from dsflash_compile.parallel import ParallelConfig, init_distributed, parallelize
+from dsflash_compile.parallel import LAYOUT_NAMES, init_distributed, layout, parallelize
 from dsflash_compile.presets import preset_model
-
-MODES = ("1gpu", "tp", "ep", "tp+ep", "dp+ep")
-
-
-def parallel_config(mode: str, world: int) -> ParallelConfig:
-    return ParallelConfig(tp=world if "tp" in mode else 1, ep=world if "ep" in mode else 1,
-                          dp_attention=mode.startswith("dp"))
-
 
 def time_calls(call, repeats: int, device: torch.device, barrier, before=lambda: None) -> tuple[float, float]:
     """(seconds of the first call, median seconds of the next `repeats`); `before` runs untimed before each."""
@@ -155,7 +147,7 @@ COLUMNS = [("mode", "mode", ""), ("phase", "phase", ""), ("batch", "batch", "d")
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="flash-40l-e8")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=list(LAYOUT_NAMES), choices=LAYOUT_NAMES)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="decode requests per rank")
     parser.add_argument("--prefill", type=int, default=4096, help="prompt tokens per rank")
     parser.add_argument("--context", type=int, default=4096, help="cached tokens per request while decoding")
@@ -199,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             model = preset_model(args.preset, device, weights=args.weights)
             if not solo:
-                config = parallel_config(mode, world)
+                config = layout(mode, world)
                 info["config"] = vars(config)
                 parallelize(model, config, group)
             barrier = (lambda: None) if solo else (lambda: dist.barrier(group=host))

@@ -3,9 +3,9 @@
     torchrun --nproc-per-node 2 scripts/parallel_check.py --preset flash-layer [--compile] [--weights bf16]
 
 Every rank builds the same seeded preset, runs it unsharded (the reference), then once per mode sharded
-(parallel.py): a left-padded prompt batch, decode steps with the cache and greedy generate(). Rank 0
-prints each mode's largest logit difference and whether the greedy tokens match. Under DP attention
-rank r runs request r of the batch (so the batch is the number of ranks).
+(parallel.py's layout over all the ranks: 2 or more): a left-padded prompt batch, decode steps with the cache
+and greedy generate(). Rank 0 prints each mode's largest logit difference and whether the greedy tokens match.
+Under DP attention rank r runs request r of the batch (so the batch is the number of ranks).
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ import torch
 import torch.distributed as dist
 
 import dsflash_compile
-from dsflash_compile.parallel import ParallelConfig, init_distributed, parallelize
+from dsflash_compile.parallel import LAYOUT_NAMES, init_distributed, layout, parallelize
 from dsflash_compile.presets import preset_model
 
-MODES = {"tp": ParallelConfig(tp=2), "ep": ParallelConfig(ep=2), "tp+ep": ParallelConfig(tp=2, ep=2),
-         "dp+ep": ParallelConfig(ep=2, dp_attention=True)}
+MODES = tuple(name for name in LAYOUT_NAMES if name != "1gpu")  # each checked against the unsharded model
 
 
 @torch.no_grad()
@@ -39,7 +38,7 @@ def run(model, ids, steps, new_tokens, compile_model):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="flash-layer")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--prompt", type=int, default=64, help="prompt length")
     parser.add_argument("--steps", type=int, default=8, help="decode steps with the cache")
     parser.add_argument("--new-tokens", type=int, default=16, help="greedy tokens")
@@ -49,6 +48,7 @@ def main():
 
     group = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
+    configs = {name: layout(name, world) for name in args.modes}  # a world a mode cannot use fails here, first
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     overrides = {"weights": args.weights} if args.weights else {}
     gen = torch.Generator().manual_seed(1)
@@ -56,8 +56,7 @@ def main():
     steps = torch.randint(3, 500, (world, args.steps), generator=gen).to(device)
 
     want, want_tokens = run(preset_model(args.preset, device, **overrides), ids, steps, args.new_tokens, args.compile)
-    for name in args.modes:
-        config = MODES[name]
+    for name, config in configs.items():
         model = parallelize(preset_model(args.preset, device, **overrides), config, group)
         rows = slice(rank, rank + 1) if config.dp_attention else slice(None)
         got, tokens = run(model, ids[rows], steps[rows], args.new_tokens, args.compile)

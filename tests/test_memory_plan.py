@@ -6,10 +6,13 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
+from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
 from dsflash_compile import memory_plan as mp
 from dsflash_compile.checkpoint import save_checkpoint
+from dsflash_compile.parallel import LAYOUT_NAMES, parallelize
 from dsflash_compile.presets import preset_config, preset_model
 from dsflash_compile.pretrained import to_official
 
@@ -62,6 +65,26 @@ def test_plan_matches_native_model_tensor_by_tensor(preset):
         assert sum(planned.values()) / GIB == pytest.approx(15.16, abs=0.01)
 
 
+@pytest.mark.parametrize("name", LAYOUT_NAMES)
+@pytest.mark.parametrize("preset, world", [("tiny", 2), ("flash-layer", 4)])
+def test_plan_shards_as_parallelize(preset, world, name):
+    """Rank 0's share in the plan (gpu_bytes: TP dims, EP's first experts) is what parallel.py's parallelize
+    keeps on rank 0, tensor by tensor: the native model on meta, sharded in a fake process group of `world`
+    ranks in this one process (sharding runs no collective)."""
+    world = 1 if name == "1gpu" else world
+    text = preset_config(preset).text_config
+    config = mp.layout_config(name, world, text)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        model = parallelize(preset_model(preset, "meta", weights="native"), config, dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    held = {n: t.nbytes for n, t in tensors.items() if not n.endswith("_stacked")}  # stacks: views of experts
+    planned = {s.name: mp.gpu_bytes(s, config, world, "gpu", text.n_routed_experts) for s in mp.native_tensors(text)}
+    assert held == {n: b for n, b in planned.items() if b}  # 0: another rank's expert, not held here
+
+
 def test_stored_bytes_match_a_saved_checkpoint(tmp_path):
     """The plan's bytes in the release's files, tensor by tensor, against what save_checkpoint writes for a
     native tiny model (quantized weights as stored, the fp32 compressor narrowed to bf16, no buffers)."""
@@ -105,27 +128,28 @@ def test_release_plan_rows(release, release_groups):
     """8 GPUs: rank 0's weights are its eighth of the routed experts, the dense tensors whole (DP attention) or
     the TP-split ones in eighths, the Engram tables nowhere, everywhere (does not fit) or split by rows."""
     groups = release_groups[0]
-    rows = {(r["layout"], r["engram"]): r for r in mp.plan(release, gpus=(8,), layouts=("dp-ep", "tp-ep"))}
+    rows = {(r["layout"], r["engram"]): r for r in mp.plan(release, gpus=(8,), layouts=("dp+ep", "tp+ep"))}
     replicated = sum(b for g, b in groups.items() if g not in ("routed experts", "engram tables"))
     split = groups["attention (TP-split)"] + groups["shared experts"]
-    host = rows["dp-ep", "host"]
+    host = rows["dp+ep", "host"]
     assert host["weights_gib_est"] * GIB == groups["routed experts"] / 8 + replicated
-    assert rows["tp-ep", "host"]["weights_gib_est"] * GIB == groups["routed experts"] / 8 + replicated - split * 7 / 8
+    assert rows["tp+ep", "host"]["weights_gib_est"] * GIB == groups["routed experts"] / 8 + replicated - split * 7 / 8
     assert host["host_gib_est"] * GIB == groups["engram tables"]
     per_request = mp.request_cache_bytes(release, 1048576)
     assert host["requests_per_gpu_1048576_est"] == int((139 * GIB - host["weights_gib_est"] * GIB) // per_request)
     assert host["requests_per_node_1048576_est"] == 8 * host["requests_per_gpu_1048576_est"]
-    tp = rows["tp-ep", "host"]
+    tp = rows["tp+ep", "host"]
     assert tp["requests_per_node_1048576_est"] == tp["requests_per_gpu_1048576_est"]  # every GPU holds every request
-    assert not rows["dp-ep", "gpu"]["weights_fit"] and rows["dp-ep", "gpu"]["requests_per_node_131072_est"] == 0
-    table_share = rows["dp-ep", "gpu-split"]["groups_gib_est"]["engram tables"] * GIB
+    assert not rows["dp+ep", "gpu"]["weights_fit"] and rows["dp+ep", "gpu"]["requests_per_node_131072_est"] == 0
+    table_share = rows["dp+ep", "gpu-split"]["groups_gib_est"]["engram tables"] * GIB
     assert table_share == pytest.approx(groups["engram tables"] / 8, rel=1e-6)
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(gpus=(5,), layouts=("dp-ep",)), "ep=5 does not divide n_routed_experts=384"),
+    (dict(gpus=(5,), layouts=("dp+ep",)), "ep=5 does not divide n_routed_experts=384"),
     (dict(gpus=(3,), layouts=("tp",)), "tp=3 must divide num_attention_heads"),
-    (dict(gpus=(1,), layouts=("dp-ep",)), "dp_attention needs"),
+    (dict(gpus=(1,), layouts=("dp+ep",)), r"layout 'dp\+ep' needs 2 or more ranks"),
+    (dict(gpus=(2,), layouts=("1gpu",)), "layout '1gpu' needs exactly 1 rank"),
     (dict(gpus=(0,)), "gpus 0 must be >= 1"),
     (dict(layouts=("pipeline",)), "unknown layout 'pipeline'"),
     (dict(engram=("disk",)), "unknown Engram placement 'disk'"),
@@ -148,5 +172,5 @@ def test_cli_plan_memory(tmp_path, capsys):
     assert result["figures"].startswith("est") and len(result["rows"]) == 4  # 2 layouts x 2 placements
     assert {"weights_gib_est", "requests_per_gpu_64_est", "requests_per_node_256_est"} <= set(result["rows"][0])
     with pytest.raises(SystemExit):  # ep=3 does not divide tiny's 8 experts: an argparse error naming it
-        main(["plan", "memory", "--preset", "tiny", "--gpus", "3", "--layout", "dp-ep", "--out", str(tmp_path)])
+        main(["plan", "memory", "--preset", "tiny", "--gpus", "3", "--layout", "dp+ep", "--out", str(tmp_path)])
     assert "does not divide n_routed_experts=8" in capsys.readouterr().err

@@ -14,22 +14,22 @@ import torch.multiprocessing as mp
 
 import dsflash_compile
 from dsflash_compile import DeepseekV41ForCausalLM, preset_config
-from dsflash_compile.parallel import ParallelConfig, parallelize
+from dsflash_compile.parallel import LAYOUT_NAMES, ParallelConfig, layout, parallelize
 from dsflash_compile.presets import preset_model
 from test_model import left_pad, prompts
 
 WORLD = 2
-MODES = {  # name -> (ParallelConfig, expert path, max |logit - unsharded logit|)
+MODES = {  # name -> (parallel.layout's name, expert path, max |logit - unsharded logit|)
     # Routed experts TP-split: each rank's share of an expert's output is rounded to bf16 before the sum (the
     # unsharded model rounds the whole once); router and indexer top-k choices amplify the ulps (0.09 measured)
-    "tp": (ParallelConfig(tp=2), "loop", 0.15),
+    "tp": ("tp", "loop", 0.15),
     # Whole experts per rank and fp32 partial sums for wo_b and the shared expert (row_parallel): exact
-    "ep": (ParallelConfig(ep=2), "loop", 0.0),
-    "ep grouped": (ParallelConfig(ep=2), "grouped", 0.0),
-    "tp+ep": (ParallelConfig(tp=2, ep=2), "grouped", 0.0),
+    "ep": ("ep", "loop", 0.0),
+    "ep grouped": ("ep", "grouped", 0.0),
+    "tp+ep": ("tp+ep", "grouped", 0.0),
     # Attention and the dense GEMMs run on one request instead of two: MKL rounds the other shape differently
     # (see test_model's ragged batch test; 0.028 measured)
-    "dp+ep": (ParallelConfig(ep=2, dp_attention=True), "grouped", 0.1),
+    "dp+ep": ("dp+ep", "grouped", 0.1),
 }
 DECODE_STEPS, NEW_TOKENS = 3, 4
 
@@ -61,7 +61,8 @@ def worker(rank, port, folder):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     ids, mask, steps = inputs()
     results = {}
-    for name, (config, path, _) in MODES.items():
+    for name, (mode, path, _) in MODES.items():
+        config = layout(mode, WORLD)
         model = parallelize(preset_model("tiny", seed=0), config, dist.group.WORLD)
         if config.dp_attention:  # each rank owns one request
             results[name] = run(model, ids[rank:rank + 1], mask[rank:rank + 1], steps[rank:rank + 1],
@@ -70,14 +71,14 @@ def worker(rank, port, folder):
             results[name] = run(model, ids, mask, steps, path == "grouped")
     dp = model.model.layers[-1]  # the last mode's: DP attention
     # Sharded loading: each rank reads its own experts from the saved tiny model
-    model = DeepseekV41ForCausalLM.from_pretrained(folder / "tiny", parallel=(ParallelConfig(tp=2, ep=2),
+    model = DeepseekV41ForCausalLM.from_pretrained(folder / "tiny", parallel=(layout("tp+ep", WORLD),
                                                                               dist.group.WORLD))
     results["loaded tp+ep"] = run(model, ids, mask, steps, True)
     results["loaded experts"] = [len(block.ffn.experts) for block in model.model.layers]
     results["loaded meta"] = any(t.is_meta for t in model.state_dict().values())
     # Dynamo captures the collectives without graph breaks (fullgraph): all-gather / reduce-scatter of the
     # DP-attention MoE, the MoE's all-reduce and the row-parallel wo_b of TP + EP
-    tp = parallelize(preset_model("tiny", seed=0), ParallelConfig(tp=2, ep=2), dist.group.WORLD).model.layers[-1]
+    tp = parallelize(preset_model("tiny", seed=0), layout("tp+ep", WORLD), dist.group.WORLD).model.layers[-1]
     tp.ffn.stack_experts()  # the grouped path (the loop syncs with the host)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(2, 5, tp.ffn.gate.weight.shape[1], dtype=torch.bfloat16, generator=gen)
@@ -116,11 +117,11 @@ def reference():
 def test_sharded_logits_and_tokens_match_the_unsharded_model(sharded, reference, mode):
     """Prompt + decode logits with the cache within the mode's bound (see MODES); greedy tokens identical.
     Under DP attention rank r ran request r alone."""
-    _, path, bound = MODES[mode]
+    name, path, bound = MODES[mode]
     want_logits, want_tokens = reference[path]
     for rank in range(WORLD):
         logits, tokens = sharded[rank][mode]
-        rows = slice(rank, rank + 1) if MODES[mode][0].dp_attention else slice(None)
+        rows = slice(rank, rank + 1) if layout(name, WORLD).dp_attention else slice(None)
         err = (logits - want_logits[rows]).abs().max().item()
         assert err <= bound, (mode, rank, err)
         assert torch.equal(tokens, want_tokens[rows]), (mode, rank)
@@ -157,3 +158,21 @@ def test_config_errors_name_the_model_field():
     text = preset_config("tiny", num_attention_heads=6).get_text_config()
     with pytest.raises(ValueError, match="num_attention_heads=6"):
         ParallelConfig(tp=4).validate(text, world=4)
+
+
+def test_layout_of_every_name():
+    """Every sharded layout spans the whole group (4 ranks here)."""
+    assert {name: layout(name, 1 if name == "1gpu" else 4) for name in LAYOUT_NAMES} == {
+        "1gpu": ParallelConfig(), "tp": ParallelConfig(tp=4), "ep": ParallelConfig(ep=4),
+        "tp+ep": ParallelConfig(tp=4, ep=4), "dp+ep": ParallelConfig(ep=4, dp_attention=True)}
+
+
+def test_layout_errors():
+    with pytest.raises(ValueError, match=r"unknown layout 'dp-ep'; choose one of 1gpu, tp, ep, tp\+ep, dp\+ep"):
+        layout("dp-ep", 2)
+    with pytest.raises(ValueError, match="'1gpu' needs exactly 1 rank, not world=2"):
+        layout("1gpu", 2)
+    for name in set(LAYOUT_NAMES) - {"1gpu"}:
+        for world in (0, 1):
+            with pytest.raises(ValueError, match=f"needs 2 or more ranks .*, not world={world}"):
+                layout(name, world)
