@@ -17,7 +17,7 @@ The fn tile is read once per chunk for all the block's tokens, which the one-tok
 cannot share; Triton pipelines the chunks' loads (num_stages, 16-byte aligned tensors). Then the block's
 mixes are finished in registers, vectorised over its tokens (rms, sigmoids, the Sinkhorn rounds on
 [BLOCK_T, hc, hc]), and a second pass over D normalises the block's collapsed rows in place
-(w * (x * rstd), bf16), as mhc_triton.py's `_finish_token` does.
+(w * (x * rstd), bf16), with the helpers of mhc_finish_triton.py that mhc_triton.py's `_finish_token` calls.
 
 The D split: one program's serial walk over all of D takes ~220 us on the H200 (80 chunks of 64), so a few
 token blocks leave most SMs idle. With more than one split each program stores its partial [BLOCK_T, MIX_PAD]
@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .block_counters import block_counters
-from .mhc_sinkhorn_triton import _sinkhorn
+from .mhc_finish_triton import _mixes, _rms_norm
 
 # H200 sweep (scripts/sweep_mhc.py --rows, 11-30, mhc-rows-sweep-2026-11-30.json), before the D split: this
 # kernel took ~230 us from 64 to 1024 tokens (one program's serial D walk), 359 us at 4096 and 705 at 8192,
@@ -148,8 +148,8 @@ def _finish_rows(acc, streams_ss, collapse_ss, row, live, scale_ptr, base_ptr, w
                  post_out_ptr, comb_out_ptr, norm_eps, hc_eps, iters, HC: tl.constexpr, D: tl.constexpr,
                  MIX_PAD: tl.constexpr, NORM_D: tl.constexpr):
     """A block's mixes from its dot products acc [BLOCK_T, MIX_PAD] and its sums of squares, vectorised over
-    its tokens (rms, sigmoids, the Sinkhorn rounds on [BLOCK_T, hc, hc]); then its collapsed rows normalised in
-    place (w * (x * rstd), bf16), NORM_D columns at a time, as mhc_triton.py's `_finish_token` does."""
+    its tokens (mhc_finish_triton.py's `_mixes` on [BLOCK_T, hc, hc]); then its collapsed rows normalised in
+    place (`_rms_norm`), NORM_D columns at a time: the math of mhc_triton.py's `_finish_token`."""
     i = tl.arange(0, HC)
     m = tl.arange(0, MIX_PAD)
     # the dot's columns as [tokens, hc] and [tokens, hc, hc]: a sum with one nonzero term, exact
@@ -157,17 +157,13 @@ def _finish_rows(acc, streams_ss, collapse_ss, row, live, scale_ptr, base_ptr, w
     pre_dot = tl.sum(tl.where(m[None, None, :] == i[None, :, None], acc[:, None, :], 0.0), axis=2)
     post_dot = tl.sum(tl.where(m[None, None, :] == HC + i[None, :, None], acc[:, None, :], 0.0), axis=2)
     comb_dot = tl.sum(tl.where(m[None, None, None, :] == ab[None, :, :, None], acc[:, None, None, :], 0.0), axis=3)
-    rms = tl.math.rsqrt(streams_ss / (HC * D) + norm_eps)
-    pre = tl.sigmoid(pre_dot * rms[:, None] * tl.load(scale_ptr) + tl.load(base_ptr + i)[None, :]) + hc_eps
-    post = 2 * tl.sigmoid(post_dot * rms[:, None] * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + i)[None, :])
-    comb = _sinkhorn(comb_dot * rms[:, None, None] * tl.load(scale_ptr + 2) + tl.load(base_ptr + ab)[None, :, :],
-                     hc_eps, iters)
+    pre, post, comb = _mixes(pre_dot, post_dot, comb_dot, streams_ss, scale_ptr, base_ptr, norm_eps, hc_eps, iters,
+                             HC, D)
     mix_rows = row[:, None] * HC + i[None, :]
     tl.store(pre_out_ptr + mix_rows, pre, mask=live[:, None])
     tl.store(post_out_ptr + mix_rows, post, mask=live[:, None])
     tl.store(comb_out_ptr + mix_rows[:, :, None] * HC + i[None, None, :], comb, mask=live[:, None, None])
 
-    rstd = tl.math.rsqrt(collapse_ss / D + norm_eps)
     for d0 in tl.range(0, D, NORM_D, num_stages=3):  # pipelined loads, as in the D loop (with no dot, not by default)
         d = d0 + tl.arange(0, NORM_D)
         nd = normed_ptr + row[:, None] * D + d[None, :]
@@ -175,7 +171,7 @@ def _finish_rows(acc, streams_ss, collapse_ss, row, live, scale_ptr, base_ptr, w
         # .cg: with a split, other programs (other SMs) stored most of these rows
         x = tl.load(nd, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
         w = tl.load(weight_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-        tl.store(nd, (w[None, :] * (x * rstd[:, None])).to(tl.bfloat16), mask=mask)
+        tl.store(nd, _rms_norm(x, w, collapse_ss, norm_eps, D), mask=mask)
 
 
 def split_plan(tokens: int, dim: int, launch: dict) -> tuple[int, int, int]:

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from . import mhc_rows_triton
 from .block_counters import block_counters
-from .mhc_sinkhorn_triton import _sinkhorn
+from .mhc_finish_triton import _mixes, _rms_norm
 
 
 # has_post, mixes, collapse are runtime flags, never specialized (do_not_specialize: Triton would compile a 1
@@ -97,7 +97,7 @@ def _finish_token(row, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, nor
                   comb_out_ptr, norm_eps, hc_eps, iters, HC: tl.constexpr, D: tl.constexpr, PART: tl.constexpr,
                   CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr, mixes, collapse):
     """Sum one token's partials over the chunks, then mixes -> (pre, post, Sinkhorn comb) and the RMSNorm
-    (each where its flag is on)."""
+    (each where its flag is on; the math in mhc_finish_triton.py, shared with mhc_rows_triton.py)."""
     MIX: tl.constexpr = (2 + HC) * HC
     i = tl.arange(0, HC)
     ch = tl.arange(0, CHUNKS_PAD)
@@ -111,23 +111,19 @@ def _finish_token(row, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, nor
         comb_dot = tl.sum(tl.load(rows[:, None, None] + 2 * HC + i[None, :, None] * HC + i[None, None, :],
                                   mask=live[:, None, None], other=0.0, cache_modifier=".cg"), 0)
         streams_ss = tl.sum(tl.load(rows + MIX, mask=live, other=0.0, cache_modifier=".cg"), 0)
-        rms = tl.math.rsqrt(streams_ss / (HC * D) + norm_eps)
-        pre = tl.sigmoid(pre_dot * rms * tl.load(scale_ptr) + tl.load(base_ptr + i)) + hc_eps
-        post = 2 * tl.sigmoid(post_dot * rms * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + i))
-        comb = comb_dot * rms * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + i[:, None] * HC + i[None, :])
-        comb = _sinkhorn(comb, hc_eps, iters)
+        pre, post, comb = _mixes(pre_dot, post_dot, comb_dot, streams_ss, scale_ptr, base_ptr, norm_eps, hc_eps,
+                                 iters, HC, D)
         tl.store(pre_out_ptr + row * HC + i, pre)
         tl.store(post_out_ptr + row * HC + i, post)
         tl.store(comb_out_ptr + row * HC * HC + i[:, None] * HC + i[None, :], comb)
 
     if collapse != 0:
         collapse_ss = tl.sum(tl.load(rows + MIX + 1, mask=live, other=0.0, cache_modifier=".cg"), 0)
-        rstd = tl.math.rsqrt(collapse_ss / D + norm_eps)
         for d0 in range(0, D, NORM_BLOCK):
             d = d0 + tl.arange(0, NORM_BLOCK)
             x = tl.load(normed_ptr + row * D + d, mask=d < D, other=0.0, cache_modifier=".cg").to(tl.float32)
             w = tl.load(weight_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-            tl.store(normed_ptr + row * D + d, (w * (x * rstd)).to(tl.bfloat16), mask=d < D)
+            tl.store(normed_ptr + row * D + d, _rms_norm(x, w, collapse_ss, norm_eps, D), mask=d < D)
 
 
 BLOCK_D = 64

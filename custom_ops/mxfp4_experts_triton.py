@@ -34,7 +34,8 @@ BLOCK_M = 16  # decode rows per expert are few (one per token that picked it); t
 BLOCK_N = 64
 BLOCK_K = 128
 # bf16 weights: twice the bytes per output row of MXFP4, so narrower output blocks for as many programs
-# (6 experts x 2304 / 32 = 432 at decode). Not yet measured on the H200: scripts/sweep_experts.py
+# (7 experts, 6 routed and the shared one, x 2304 / 32 = 504 at decode). Not yet measured on the H200:
+# scripts/sweep_experts.py
 BF16_BLOCK_N = 32
 BF16_BLOCK_K = 128
 NUM_STAGES = 3  # Triton's default, what the MXFP4 launch has run with

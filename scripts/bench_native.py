@@ -52,20 +52,33 @@ def projection_case(n, k, groups, tokens, gen):
     return x, weight, scale, formats.dequant_fp8_block(weight, scale), want, mag
 
 
-def experts_case(n, k, tokens, gen):
-    """Rows sorted by expert for top-TOPK random routing, the stacked MXFP4 experts and scales, offsets, the
-    bf16 stack, the reference output, sum |x| |w| and the share of experts used."""
-    ids = torch.stack([torch.randperm(EXPERTS, generator=gen, device="cuda")[:TOPK] for _ in range(tokens)]).flatten()
-    counts = torch.bincount(ids, minlength=EXPERTS)
+def experts_case(n, k, tokens, gen, experts=EXPERTS, shared=False, mxfp4=True):
+    """Rows sorted by expert for top-TOPK random routing over `experts`, the stacked MXFP4 experts and scales,
+    offsets, the bf16 stack, the reference output, sum |x| |w| and the share of the stack's slices used.
+    mxfp4=False: bf16 experts only (weight and scale None, torch._grouped_mm the reference). shared: the shared
+    expert as the stacks' last slice, one more row per token, as moe.py runs bf16 weights after
+    stack_experts(shared=True) (compile()'s default); native MoEs keep it apart (FP8)."""
+    ids = torch.stack([torch.randperm(experts, generator=gen, device="cuda")[:TOPK] for _ in range(tokens)])
+    if shared:
+        ids = torch.cat([ids, torch.full_like(ids[:, :1], experts)], 1)
+    slices = experts + shared
+    counts = torch.bincount(ids.flatten(), minlength=slices)
     offsets = counts.cumsum(0).to(torch.int32)
     x = torch.randn(ids.numel(), k, generator=gen, device="cuda").bfloat16()
-    encoded = [formats.quant_mxfp4(torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5) for _ in range(EXPERTS)]
-    weight, scale = (torch.stack(t) for t in zip(*encoded))
-    del encoded
-    dense = torch.stack([formats.dequant_mxfp4(w, s) for w, s in zip(weight, scale)])
-    want = mxfp4_grouped_mm_reference(x, weight, scale, offsets)
-    mag = mxfp4_grouped_mm_reference(x.abs(), weight & 0x77, scale, offsets)
-    return x, weight, scale, offsets, dense, want, mag, int((counts > 0).sum()) / EXPERTS
+    if mxfp4:
+        encoded = [formats.quant_mxfp4(torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5)
+                   for _ in range(slices)]
+        weight, scale = (torch.stack(t) for t in zip(*encoded))
+        del encoded
+        dense = torch.stack([formats.dequant_mxfp4(w, s) for w, s in zip(weight, scale)])
+        want = mxfp4_grouped_mm_reference(x, weight, scale, offsets)
+        mag = mxfp4_grouped_mm_reference(x.abs(), weight & 0x77, scale, offsets)
+    else:
+        weight = scale = None
+        dense = (torch.randn(slices, n, k, generator=gen, device="cuda") * k ** -0.5).bfloat16()
+        want = torch._grouped_mm(x, dense.transpose(1, 2), offs=offsets)
+        mag = torch._grouped_mm(x.abs(), dense.abs().transpose(1, 2), offs=offsets)
+    return x, weight, scale, offsets, dense, want, mag, int((counts > 0).sum()) / slices
 
 
 def bench_projection(name, n, k, groups, tokens, gen) -> dict:

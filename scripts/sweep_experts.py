@@ -1,8 +1,9 @@
 """Sweep `dsflash::grouped_mm`'s launch (the bf16 routed experts at decode) against torch._grouped_mm on the
-flash-40l-e8 shapes (8 experts, top-6; w1/w3 2304 x 5120, w2 5120 x 2304) at batch 1..64. Every variant's
-output is checked against torch._grouped_mm first. Picks the defaults of custom_ops/mxfp4_experts_triton.py
-(BF16_BLOCK_N, BF16_BLOCK_K, NUM_STAGES) and compile()'s moe_few_rows (the largest batch x 6 rows where the
-kernel still wins).
+flash-40l-e8 shapes (8 routed experts, top-6; w1/w3 2304 x 5120, w2 5120 x 2304) at batch 1..64, with the shared
+expert as the stacks' ninth slice and every token's seventh row (compile()'s moe_shared_stacked, the default).
+Every variant's output is checked against torch._grouped_mm first (bench_native.py's case and error). Picks the
+defaults of custom_ops/mxfp4_experts_triton.py (BF16_BLOCK_N, BF16_BLOCK_K, NUM_STAGES) and compile()'s
+moe_few_rows (the largest batch x 7 rows where the kernel still wins).
 
     python scripts/sweep_experts.py --out benchmarks/results
     python scripts/sweep_experts.py --tokens 1 --full     (every launch variant at batch 1 only)
@@ -17,10 +18,11 @@ import itertools
 
 import torch
 
+from bench_native import DIM, INTER, error, experts_case
 from dsflash_compile.benchmarking import print_table, run_metadata, save_results, sweep_variant, time_graph
 from dsflash_compile.custom_ops import mxfp4_experts_triton as kernels
 
-EXPERTS, TOPK, HIDDEN, INTER = 8, 6, 5120, 2304
+EXPERTS = 8
 TOKENS = [1, 2, 4, 8, 16, 32, 64]
 # (BLOCK_N, BLOCK_K, warps, stages); 64 x 256 at 4 warps spills registers on sm_90 (tests/test_native_weights.py)
 VARIANTS = [v for v in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (2, 3, 4)) if v[:3] != (64, 256, 4)]
@@ -30,21 +32,11 @@ COLUMNS = [("tokens", "tokens", "d"), ("proj", "proj", ""), ("block_n", "block_n
            ("TB/s", "tb_per_s", ".2f"), ("x torch", "vs_torch", ".2f"), ("agrees", "agrees", "")]
 
 
-def case(tokens: int, n: int, k: int, gen: torch.Generator):
-    """Rows sorted by expert as moe.py builds them, the stacked weight, offsets and the picked experts' bytes."""
-    ids = torch.stack([torch.randperm(EXPERTS, generator=gen, device="cuda")[:TOPK] for _ in range(tokens)])
-    counts = torch.bincount(ids.flatten(), minlength=EXPERTS)
-    x = torch.randn(tokens * TOPK, k, generator=gen, device="cuda").bfloat16()
-    weight = (torch.randn(EXPERTS, n, k, generator=gen, device="cuda") * k ** -0.5).bfloat16()
-    offsets = counts.cumsum(0).to(torch.int32)
-    return x, weight, offsets, int((counts > 0).sum()) * n * k * 2
-
-
 def sweep(tokens: int, proj: str, variants: list[tuple], gen: torch.Generator) -> list[dict]:
-    n, k = (INTER, HIDDEN) if proj == "w1" else (HIDDEN, INTER)
-    x, weight, offsets, nbytes = case(tokens, n, k, gen)
-    want = torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets).float()
-    scale = want.abs().max().item()
+    n, k = (INTER, DIM) if proj == "w1" else (DIM, INTER)
+    x, _, _, offsets, weight, want, mag, used = experts_case(n, k, tokens, gen, experts=EXPERTS, shared=True,
+                                                             mxfp4=False)
+    nbytes = used * 2 * weight.numel()  # the picked experts' bf16 bytes
     torch_s = time_graph(lambda: torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets))
     rows = [{"tokens": tokens, "proj": proj, "path": "torch._grouped_mm", "s": torch_s, "vs_torch": 1.0,
              "tb_per_s": nbytes / torch_s / 1e12, "agrees": True}]
@@ -54,7 +46,7 @@ def sweep(tokens: int, proj: str, variants: list[tuple], gen: torch.Generator) -
                                              num_warps=warps, num_stages=stages)
         row = {"tokens": tokens, "proj": proj, "path": "triton", "block_n": block_n, "block_k": block_k,
                "num_warps": warps, "num_stages": stages}
-        sweep_variant(row, call, lambda out: (out.float() - want).abs().max().item() <= 2 ** -7 * scale)
+        sweep_variant(row, call, lambda out: error(out, want, mag) <= 2 ** -7)
         row.update(vs_torch=torch_s / row["s"], tb_per_s=nbytes / row["s"] / 1e12)
         rows.append(row)
     return rows
