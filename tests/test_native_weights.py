@@ -175,6 +175,17 @@ def test_counting_order_is_the_stable_argsort(pairs, groups):
         assert torch.equal(order, want) and torch.equal(order[rank], torch.arange(pairs)), bound
 
 
+def test_counting_slot_order_is_the_stable_argsort():
+    """MoE._slot_order by counting: each token's slots by ascending id, ties (-1, other ranks' pairs) in slot
+    order, as argsort(dim=1, stable=True)."""
+    moe = DeepseekV41ForCausalLM(preset_config("tiny")).model.layers[0].ffn
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(385, generator=gen)[:7] for _ in range(64)])
+    ids = ids.masked_fill(torch.rand(ids.shape, generator=gen) < 0.3, -1)
+    moe.count_order = 1
+    assert torch.equal(moe._slot_order(ids), ids.argsort(dim=1, stable=True))
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("few_rows", [0, 64])
 def test_grouped_moe_computes_no_pair_marked_elsewhere(few_rows, monkeypatch):
