@@ -14,8 +14,9 @@ per register: byte shuffles, E4M3 -> f16 -> f32, an fp32 multiply by the scale, 
 load in every iteration that waited a full memory latency (a byte gather is no cp.async candidate, so the
 pipeliner left it in place), and two torch kernels (sum, cast) after split programs. Now the scales of the
 next K block are loaded one iteration ahead and the split sum is one kernel; an inline-PTX conversion on 4
-codes per register (2.5 instructions per value, exact) is the default on CUDA (PTX): on the H200 (11-30 b,
-scripts/sweep_native.py) 3-8% faster than the Triton conversion at 1-8 tokens, even at 64.
+codes per register (2.5 instructions per value, exact) is the default on CUDA up to PTX_MAX_ROWS rows (PTX):
+on the H200 (11-30 b, scripts/sweep_native.py) mostly 3-8% faster than the Triton conversion at 1-8 tokens,
+0.92-1.02x at 64.
 
 Numerics: every product of a bf16 activation and a dequantized weight is exact in fp32 (code x 2^e is the
 reference's bf16 weight, rounded the same way where it is subnormal); only the fp32 summation order differs
@@ -33,8 +34,7 @@ BLOCK_K = 128
 PROGRAMS_PER_SM = 2
 NUM_STAGES = 3  # Triton's default, what the launch has run with
 PTX = True  # the inline-PTX conversion on CUDA (False: the same math in Triton, the interpreter's path)
-# False until its CUDA tests (every code, both conversions) have passed on a GPU; then scripts/sweep_native.py
-# decides
+PTX_MAX_ROWS = 8  # above it the Triton conversion, at least as fast at 64 rows on the H200 (sweep_native, 11-30 b)
 # Above this many rows (prefill) the op dequantizes the weight once and multiplies with cuBLAS (its reference):
 # this kernel converts every weight tile again for each block of rows (~5 CUDA-core instructions per value
 # in all), which at large row counts costs more than the tensor-core work. A first guess: scripts/bench_native.py
@@ -151,7 +151,8 @@ def fp8_block_linear_triton(x, weight, scale, groups=1, splits=None, block_m=Non
                             block_k=BLOCK_K, num_warps=4, num_stages=NUM_STAGES, ptx=None,
                             programs_per_sm=PROGRAMS_PER_SM):
     """bf16 [..., N] as the reference. splits / block sizes / warps / stages / the conversion (ptx: None is the
-    module's PTX flag, on CUDA only) / the programs per SM that the default splits aim at: for sweeps."""
+    module's PTX flag, on CUDA up to PTX_MAX_ROWS rows) / the programs per SM that the default splits aim at:
+    for sweeps."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     (m, _), (n, k) = rows.shape, weight.shape
     if m == 0:
@@ -169,7 +170,7 @@ def fp8_block_linear_triton(x, weight, scale, groups=1, splits=None, block_m=Non
     _fp8_linear_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)](
         rows, weight.view(torch.uint8), scale.view(torch.uint8), partial, m, n, k, rows.stride(0), n // groups,
         per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=splits > 1, FP32_DOT=not on_gpu,
-        PTX=on_gpu and PTX if ptx is None else ptx, EVEN_K=k % block_k == 0, num_warps=num_warps,
+        PTX=on_gpu and PTX and m <= PTX_MAX_ROWS if ptx is None else ptx, EVEN_K=k % block_k == 0, num_warps=num_warps,
         num_stages=num_stages)
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](partial, out, m * n, splits, BLOCK=SUM_BLOCK)

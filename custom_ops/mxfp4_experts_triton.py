@@ -40,8 +40,6 @@ BF16_BLOCK_N = 32
 BF16_BLOCK_K = 128
 NUM_STAGES = 3  # Triton's default, what the MXFP4 launch has run with
 PTX = True  # the inline-PTX conversion on CUDA (False: the same values in Triton, the interpreter's path)
-# False until its CUDA tests (every code, both conversions) have passed on a GPU; then scripts/sweep_native.py
-# decides
 
 # _e2m1_bf16's body. $4: 4 packed bytes (8 nibbles, the even element low); $5-$6: the bytes' bf16 scales.
 # Outputs $0-$1: the low nibbles' values (bytes 0-1, 2-3), $2-$3: the high nibbles'. prmt picks bytes by the
@@ -145,8 +143,8 @@ def grouped_mm_triton(x, weight, scale, offsets, block_m=BLOCK_M, block_n=None, 
                       num_stages=NUM_STAGES, ptx=None, out=None):
     """bf16 [P, N] as the reference (rows past offsets[-1] are zero). scale None: bf16 weight [E, N, K]; else
     MXFP4 weight and scale (mxfp4_experts.py). Block sizes (None: the format's default), warps, pipeline
-    stages and the MXFP4 conversion (ptx None: the module's PTX flag, on CUDA only) for sweeps; out: the bf16 [P, N] to write
-    (default: a new one; every element is written)."""
+    stages and the MXFP4 conversion (ptx None: the module's PTX flag, on CUDA only) for sweeps; out: the bf16
+    [P, N] to write (default: a new one; every element is written)."""
     mxfp4 = scale is not None
     block_n = block_n or (BLOCK_N if mxfp4 else BF16_BLOCK_N)
     block_k = block_k or (BLOCK_K if mxfp4 else BF16_BLOCK_K)

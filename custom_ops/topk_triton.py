@@ -40,8 +40,9 @@ those are k distinct entries of the row, so the row's k-th largest key is >= T (
 data; a poor T only costs candidates). Pass 2 reads the whole row and stores, in index order, the index
 of every entry above T (up to CAND - K_P2 of them) and of the first k equal to T (ties beyond those can
 never be picked: ties go to the lower index). The candidates hold the row's top k, so the program ranks
-them (bisection over CAND keys read back by index) and writes its k best. For iid scores ~1.1k entries
-per row pass T with SAMPLE 2 (~575 with SAMPLE 1, ~2.3k with 4; simulated, 8K..512K wide). A row with
+them (bisection over CAND keys read back by index) and writes its k best. For iid scores ~575 entries
+per row pass T at the default SAMPLE 1 (~1.1k with 2, ~2.3k with 4; simulated, 8K..512K wide), against
+CAND - K_P2 = 1536 slots at k = 512 (filter_fits: k <= CAND / 4, so k = 512 at most). A row with
 more than CAND - K_P2 keys above T (adversarial data, e.g. a period of the group layout) is flagged, and
 the radix path, launched for every row but returning at once where no flag is set, redoes it: exact for
 every input, fast for most. Cost: 1 + 1/SAMPLE reads of the scores; on sm_90 pass 1 issues ~9

@@ -14,7 +14,7 @@ from . import custom_ops  # noqa: F401  (registers torch.ops.dsflash)
 from .cache import LayerCache
 from .configuration_deepseek_v41 import DeepseekV41TextConfig, LayerRole
 from .context import ForwardContext
-from .layers import Linear, RMSNorm, fuse_outputs, quant_linear, view_outputs
+from .layers import Linear, RMSNorm, fuse_outputs, quant_linear, still_views, view_outputs
 from .quant import fp4_qdq_e4m3, fp4_qdq_ue8m0, fp8_qdq
 from .rope import apply_rope, rotation
 
@@ -138,9 +138,10 @@ class Attention(nn.Module):
     def fuse_input_projections(self, fuse: bool = True) -> None:
         """wq_a and wkv read the same quantized input: hold them as one projection (their tensors become views of
         its own, outside the checkpoint), so a decode step runs one GEMV for both. fuse=False: two again (the
-        views keep exactly the fused tensors' bytes alive). Fusing a fused layer again keeps its tensors: decode
-        graphs captured by an earlier compile() still read them."""
-        if fuse and self.wqkv_a is not None:
+        views keep exactly the fused tensors' bytes alive). Fusing a fused layer again keeps its tensors while
+        wq_a's and wkv's are still their views: decode graphs captured by an earlier compile() read them (a
+        load that replaced wq_a or wkv fuses anew; so does fusing after fuse=False)."""
+        if fuse and self.wqkv_a is not None and still_views(self.wqkv_a, (self.wq_a, self.wkv)):
             return
         self.wqkv_a = fuse_outputs(self.wq_a, self.wkv) if fuse else None
 

@@ -60,8 +60,9 @@ class CompileOptions:
     # picked experts, 142 MB). 112 rows = batch 16 at top-6 + the shared expert's row; not yet measured on the
     # H200 (scripts/sweep_experts.py)
     moe_few_rows: int = 112
-    # issue 5: the routed pairs sorted by expert by counting (MoE._expert_order) where pairs x groups is at most
-    # this (any decode batch up to 64 and 1.5K-token prefill chunks of the release): Inductor turned argsort
+    # issue 5: the routed pairs sorted by expert by counting (MoE._expert_order) where pairs x (groups + 1) is
+    # at most this (any decode batch up to 64 and 1.5K-token prefill chunks of the release), and each token's
+    # slots by counting at every size (MoE._slot_order); 0: both argsort. Inductor turned the pairs' argsort
     # into one single-program kernel, 39 us per layer at B64 on the H200 (1.5 of 24 ms). Same bits; not yet
     # timed on the H200 (compile_and_profile's sort-moe variant is the argsort)
     moe_count_order: int = 1 << 22

@@ -123,6 +123,12 @@ def view_outputs(fused: QuantLinear, linears) -> None:
             hold(m, leaf, t)
 
 
+def still_views(fused: QuantLinear, linears) -> bool:
+    """Whether every tensor of `linears` is still a view of fused's (no load or assignment replaced one)."""
+    return all(getattr(m, leaf).untyped_storage().data_ptr() == getattr(fused, leaf).untyped_storage().data_ptr()
+               for leaf in _leaves(fused) for m in linears)
+
+
 def hold(linear: nn.Module, leaf: str, t: torch.Tensor) -> None:
     """Make `t` (a view of a fused or stacked tensor) the linear's tensor `leaf`, as the parameter or buffer it is."""
     if leaf in linear._parameters:

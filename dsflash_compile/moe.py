@@ -12,7 +12,7 @@ Two ways to run the routed experts, with the same math and the same summation or
     grouped GEMM is `dsflash::mxfp4_grouped_mm`; such a model is stacked from the start (and again after
     from_pretrained assigns the loaded tensors), so it runs grouped unless told otherwise. With bf16 weights,
     up to `few_rows` (token, slot) pairs (compile() sets it: the decode step) run `dsflash::grouped_mm`,
-    else torch._grouped_mm; up to `count_order` pairs x groups are sorted by counting instead of argsort.
+    else torch._grouped_mm; with `count_order` set, the sorts are counts (see _expert_order, _slot_order).
     With bf16 weights the shared expert can be stacked too (`stack_experts(shared=True)`):
     it is then every token's last pair, with weight 1 (exact), and added last as before, so the same bits
     with three projections fewer per layer.
@@ -87,7 +87,7 @@ class MoE(nn.Module):
         self.grouped = False  # set by stack_experts()
         self.shared_stacked = False  # the shared expert is the stacks' last slice (stack_experts(shared=True))
         self.few_rows = 0  # bf16 grouped GEMMs of at most this many rows run dsflash::grouped_mm (see _grouped_mm)
-        self.count_order = 0  # pairs x groups up to this: sort the pairs by counting (see _expert_order)
+        self.count_order = 0  # pairs x (groups + 1) up to this: sorts by counting (see _expert_order); 0: argsort
         if self.native:
             self.stack_experts()
 
@@ -169,15 +169,17 @@ class MoE(nn.Module):
 
     def _expert_order(self, key: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The pairs sorted stably by key (expert id, `groups` for a pair no GEMM computes): order [pairs] and
-        its inverse rank (pair p lands at rank[p]). Up to count_order pairs x groups (compile() sets it: decode
-        and short prefills), by counting: rank = the pairs of smaller keys + the earlier pairs of the same key,
-        exactly the stable sort's, where Inductor fuses argsort into one single-program bitonic sort (H200,
-        flash-40l-e8 B64: 39 us per layer, 448 pairs)."""
+        its inverse rank (pair p lands at rank[p]). Up to count_order pairs x (groups + 1) (compile() sets it:
+        decode and short prefills), by counting: rank = the pairs of smaller keys + the earlier pairs of the
+        same key, exactly the stable sort's, where Inductor fuses argsort into one single-program bitonic sort
+        (H200, flash-40l-e8 B64: 39 us per layer, 448 pairs). The bound is a shape test: with dynamic shapes
+        it guards the graph on the pair count (longer chunks compile the argsort graph)."""
         arange = torch.arange(key.numel(), device=key.device)
         if key.numel() * (groups + 1) <= self.count_order:
             onehot = (key == torch.arange(groups + 1, device=key.device).unsqueeze(1)).int()  # [groups + 1, pairs]
-            sizes = onehot.sum(1)
-            rank = (sizes.cumsum(0) - sizes)[key] + onehot.cumsum(1).gather(0, key.unsqueeze(0)).squeeze(0) - 1
+            sizes = onehot.sum(1)  # int64
+            seen = onehot.cumsum(1, dtype=torch.int32).gather(0, key.unsqueeze(0)).squeeze(0)  # int32: half the scan
+            rank = (sizes.cumsum(0) - sizes)[key] + seen - 1
             return torch.empty_like(rank).scatter_(0, rank, arange), rank
         order = key.argsort(stable=True)
         return order, torch.empty_like(order).scatter_(0, order, arange)
@@ -185,14 +187,14 @@ class MoE(nn.Module):
     def _slot_order(self, ids: torch.Tensor) -> torch.Tensor:
         """Each token's slots by ascending expert id, ties (-1: elsewhere) in slot order: argsort(stable=True)
         along dim 1. With count_order on, by counting: slot j's place is the number of its token's slots with a
-        smaller id or an equal id before j (k x k compares; argsort was a 27 us segmented sort per layer at 128
-        tokens on the H200)."""
+        smaller id or an equal id before j (k x k compares at any size; argsort was a 27 us segmented sort per
+        layer at 128 tokens on the H200)."""
         if not self.count_order:
             return ids.argsort(dim=1, stable=True)
         slots = torch.arange(ids.shape[1], device=ids.device)
         mine, other = ids.unsqueeze(2), ids.unsqueeze(1)  # [tokens, j, 1], [tokens, 1, i]
         place = ((other < mine) | ((other == mine) & (slots < slots.unsqueeze(1)))).sum(2)
-        return torch.empty_like(ids).scatter_(1, place, slots.expand_as(ids))
+        return torch.empty_like(place).scatter_(1, place, slots.expand_as(place))  # int64 like argsort's
 
     def _routed_grouped(self, x, weights, ids, elsewhere: bool = False) -> torch.Tensor:
         """The routed experts as grouped GEMMs over (token, slot) pairs sorted by expert. elsewhere: ids may be

@@ -45,6 +45,7 @@ from dsflash_compile.benchmarking import print_table, profile_summary, run_metad
 from dsflash_compile.parallel import LAYOUT_NAMES, init_distributed, layout, parallelize
 from dsflash_compile.presets import preset_model
 
+
 def time_calls(call, repeats: int, device: torch.device, barrier, before=lambda: None) -> tuple[float, float]:
     """(seconds of the first call, median seconds of the next `repeats`); `before` runs untimed before each."""
     times = []

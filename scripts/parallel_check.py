@@ -48,7 +48,8 @@ def main():
 
     group = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    configs = {name: layout(name, world) for name in args.modes}  # a world a mode cannot use fails here, first
+    configs = {name: layout(name, world) for name in args.modes}  # a world no mode can use fails here, first;
+    # what does not divide by it (experts, heads) fails in parallelize
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     overrides = {"weights": args.weights} if args.weights else {}
     gen = torch.Generator().manual_seed(1)

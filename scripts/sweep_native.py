@@ -28,8 +28,8 @@ from dsflash_compile.custom_ops.mxfp4_experts_triton import grouped_mm_triton
 from dsflash_compile.layers import block_diagonal_linear
 
 # fp8_block_linear_triton keywords; the first two: the default launch with the 11-30 conversion (Triton code) and
-# with the PTX one (both with the scale prefetch and the one-kernel split sum); the grid with PTX (off by default
-# until this run)
+# with the PTX one (both with the scale prefetch and the one-kernel split sum); the grid with PTX (the default
+# at decode since the 11-30 b run)
 FP8_VARIANTS = [dict(ptx=False), dict(ptx=True)] + [
     dict(block_n=bn, block_k=bk, programs_per_sm=pps, num_stages=stages, ptx=True)
     for bn, bk, pps, stages in [(32, 128, 2, 3), (128, 128, 2, 3), (64, 256, 2, 3), (64, 128, 4, 3),

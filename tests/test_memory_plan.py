@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
 from dsflash_compile import memory_plan as mp
 from dsflash_compile.checkpoint import save_checkpoint
@@ -71,6 +70,8 @@ def test_plan_shards_as_parallelize(preset, world, name):
     """Rank 0's share in the plan (gpu_bytes: TP dims, EP's first experts) is what parallel.py's parallelize
     keeps on rank 0, tensor by tensor: the native model on meta, sharded in a fake process group of `world`
     ranks in this one process (sharding runs no collective)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"; private, so here
+
     world = 1 if name == "1gpu" else world
     text = preset_config(preset).text_config
     config = mp.layout_config(name, world, text)
@@ -81,6 +82,12 @@ def test_plan_shards_as_parallelize(preset, world, name):
         dist.destroy_process_group()
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     held = {n: t.nbytes for n, t in tensors.items() if not n.endswith("_stacked")}  # stacks: views of experts
+    for n, stack in tensors.items():  # ... of this rank's experts only, no full-size stack left behind
+        if n.endswith("_stacked"):
+            moe, leaf = n.rsplit(".", 1)
+            proj, kind = leaf.removesuffix("_stacked").split("_")
+            experts = model.get_submodule(f"{moe}.experts")
+            assert stack.nbytes == sum(getattr(getattr(e, proj), kind).nbytes for e in experts), n
     planned = {s.name: mp.gpu_bytes(s, config, world, "gpu", text.n_routed_experts) for s in mp.native_tensors(text)}
     assert held == {n: b for n, b in planned.items() if b}  # 0: another rank's expert, not held here
 

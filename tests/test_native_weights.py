@@ -18,7 +18,8 @@ import dsflash_compile
 from dsflash_compile import DeepseekV41ForCausalLM, formats, preset_config
 from dsflash_compile.checkpoint import FP8_BLOCK, MXFP4, CheckpointError, weight_format
 from dsflash_compile.configuration_deepseek_v41 import ScheduleError
-from dsflash_compile.layers import NativeQuantLinear, QuantLinear
+from dsflash_compile.layers import NativeQuantLinear, QuantLinear, hold
+from dsflash_compile.moe import MoE
 from golden import TINY_A, fixture, load_model, requires_golden
 from hopper import check_compiles_for_hopper
 from interp import report, requires_interpreter, run_interpreted
@@ -156,34 +157,53 @@ def test_moe_few_rows_path_equals_the_expert_loop(count_order, monkeypatch):
     moe.stack_experts()
     moe.few_rows, moe.count_order = 3 * moe.gate.topk, count_order
     calls = count_grouped_mm(monkeypatch)
+    argsort_runs(monkeypatch, not count_order)
     assert torch.equal(moe(x), want)
     assert len(calls) == 3  # w1, w3, w2
 
 
+def argsort_runs(monkeypatch, allowed: bool) -> list:
+    """Calls of Tensor.argsort from here on; a call fails the test where it is not `allowed` (the counting
+    paths give argsort's results, so only this tells which path ran)."""
+    calls, argsort = [], torch.Tensor.argsort
+
+    def counted(*args, **kwargs):
+        assert allowed, "argsort ran where the counting order should"
+        calls.append(1)
+        return argsort(*args, **kwargs)
+    monkeypatch.setattr(torch.Tensor, "argsort", counted)
+    return calls
+
+
 @pytest.mark.parametrize("pairs, groups", [(1, 1), (7, 9), (448, 9), (900, 385)])
-def test_counting_order_is_the_stable_argsort(pairs, groups):
+def test_counting_order_is_the_stable_argsort(pairs, groups, monkeypatch):
     """MoE._expert_order by counting gives argsort(stable=True)'s order and its inverse, ties (many pairs per
     expert), empty experts and pairs keyed `groups` (no GEMM computes them) included; count_order is the
-    bound on pairs x groups past which argsort runs."""
-    moe = DeepseekV41ForCausalLM(preset_config("tiny")).model.layers[0].ffn
+    bound on pairs x (groups + 1) past which argsort runs."""
+    moe = MoE(preset_config("tiny").text_config)
     key = torch.randint(0, groups + 1, (pairs,), generator=torch.Generator().manual_seed(pairs))
     key[::5] = groups
     want = key.argsort(stable=True)
-    for bound in (0, pairs * (groups + 1) - 1, pairs * (groups + 1)):
+    for bound, sorts in ((pairs * (groups + 1), False), (pairs * (groups + 1) - 1, True), (0, True)):
         moe.count_order = bound
-        order, rank = moe._expert_order(key, groups)
+        with monkeypatch.context() as patch:
+            calls = argsort_runs(patch, sorts)
+            order, rank = moe._expert_order(key, groups)
+        assert len(calls) == sorts
         assert torch.equal(order, want) and torch.equal(order[rank], torch.arange(pairs)), bound
 
 
-def test_counting_slot_order_is_the_stable_argsort():
+def test_counting_slot_order_is_the_stable_argsort(monkeypatch):
     """MoE._slot_order by counting: each token's slots by ascending id, ties (-1, other ranks' pairs) in slot
     order, as argsort(dim=1, stable=True)."""
-    moe = DeepseekV41ForCausalLM(preset_config("tiny")).model.layers[0].ffn
+    moe = MoE(preset_config("tiny").text_config)
     gen = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randperm(385, generator=gen)[:7] for _ in range(64)])
     ids = ids.masked_fill(torch.rand(ids.shape, generator=gen) < 0.3, -1)
+    want = ids.argsort(dim=1, stable=True)
     moe.count_order = 1
-    assert torch.equal(moe._slot_order(ids), ids.argsort(dim=1, stable=True))
+    argsort_runs(monkeypatch, False)
+    assert torch.equal(moe._slot_order(ids), want)
 
 
 @torch.no_grad()
@@ -259,6 +279,10 @@ def test_fused_input_projections_give_the_same_logits_and_checkpoint(weights):
     held = attn.wqkv_a
     attn.fuse_input_projections()  # a second compile(): graphs captured by the first still read these tensors
     assert attn.wqkv_a is held
+    hold(attn.wkv, "weight", attn.wkv.weight.clone())  # as a load with assign=True: wkv's own tensor again
+    attn.fuse_input_projections()  # fuses anew, so the GEMV reads the loaded tensor
+    fused = attn.wqkv_a.weight.untyped_storage().data_ptr()
+    assert attn.wqkv_a is not held and attn.wkv.weight.untyped_storage().data_ptr() == fused
     for layer in model.model.layers:
         layer.attn.fuse_input_projections(False)
     assert torch.equal(model(ids).logits, want)
@@ -589,14 +613,14 @@ def test_kernels_dequantize_every_code_exactly_on_cuda(ptx):
     codes = torch.arange(256, dtype=torch.uint8, device="cuda")
     codes[(codes & 0x7F) == 0x7F] = 0  # NaN
     weight = codes.repeat(64, 1).view(torch.float8_e4m3fn)  # [64, 256]: each row every code
-    exps = torch.tensor([1, 3, 8, 20, 100, 120, 127, 134], device="cuda").repeat(2, 1).to(torch.uint8)
-    scale = exps.view(torch.float8_e8m0fnu)  # [2, 8]: 32 x 32 tiles
+    exps = torch.tensor([1, 3, 8, 20, 100, 120, 127, 134], device="cuda", dtype=torch.uint8)
+    scale = torch.stack([exps, exps.roll(4)]).view(torch.float8_e8m0fnu)  # [2, 8] 32 x 32 tiles: each code, 2 scales
     x = torch.eye(256, device="cuda").bfloat16()
     got = fp8_block_linear_triton(x, weight, scale, block_m=64, ptx=ptx)
     assert torch.equal(got.t(), formats.dequant_fp8_block(weight, scale))
     packed = torch.arange(256, device="cuda").to(torch.uint8).view(torch.int8).repeat(64, 1)[None]  # [1, 64, 256]
-    mx_scale = torch.tensor([1, 2, 3, 20, 100, 110, 127, 128], device="cuda").repeat(64, 2)[None].to(torch.uint8)
-    mx_scale = mx_scale.view(torch.float8_e8m0fnu)
+    mx_exps = torch.tensor([1, 2, 3, 20, 100, 110, 127, 128], device="cuda", dtype=torch.uint8).repeat(2)
+    mx_scale = torch.stack([mx_exps.roll(r) for r in range(64)])[None].view(torch.float8_e8m0fnu)  # every byte, 8
     x = torch.eye(512, device="cuda").bfloat16()
     got = grouped_mm_triton(x, packed, mx_scale, torch.tensor([512], dtype=torch.int32, device="cuda"), ptx=ptx)
     assert torch.equal(got.t(), formats.dequant_mxfp4(packed[0], mx_scale[0]))

@@ -103,7 +103,7 @@ def interpreter_checks():
         report(dict(name=name, same_picks=bool(torch.equal(picks.long().sort(-1).values, want)),
                     same_op=bool(torch.equal(out, ref)), flagged=flags.nonzero().flatten().tolist()))
     # tie-free random rows, the path chosen by shape (the interpreter's 8 "SMs"): row-wise for 16 rows of
-    # one chunk, filter (once switched on: FILTER_ON) for 16 rows wider than one (the default launch)
+    # one chunk, filter (FILTER_ON) for 16 rows wider than one (the default launch)
     for name, width in (("rowwise_auto_tie_free", 3000), ("filter_auto_tie_free", 5000)):
         scores = torch.randperm(16 * width, generator=torch.Generator().manual_seed(7)).float().view(16, width)
         topk_triton.FILTER_ON = name.startswith("filter")
