@@ -24,7 +24,6 @@ import torch
 from . import checkpoint, parallel
 from .cache import CUDA_CACHE_FORMATS, DeepseekV41Cache, growing_bytes_per_token
 from .configuration_deepseek_v41 import DeepseekV41TextConfig
-from .parallel import ParallelConfig
 from .pretrained import to_official
 
 GIB = 2 ** 30
@@ -184,7 +183,7 @@ def _chunk_bytes(spec: TensorSpec, dim: int, parts: int) -> int:
     return math.prod(shape) * spec.dtype.itemsize
 
 
-def gpu_bytes(spec: TensorSpec, layout: ParallelConfig, gpus: int, engram: str, experts: int) -> int:
+def gpu_bytes(spec: TensorSpec, layout: parallel.ParallelConfig, gpus: int, engram: str, experts: int) -> int:
     """Bytes of `spec` on rank 0 of `gpus` under `layout` (of `experts` routed experts), the Engram tables
     placed as `engram`."""
     group = spec.group
@@ -197,7 +196,7 @@ def gpu_bytes(spec: TensorSpec, layout: ParallelConfig, gpus: int, engram: str, 
     return spec.nbytes
 
 
-def layout_config(name: str, gpus: int, text: DeepseekV41TextConfig) -> ParallelConfig:
+def layout_config(name: str, gpus: int, text: DeepseekV41TextConfig) -> parallel.ParallelConfig:
     config = parallel.layout(name, gpus)  # names an unknown layout, or a GPU count it cannot use
     config.validate(text, gpus)  # names what does not divide (experts by ep, heads by tp, ...)
     return config
@@ -213,7 +212,17 @@ def plan(text: DeepseekV41TextConfig, gpus=(4, 8), contexts=(131072, 1048576), l
             raise ValueError(f"unknown Engram placement {place!r}; choose one of {', '.join(ENGRAM)}")
     if min(gpus) < 1:
         raise ValueError(f"gpus {min(gpus)} must be >= 1")
-    configs = {(n, name): layout_config(name, n, text) for n in gpus for name in layouts}
+    configs, unusable = {}, []
+    for n in gpus:
+        for name in layouts:
+            try:
+                configs[n, name] = layout_config(name, n, text)
+            except ValueError as error:  # a layout for other GPU counts (1gpu at 4, dp+ep at 1) is left out
+                if name not in parallel.LAYOUT_NAMES or parallel.layout_fits(name, n):
+                    raise
+                unusable.append(error)
+    if not configs:
+        raise unusable[0]
     for context in contexts:
         if context < 1:
             raise ValueError(f"context {context} must be >= 1 token")
@@ -228,6 +237,8 @@ def plan(text: DeepseekV41TextConfig, gpus=(4, 8), contexts=(131072, 1048576), l
     rows = []
     for n in gpus:
         for name in layouts:
+            if (n, name) not in configs:
+                continue
             layout = configs[n, name]
             for place in engram:
                 groups = dict.fromkeys(GROUPS, 0)

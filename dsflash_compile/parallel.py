@@ -63,12 +63,18 @@ class ParallelConfig:
 LAYOUT_NAMES = ("1gpu", "tp", "ep", "tp+ep", "dp+ep")
 
 
+def layout_fits(name: str, world: int) -> bool:
+    """Whether layout `name` can span `world` ranks at all: '1gpu' exactly 1, a 1-rank tp / ep would just be
+    the unsharded model."""
+    return world >= 1 and (world == 1) == (name == "1gpu")
+
+
 def layout(name: str, world: int) -> ParallelConfig:
     """The ParallelConfig of layout `name` over a group of `world` ranks: every sharded dimension spans the
     whole group (whether the model divides by it is ParallelConfig.validate's check)."""
     if name not in LAYOUT_NAMES:
         raise ValueError(f"unknown layout {name!r}; choose one of {', '.join(LAYOUT_NAMES)}")
-    if (world == 1) != (name == "1gpu") or world < 1:  # a 1-rank tp / ep would just be the unsharded model
+    if not layout_fits(name, world):
         wants = "exactly 1 rank" if name == "1gpu" else "2 or more ranks ('1gpu' on one)"
         raise ValueError(f"layout {name!r} needs {wants}, not world={world}")
     return ParallelConfig(tp=world if "tp" in name else 1, ep=world if "ep" in name else 1,

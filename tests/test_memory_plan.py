@@ -168,6 +168,12 @@ def test_plan_errors(release, kwargs, match):
         mp.plan(release, **kwargs)
 
 
+def test_plan_leaves_out_layouts_for_other_gpu_counts(release):
+    """--gpus 1 4 --layout 1gpu dp+ep: 1gpu at 1 GPU and dp+ep at 4 (each count's own layouts), not an error."""
+    rows = mp.plan(release, gpus=(1, 4), layouts=("1gpu", "dp+ep"), engram=("host",))
+    assert [(row["gpus"], row["layout"]) for row in rows] == [(1, "1gpu"), (4, "dp+ep")]
+
+
 def test_cli_plan_memory(tmp_path, capsys):
     from dsflash_compile.cli import main
 
