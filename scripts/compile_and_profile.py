@@ -39,7 +39,7 @@ from dsflash_compile.custom_ops.dispatch import reference_kernels  # noqa: E402
 # torch._dynamo.reset() (Inductor's FX graph cache)
 VARIANTS = {
     "no-passes": {"passes": False},
-    "sort-moe": {"moe_count_order": 0},  # the routed pairs ordered by argsort (before 11-30 b)
+    "count-moe": {"moe_count_order": 1 << 22},  # the MoE's sorts by counting (off by default until timed)
     "torch-moe": {"moe_few_rows": 0},  # the routed experts on torch._grouped_mm at every batch (before issue 5)
     # issue 5's decode fusions off: shared expert on its own GEMMs, wq_a and wkv apart, Engram eager
     "unfused": {"moe_shared_stacked": False, "fuse_input_projections": False, "compile_engram": False},

@@ -206,6 +206,21 @@ def test_counting_slot_order_is_the_stable_argsort(monkeypatch):
     assert torch.equal(moe._slot_order(ids), want)
 
 
+def test_counting_orders_compile_with_inductor():
+    """Both counting orders through Inductor (fullgraph: no graph break, no host sync) give argsort's results
+    (CompileOptions.moe_count_order is off by default; this keeps its compiled path checked in CI)."""
+    moe = MoE(preset_config("tiny").text_config)
+    moe.count_order = 1 << 22
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(9, generator=gen)[:7] for _ in range(16)])
+    ids = ids.masked_fill(torch.rand(ids.shape, generator=gen) < 0.2, -1)
+    key = torch.where(ids >= 0, ids, 9).flatten()
+    orders = torch.compile(lambda key, ids: (*moe._expert_order(key, 9), moe._slot_order(ids)), fullgraph=True)
+    order, rank, slots = orders(key, ids)
+    assert torch.equal(order, key.argsort(stable=True)) and torch.equal(order[rank], torch.arange(key.numel()))
+    assert torch.equal(slots, ids.argsort(dim=1, stable=True))
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("few_rows", [0, 64])
 def test_grouped_moe_computes_no_pair_marked_elsewhere(few_rows, monkeypatch):
