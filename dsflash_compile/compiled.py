@@ -157,7 +157,7 @@ class CompiledRunner:
         passes.keep_model_rounding()
         for layer in model.model.layers:
             shared = options.moe_shared_stacked and layer.ffn.can_stack_shared()
-            if not layer.ffn.grouped or layer.ffn.shared_stacked != shared:
+            if not layer.ffn.grouped or layer.ffn.shared_stacked != shared or layer.ffn.stacks_stale():
                 layer.ffn.stack_experts(shared)
             layer.ffn.few_rows = options.moe_few_rows
             layer.ffn.count_order = options.moe_count_order

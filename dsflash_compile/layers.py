@@ -123,10 +123,13 @@ def view_outputs(fused: QuantLinear, linears) -> None:
             hold(m, leaf, t)
 
 
+def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def still_views(fused: QuantLinear, linears) -> bool:
     """Whether every tensor of `linears` is still a view of fused's (no load or assignment replaced one)."""
-    return all(getattr(m, leaf).untyped_storage().data_ptr() == getattr(fused, leaf).untyped_storage().data_ptr()
-               for leaf in _leaves(fused) for m in linears)
+    return all(same_storage(getattr(m, leaf), getattr(fused, leaf)) for leaf in _leaves(fused) for m in linears)
 
 
 def hold(linear: nn.Module, leaf: str, t: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_deepseek_v41 import DeepseekV41TextConfig
-from .layers import hold, quant_linear
+from .layers import hold, quant_linear, same_storage
 from .quant import fp8_qdq
 
 
@@ -133,6 +133,13 @@ class MoE(nn.Module):
                 self.register_buffer(f"{name}_{leaf}_stacked", stacked, persistent=False)  # not a checkpoint tensor
         self._view_experts()
         self.grouped = True
+
+    def stacks_stale(self) -> bool:
+        """Whether a stacked expert tensor is no longer a view of its stack (a load with assign=True replaced
+        it): stack_experts() must run again before the grouped path reads the stacks."""
+        return self.grouped and not all(
+            same_storage(getattr(getattr(e, name), leaf), getattr(self, f"{name}_{leaf}_stacked"))
+            for name in ("w1", "w2", "w3") for leaf in self.leaves for e in self._stacked())
 
     def can_stack_shared(self) -> bool:
         return not self.native

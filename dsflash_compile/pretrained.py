@@ -81,14 +81,13 @@ def load_pretrained(cls, folder, config=None, device_map=None, dtype=None, engra
             loaded[name] = t.clone()
     model.load_state_dict({to_module(n): t for n, t in loaded.items()}, assign=True, strict=owned is None)
     del loaded  # the experts' loaded tensors are freed as the stacks below replace them
-    from .parallel import ParallelMoE, parallelize
-
     if parallel is not None:
+        from .parallel import parallelize
+
         parallelize(model, *parallel)  # drops the other experts (still on meta), slices, restacks what it shards
-    if text.native_weights:
-        for layer in model.model.layers:  # assign replaced the stacked views with the loaded tensors
-            if not isinstance(layer.ffn, ParallelMoE):  # (tp = ep = 1 leaves the MoEs unsharded)
-                layer.ffn.stack_experts()
+    for layer in model.model.layers:  # assign replaced the stacked views with the loaded tensors
+        if layer.ffn.stacks_stale():
+            layer.ffn.stack_experts(layer.ffn.shared_stacked)
     model.model.rebuild_buffers(device)
     if text.engram_layer_ids:
         # explicit map > the folder's map file or tokenizer > identity (only valid when sizes agree)

@@ -529,6 +529,17 @@ def test_experts_stay_views_of_their_stack_after_a_move():
                for e in moe.experts)
 
 
+def test_a_loaded_expert_tensor_makes_the_stacks_stale():
+    """An expert tensor replaced as load_state_dict(assign=True) does leaves the stacks stale (from_pretrained
+    and compile() restack then), and only then."""
+    moe = MoE(preset_config("tiny", weights="native").text_config)
+    assert moe.grouped and not moe.stacks_stale()
+    hold(moe.experts[3].w2, "scale", moe.experts[3].w2.scale.clone())
+    assert moe.stacks_stale()
+    moe.stack_experts()
+    assert not moe.stacks_stale()
+
+
 @torch.no_grad()
 def test_random_native_model_equals_random_bf16_model():
     """A preset built with native weights draws the same values as the bf16 one (kept encoded)."""
