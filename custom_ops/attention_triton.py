@@ -61,6 +61,18 @@ def _e2m1_as_e4m3(packed):
 
 
 @triton.jit
+def _ue8m0_f32(exps):
+    """UE8M0 scale bytes -> fp32 powers of two: the byte is the fp32 exponent field (0 reads as 0, not 2^-127)."""
+    return (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _ue8m0_bf16(exps):
+    """UE8M0 scale bytes -> bf16 powers of two: the byte is bf16's exponent field too."""
+    return (exps.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _e4m3_rows(codes, scale, N: tl.constexpr, C: tl.constexpr, GROUP: tl.constexpr):
     """E4M3 codes uint8 [N, C] times one fp32 scale per GROUP values (scale [N, C/GROUP, 1]) -> fp32 [N, C].
     The code converts in hardware; the product is exact (code x power-of-two or E4M3 scale fits fp32)."""
@@ -120,7 +132,7 @@ def _load_rows(base, rows, row_stride, mask, D: tl.constexpr, FMT: tl.constexpr,
     elif FMT == 1:  # fp8: D E4M3 codes, then D/32 UE8M0 scales
         codes = tl.load(row_base + tl.arange(0, D)[None, :], mask=m2, other=0)
         exps = tl.load(row_base + D + tl.arange(0, D // 32)[None, :], mask=m2, other=127).to(tl.int32)
-        scale = (exps << 23).to(tl.float32, bitcast=True)  # UE8M0 byte = the fp32 exponent field
+        scale = _ue8m0_f32(exps)
         return _e4m3_rows(codes, scale[:, :, None], N, D, 32).to(tl.bfloat16)
     else:  # nvfp4: D/2 packed E2M1 (even element low nibble), then D/16 E4M3 scales
         packed = tl.load(row_base + tl.arange(0, D // 2)[None, :], mask=m2, other=0)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_triton import _dot, _e4m3_rows, _num_sms
+from .attention_triton import _dot, _e4m3_rows, _num_sms, _ue8m0_bf16, _ue8m0_f32
 
 BLOCK_K = 128
 PROGRAMS_PER_SM = 2
@@ -69,11 +69,11 @@ def _e4m3_bf16(codes, exps, PTX: tl.constexpr):
     N: tl.constexpr = codes.shape[0]
     C: tl.constexpr = codes.shape[1]
     if PTX:
-        scale = (exps.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+        scale = _ue8m0_bf16(exps)
         scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (N, C // 32, 32)), (N, C))
         return tl.inline_asm_elementwise(asm=_E4M3_PTX, constraints="=r,=r,r,r,r", args=[codes, scale],
                                          dtype=tl.bfloat16, is_pure=True, pack=4)
-    scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # the fp32 exponent field
+    scale = _ue8m0_f32(exps)
     return _e4m3_rows(codes, scale[:, :, None], N, C, 32).to(tl.bfloat16)
 
 

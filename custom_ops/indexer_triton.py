@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_triton import _dot, _e2m1_rows, _num_sms
+from .attention_triton import _dot, _e2m1_rows, _num_sms, _ue8m0_f32
 from .topk_triton import top_blocks_triton
 
 BLOCK_C = 32  # candidate columns per tile
@@ -85,7 +85,7 @@ def _load_keys(base, rows, row_stride, ok, D: tl.constexpr, MXFP4: tl.constexpr)
     if MXFP4:
         packed = tl.load(ptr + tl.arange(0, D // 2)[None, :], mask=ok[:, None], other=0).to(tl.int32)
         exps = tl.load(ptr + D // 2 + tl.arange(0, D // 32)[None, :], mask=ok[:, None], other=127).to(tl.int32)
-        scale = (exps << 23).to(tl.float32, bitcast=True)[:, :, None]  # UE8M0: the fp32 exponent field
+        scale = _ue8m0_f32(exps)[:, :, None]
         return _e2m1_rows(packed, scale, N, D, 32).to(tl.bfloat16)
     else:
         return tl.load(ptr + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)

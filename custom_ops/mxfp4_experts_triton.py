@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_triton import _dot, _e2m1_rows
+from .attention_triton import _dot, _e2m1_rows, _ue8m0_bf16, _ue8m0_f32
 
 BLOCK_M = 16  # decode rows per expert are few (one per token that picked it); tl.dot's smallest tile
 BLOCK_N = 64
@@ -71,12 +71,12 @@ def _e2m1_bf16(packed, exps, PTX: tl.constexpr):
     N: tl.constexpr = packed.shape[0]
     P: tl.constexpr = packed.shape[1]
     if PTX:
-        scale = (exps.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+        scale = _ue8m0_bf16(exps)
         scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (N, P // 16, 16)), (N, P))
         lo, hi = tl.inline_asm_elementwise(asm=_E2M1_PTX, constraints="=r,=r,=r,=r,r,r,r", args=[packed, scale],
                                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         return tl.reshape(tl.join(lo, hi), (N, 2 * P))
-    scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # the fp32 exponent field
+    scale = _ue8m0_f32(exps)
     return _e2m1_rows(packed, scale[:, :, None], N, 2 * P, 32).to(tl.bfloat16)
 
 
