@@ -111,16 +111,17 @@ def sweep_variant(row: dict, call, agrees, calls: int = 10, replays: int = 20) -
 COLLECTIVE_NAMES = ("nccl", "c10d", "gloo")
 
 
-def profile_summary(step, trace_path: str | None = None, top: int = 0, cpu_ops: bool = True) -> dict:
+def profile_summary(step, trace_path: str | None = None, top: int = 0) -> dict:
     """Run `step` once under torch.profiler: the kernels it launched on the GPU (on a machine without one,
     its CPU operators) with their total time, the part of it in collectives (comm_us), the step's wall time
     (far above the kernel time: launch- or host-bound), and the `top` names by time; optionally a Chrome
-    trace. cpu_ops=False on a GPU records the kernels only (listing an eager 40-layer step's ~10^5 CPU
-    operators takes seconds)."""
+    trace. On a GPU without a trace it records the kernels only (the CPU operators of an eager 40-layer step,
+    ~10^5, take seconds to list; a trace keeps them: trace_summary counts the launches)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
-    activities = ([ProfilerActivity.CPU] if cpu_ops or not cuda else []) + ([ProfilerActivity.CUDA] if cuda else [])
+    cpu = not cuda or trace_path is not None
+    activities = ([ProfilerActivity.CPU] if cpu else []) + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         start = time.perf_counter()
         step()

@@ -64,8 +64,8 @@ class CompileOptions:
     # at most this (any decode batch up to 64 and 1.5K-token prefill chunks of the release), and each token's
     # slots by counting at every size (MoE._slot_order); 0: both argsort. Inductor turned the pairs' argsort
     # into one single-program kernel, 39 us per layer at B64 on the H200 (1.5 of 24 ms). Same bits. Off until
-    # timed on the H200 (compile_and_profile's count-moe variant: 1 << 22); on the CPU its kernels add ~40 s
-    # to Inductor's compile of the tiny model
+    # timed on the H200 (compile_and_profile's count-moe variant: moe.COUNT_ORDER_BOUND); on the CPU its kernels
+    # add ~40 s to Inductor's compile of the tiny model
     moe_count_order: int = 0
     # issue 5: bf16 weights: the shared expert as one more slice of the routed stacks (every token's last pair,
     # weight 1: the same bits), so its three GEMVs and two split-K reduces per layer (28 us at B1 on the H200,

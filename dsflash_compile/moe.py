@@ -27,6 +27,11 @@ from .layers import hold, quant_linear, same_storage
 from .quant import fp8_qdq
 
 
+# MoE.count_order for decode and short prefills: pairs x (groups + 1) up to 2^22 (any decode batch up to 64
+# and ~1.5K-token chunks of the release, 385 groups), a [groups + 1, pairs] one-hot of at most 16 MB
+COUNT_ORDER_BOUND = 1 << 22
+
+
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, topk: int, normalize: bool,
           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, D] -> (weights fp32 [N, k], expert ids [N, k]). The bias picks experts but never scales them."""

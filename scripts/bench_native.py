@@ -34,6 +34,7 @@ PROJECTIONS = {"wq_a": (1280, 5120, 1), "wq_b": (32768, 1280, 1), "wkv": (512, 5
                "wo_b": (5120, 8192, 1), "indexer.wq_b": (4096, 1280, 1), "shared.w1": (2304, 5120, 1),
                "shared.w2": (5120, 2304, 1), "engram.wkv": (25600, 6144, 1)}
 EXPERTS, TOPK, DIM, INTER = 384, 6, 5120, 2304
+EXPERT_PROJECTIONS = {"experts.w1": (INTER, DIM), "experts.w2": (DIM, INTER)}  # name: (outputs, inputs)
 COLUMNS = [("op", "name", "s"), ("tokens", "tokens", "d"), ("bf16 us", "bf16_s", ".1f", 1e6),
            ("native us", "native_s", ".1f", 1e6), ("x", "speedup", ".2f"), ("native GB/s", "native_GBps", ".0f"),
            ("bf16 GB/s", "bf16_GBps", ".0f"), ("best split", "best_splits", "d"), ("err", "err", ".1e")]
@@ -128,7 +129,7 @@ def main() -> None:
         for tokens in args.tokens:
             result["rows"].append(bench_projection(name, n, k, groups, tokens, gen))
             print_table(result["rows"][-1:], COLUMNS)
-    for name, (n, k) in {"experts.w1": (INTER, DIM), "experts.w2": (DIM, INTER)}.items():
+    for name, (n, k) in EXPERT_PROJECTIONS.items():
         for tokens in args.tokens:
             result["rows"].append(bench_experts(name, n, k, tokens, gen))
             print_table(result["rows"][-1:], COLUMNS)

@@ -42,7 +42,7 @@ from torch._dynamo.utils import counters
 import dsflash_compile
 from compile_and_profile import fill_cache
 from dsflash_compile.benchmarking import print_table, profile_summary, run_metadata, save_results, sync
-from dsflash_compile.parallel import LAYOUT_NAMES, init_distributed, layout, parallelize
+from dsflash_compile.parallel import LAYOUT_NAMES, init_distributed, layout, layout_fits, parallelize
 from dsflash_compile.presets import preset_model
 
 
@@ -66,7 +66,7 @@ def measure(call, repeats: int, profiled: int, device, barrier, before=lambda: N
     before()
     sync(device)
     barrier()
-    profile = profile_summary(lambda: [call() for _ in range(profiled)], cpu_ops=False)
+    profile = profile_summary(lambda: [call() for _ in range(profiled)])
     share = profile["comm_us"] / profile["device_us"] if profile["device_us"] else None  # None: nothing recorded
     return {"first_call_s": first, "s": median, "comm_share": share, "profile_us": profile["device_us"]}
 
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     for mode in args.modes:
         solo = mode == "1gpu"
         info = result["modes"].setdefault(mode, {})
-        if not solo and world == 1:
+        if not solo and not layout_fits(mode, world):
             info["skipped"] = "needs 2 ranks"
             continue
         if solo and rank != 0:

@@ -18,7 +18,7 @@ import itertools
 
 import torch
 
-from bench_native import DIM, INTER, error, experts_case
+from bench_native import EXPERT_PROJECTIONS, error, experts_case
 from dsflash_compile.benchmarking import print_table, run_metadata, save_results, sweep_variant, time_graph
 from dsflash_compile.custom_ops import mxfp4_experts_triton as kernels
 
@@ -33,7 +33,7 @@ COLUMNS = [("tokens", "tokens", "d"), ("proj", "proj", ""), ("block_n", "block_n
 
 
 def sweep(tokens: int, proj: str, variants: list[tuple], gen: torch.Generator) -> list[dict]:
-    n, k = (INTER, DIM) if proj == "w1" else (DIM, INTER)
+    n, k = EXPERT_PROJECTIONS[f"experts.{proj}"]
     x, _, _, offsets, weight, want, mag, used = experts_case(n, k, tokens, gen, experts=EXPERTS, shared=True,
                                                              mxfp4=False)
     nbytes = used * 2 * weight.numel()  # the picked experts' bf16 bytes

@@ -1,8 +1,8 @@
 """Sweep of the native-weight kernels' variants (issue 9) against bf16 at decode, side by side in one run:
 
   projections   bf16 cuBLAS (`layers.block_diagonal_linear`), the 11-30 conversion (ptx=False: Triton code,
-                ~8 instructions per value, in the new loop) and the PTX conversion (2.5 per value) over a small grid of launches
-                (BLOCK_N, BLOCK_K, programs per SM that the K splits aim at, pipeline stages)
+                ~8 instructions per value, in the new loop) and the PTX conversion (2.5 per value) over a small
+                grid of launches (BLOCK_N, BLOCK_K, programs per SM that the K splits aim at, pipeline stages)
   experts       384 MXFP4 experts, top-6: torch._grouped_mm and dsflash::grouped_mm over bf16 stacks, the Triton
                 conversion and the PTX table lookup over a grid of (BLOCK_N, BLOCK_K, warps, stages)
 
@@ -21,15 +21,15 @@ import argparse
 
 import torch
 
-from bench_native import DIM, INTER, PROJECTIONS, error, experts_case, projection_case
+from bench_native import EXPERT_PROJECTIONS, PROJECTIONS, error, experts_case, projection_case
 from dsflash_compile.benchmarking import copy_bandwidth, print_table, run_metadata, save_results, time_graph, timed
 from dsflash_compile.custom_ops.fp8_linear_triton import fp8_block_linear_triton
 from dsflash_compile.custom_ops.mxfp4_experts_triton import grouped_mm_triton
 from dsflash_compile.layers import block_diagonal_linear
 
 # fp8_block_linear_triton keywords; the first two: the default launch with the 11-30 conversion (Triton code) and
-# with the PTX one (both with the scale prefetch and the one-kernel split sum); the grid with PTX (the default
-# at decode since the 11-30 b run)
+# with the PTX one (both with the scale prefetch and the one-kernel split sum); the grid with PTX (on CUDA the
+# default up to fp8_linear_triton.PTX_MAX_ROWS rows since the 11-30 b run)
 FP8_VARIANTS = [dict(ptx=False), dict(ptx=True)] + [
     dict(block_n=bn, block_k=bk, programs_per_sm=pps, num_stages=stages, ptx=True)
     for bn, bk, pps, stages in [(32, 128, 2, 3), (128, 128, 2, 3), (64, 256, 2, 3), (64, 128, 4, 3),
@@ -58,7 +58,7 @@ def measure(rows, base, call, want, mag, nbytes, bf16_s=None, check=True) -> Non
     timed(row, "s", lambda: time_graph(call))
     if row["s"]:
         row["GBps"] = nbytes / row["s"] / 1e9
-        row["vs_bf16"] = bf16_s / row["s"] if bf16_s else 1.0
+        row["vs_bf16"] = bf16_s / row["s"] if bf16_s else None if check else 1.0  # 1.0: the baseline itself
     rows.append(row)
 
 
@@ -107,7 +107,7 @@ def main() -> None:
     result = {**run_metadata(), "copy_bandwidth_Bps": copy_bandwidth(), "rows": []}
     jobs = [(name, lambda t, s=shape, nm=name: sweep_projection(nm, *s, t, gen)) for name, shape in PROJECTIONS.items()]
     jobs += [(name, lambda t, s=shape, nm=name: sweep_experts(nm, *s, t, gen))
-             for name, shape in {"experts.w1": (INTER, DIM), "experts.w2": (DIM, INTER)}.items()]
+             for name, shape in EXPERT_PROJECTIONS.items()]
     for name, job in jobs:
         if args.only and name not in args.only:
             continue

@@ -20,7 +20,8 @@ from dsflash_compile.custom_ops import topk_triton
 
 K = 512
 SHAPES = [(4096, 8192), (4096, 16384), (4096, 131072), (4096, 524288), (64, 131072), (8, 524288)]
-ROWWISE = [(4096, 4), (8192, 8)]  # (chunk, warps): the 11-30 sweep's best at 4096 rows and at 64 x 128K
+# (chunk, warps): the default, and the 11-30 sweep's second best at 64 x 128K
+ROWWISE = [(topk_triton.CHUNK, topk_triton.CHUNK_WARPS), (8192, 8)]
 COLUMNS = [("rows", "rows", "d"), ("width", "width", "d"), ("path", "path", ""), ("groups", "groups", "d"),
            ("sample", "sample", "d"), ("cand", "cand", "d"), ("chunk", "chunk", "d"), ("warps", "num_warps", "d"),
            ("ms", "s", ".3f", 1e3), ("x torch", "vs_torch", ".2f"), ("overflow", "overflow", "d"),

@@ -19,7 +19,7 @@ from dsflash_compile import DeepseekV41ForCausalLM, formats, preset_config
 from dsflash_compile.checkpoint import FP8_BLOCK, MXFP4, CheckpointError, weight_format
 from dsflash_compile.configuration_deepseek_v41 import ScheduleError
 from dsflash_compile.layers import NativeQuantLinear, QuantLinear, hold
-from dsflash_compile.moe import MoE
+from dsflash_compile.moe import COUNT_ORDER_BOUND, MoE
 from golden import TINY_A, fixture, load_model, requires_golden
 from hopper import check_compiles_for_hopper
 from interp import report, requires_interpreter, run_interpreted
@@ -146,7 +146,7 @@ def count_grouped_mm(monkeypatch) -> list:
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("count_order", [0, 1 << 22])
+@pytest.mark.parametrize("count_order", [0, COUNT_ORDER_BOUND])
 def test_moe_few_rows_path_equals_the_expert_loop(count_order, monkeypatch):
     """compile() routes decode-sized MoE calls to dsflash::grouped_mm, their pairs ordered by argsort or by
     counting: on CPU the expert loop's bits."""
@@ -210,7 +210,7 @@ def test_counting_orders_compile_with_inductor():
     """Both counting orders through Inductor (fullgraph: no graph break, no host sync) give argsort's results
     (CompileOptions.moe_count_order is off by default; this keeps its compiled path checked in CI)."""
     moe = MoE(preset_config("tiny").text_config)
-    moe.count_order = 1 << 22
+    moe.count_order = COUNT_ORDER_BOUND
     gen = torch.Generator().manual_seed(3)
     ids = torch.stack([torch.randperm(9, generator=gen)[:7] for _ in range(16)])
     ids = ids.masked_fill(torch.rand(ids.shape, generator=gen) < 0.2, -1)
