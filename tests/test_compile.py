@@ -96,11 +96,14 @@ def test_dynamic_shapes_reuse_one_graph_from_the_second_batch_bucket_on(fresh_dy
     assert graphs[1] > graphs[0] and graphs[2] == graphs[1], graphs
 
 
-def test_dynamic_shapes_inductor_options_are_known(fresh_dynamo):
+def test_dynamic_shapes_inductor_options_are_known(fresh_dynamo, monkeypatch):
     """With Inductor, dynamic_shapes turns off its coalesce tiling analysis (which fails on symbolic sizes):
     torch.compile checks the option's name when the blocks are wrapped, before anything runs."""
+    options, compile_ = [], torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: options.append(k.get("options")) or compile_(*a, **k))
     dsflash_compile.compile(tiny_model(), max_batch=2, max_length=64, batch_buckets=(1, 2), prefill_buckets=(16,),
                             dynamic_shapes=True)
+    assert options and all(o == {"triton.coalesce_tiling_analysis": False} for o in options), options
 
 
 @torch.no_grad()
@@ -117,6 +120,7 @@ def test_padded_batch_rows_are_inert(fresh_dynamo):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     engrams = [b.engram for b in model.model.layers if b.engram is not None]
     assert engrams and all(e._compiled_call_impl is not None for e in engrams)
+    assert counters["stats"]["unique_graphs"] == compiled_modules(model)  # one prefill shape: roles + Engrams
 
 
 @torch.no_grad()

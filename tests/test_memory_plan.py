@@ -143,7 +143,7 @@ def test_release_plan_rows(release, release_groups):
     assert rows["tp+ep", "host"]["weights_gib_est"] * GIB == groups["routed experts"] / 8 + replicated - split * 7 / 8
     assert host["host_gib_est"] * GIB == groups["engram tables"]
     per_request = mp.request_cache_bytes(release, 1048576)
-    assert host["requests_per_gpu_1048576_est"] == int((139 * GIB - host["weights_gib_est"] * GIB) // per_request)
+    assert host["requests_per_gpu_1048576_est"] == int((mp.H200_GIB * GIB - host["weights_gib_est"] * GIB) // per_request)
     assert host["requests_per_node_1048576_est"] == 8 * host["requests_per_gpu_1048576_est"]
     tp = rows["tp+ep", "host"]
     assert tp["requests_per_node_1048576_est"] == tp["requests_per_gpu_1048576_est"]  # every GPU holds every request

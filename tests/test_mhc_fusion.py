@@ -207,9 +207,11 @@ def test_full_seams_of_many_tokens_take_the_rows_kernel(monkeypatch):
     calls = []
     monkeypatch.setattr(mhc_triton, "_seam_kernel", RecordedKernel("seam", calls))
     monkeypatch.setattr(mhc_rows_triton, "_seam_rows_kernel", RecordedKernel("rows", calls))
+    monkeypatch.setitem(mhc_rows_triton.LAUNCH, "splits", None)  # split_plan's automatic splits
     block_t = mhc_rows_triton.LAUNCH["block_t"]
     least = mhc_rows_triton.ROWS_MIN_TOKENS
     dim = 1024  # 16 chunks of 64 to split
+    seen_splits = set()
     for tokens in (1, least - 1, least, 4 * least + 3):
         out, streams, post, comb, pre_lagged, fn, scale, base, weight = seam_args((tokens,), dim=dim)
         consts = (NORM_EPS, HC_EPS, ITERS)
@@ -225,7 +227,9 @@ def test_full_seams_of_many_tokens_take_the_rows_kernel(monkeypatch):
             assert blocks == (tokens + block_t - 1) // block_t
             assert [grid for _, grid, _ in calls[:2]] == [(blocks, splits)] * 2
             assert [constexprs["SPLIT"] for _, _, constexprs in calls[:2]] == [splits > 1] * 2
+            seen_splits.add(splits > 1)
             assert [constexprs["HAS_POST"] for _, _, constexprs in calls[:2]] == [True, False]
+    assert seen_splits == {True, False}
     with pytest.raises(ValueError, match="full seams only"):
         mhc_seam_triton(out, streams, post, comb, pre_lagged, None, None, None, weight, *consts, mixes=False, rows=True)
     with pytest.raises(ValueError, match="block_t=8"):

@@ -137,6 +137,19 @@ def test_grouped_mm_is_torch_grouped_mm_and_zeroes_rows_past_the_last_expert():
         ops.grouped_mm(x, weight.float(), offsets)
 
 
+def tiny_moe(weights="bf16") -> MoE:
+    """Layer 0's MoE of the tiny preset, initialised as the model does (no model built)."""
+    from dsflash_compile.init import init_module
+
+    torch.manual_seed(0)
+    text = preset_config("tiny", weights=weights).text_config
+    moe = MoE(text)
+    moe.apply(lambda m: init_module(m, text))
+    if moe.grouped:
+        moe.stack_experts()
+    return moe
+
+
 def count_grouped_mm(monkeypatch) -> list:
     """Calls of dsflash::grouped_mm from here on (one entry each): on CPU its bits are torch._grouped_mm's, so
     only a count tells which grouped GEMM ran."""
@@ -150,16 +163,16 @@ def count_grouped_mm(monkeypatch) -> list:
 def test_moe_few_rows_path_equals_the_expert_loop(count_order, monkeypatch):
     """compile() routes decode-sized MoE calls to dsflash::grouped_mm, their pairs ordered by argsort or by
     counting: on CPU the expert loop's bits."""
-    torch.manual_seed(0)
-    moe = DeepseekV41ForCausalLM(preset_config("tiny")).model.layers[0].ffn
+    moe = tiny_moe()
     x = torch.randn(3, 1, moe.gate.weight.shape[1]).bfloat16()
     want = moe(x)
     moe.stack_experts()
     moe.few_rows, moe.count_order = 3 * moe.gate.topk, count_order
     calls = count_grouped_mm(monkeypatch)
-    argsort_runs(monkeypatch, not count_order)
+    sorts = argsort_runs(monkeypatch, not count_order)
     assert torch.equal(moe(x), want)
     assert len(calls) == 3  # w1, w3, w2
+    assert len(sorts) == (0 if count_order else 2)  # the pairs' order and the slots' order
 
 
 def argsort_runs(monkeypatch, allowed: bool) -> list:
@@ -206,7 +219,7 @@ def test_counting_slot_order_is_the_stable_argsort(monkeypatch):
     assert torch.equal(moe._slot_order(ids), want)
 
 
-def test_counting_orders_compile_with_inductor():
+def test_counting_orders_compile_with_inductor(monkeypatch):
     """Both counting orders through Inductor (fullgraph: no graph break, no host sync) give argsort's results
     (CompileOptions.moe_count_order is off by default; this keeps its compiled path checked in CI)."""
     moe = MoE(preset_config("tiny").text_config)
@@ -216,7 +229,9 @@ def test_counting_orders_compile_with_inductor():
     ids = ids.masked_fill(torch.rand(ids.shape, generator=gen) < 0.2, -1)
     key = torch.where(ids >= 0, ids, 9).flatten()
     orders = torch.compile(lambda key, ids: (*moe._expert_order(key, 9), moe._slot_order(ids)), fullgraph=True)
-    order, rank, slots = orders(key, ids)
+    with monkeypatch.context() as patch:
+        argsort_runs(patch, False)  # Dynamo traces the patched method: an argsort fails the trace
+        order, rank, slots = orders(key, ids)
     assert torch.equal(order, key.argsort(stable=True)) and torch.equal(order[rank], torch.arange(key.numel()))
     assert torch.equal(slots, ids.argsort(dim=1, stable=True))
 
@@ -226,8 +241,7 @@ def test_counting_orders_compile_with_inductor():
 def test_grouped_moe_computes_no_pair_marked_elsewhere(few_rows, monkeypatch):
     """ParallelMoE marks other ranks' pairs -1: the grouped GEMMs stop at the last local pair (every offset
     ends there) and the output is the expert loop's, which skips them; both grouped GEMMs."""
-    torch.manual_seed(0)
-    moe = DeepseekV41ForCausalLM(preset_config("tiny")).model.layers[0].ffn
+    moe = tiny_moe()
     moe.stack_experts()
     moe.few_rows = few_rows
     x = torch.randn(6, moe.gate.weight.shape[1]).bfloat16()
@@ -240,8 +254,10 @@ def test_grouped_moe_computes_no_pair_marked_elsewhere(few_rows, monkeypatch):
         rows.append(int(offsets[-1]))
         return grouped(xs, name, offsets)
     monkeypatch.setattr(moe, "_grouped_mm", counting)
+    calls = count_grouped_mm(monkeypatch)
     assert torch.equal(moe._routed_grouped(x, weights, ids, elsewhere=True), want)
     assert rows == [int((ids >= 0).sum())] * 3
+    assert len(calls) == (3 if few_rows else 0)  # dsflash::grouped_mm or torch._grouped_mm
 
 
 @torch.no_grad()
@@ -250,8 +266,7 @@ def test_shared_expert_stacked_gives_the_same_bits_and_checkpoint(few_rows, monk
     """stack_experts(shared=True): the shared expert as slice E of the stacks (weight 1, added last) gives the
     unstacked MoE's bits through either grouped GEMM; its tensors are views of the stacks under unchanged
     names, and unstacking gives them their own storage back."""
-    torch.manual_seed(0)
-    moe = DeepseekV41ForCausalLM(preset_config("tiny")).model.layers[0].ffn
+    moe = tiny_moe()
     x = torch.randn(5, 2, moe.gate.weight.shape[1]).bfloat16()
     want, names = moe(x), list(moe.state_dict())
     moe.stack_experts(shared=True)
@@ -270,7 +285,7 @@ def test_shared_expert_stacked_gives_the_same_bits_and_checkpoint(few_rows, monk
     assert moe.w1_weight_stacked.shape[0] == len(moe.experts)
     assert torch.equal(moe(x), want)
     with pytest.raises(ValueError, match="bf16 MoE"):
-        DeepseekV41ForCausalLM(preset_config("tiny", weights="native")).model.layers[0].ffn.stack_experts(True)
+        MoE(preset_config("tiny", weights="native").text_config).stack_experts(True)
 
 
 @torch.no_grad()
@@ -300,6 +315,7 @@ def test_fused_input_projections_give_the_same_logits_and_checkpoint(weights):
     assert attn.wqkv_a is not held and attn.wkv.weight.untyped_storage().data_ptr() == fused
     for layer in model.model.layers:
         layer.attn.fuse_input_projections(False)
+    assert all(layer.attn.wqkv_a is None for layer in model.model.layers)  # two projections run again
     assert torch.equal(model(ids).logits, want)
 
 

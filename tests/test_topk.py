@@ -106,10 +106,11 @@ def interpreter_checks():
     # one chunk, filter (FILTER_ON) for 16 rows wider than one (the default launch)
     for name, width in (("rowwise_auto_tie_free", 3000), ("filter_auto_tie_free", 5000)):
         scores = torch.randperm(16 * width, generator=torch.Generator().manual_seed(7)).float().view(16, width)
-        topk_triton.FILTER_ON = name.startswith("filter")
         picks = select_topk(scores - 20000, 50).long().sort(-1).values
+        path = ("filter" if topk_triton.filter_fits(16, width, 50, scores.device) else
+                "rowwise" if topk_triton.rowwise_fits(16, width, 50, scores.device) else "radix")
         report(dict(name=name, same_picks=bool(torch.equal(picks, top_k_stable(scores, 50)[1].sort(-1).values)),
-                    filter=topk_triton.filter_fits(16, width, 50, scores.device)))
+                    path=path))
 
 
 @pytest.fixture(scope="module")
@@ -129,29 +130,30 @@ def test_topk_kernel_matches_reference(interpreted, name):
     result = interpreted[name]
     assert result["same_picks"] and result.get("same_op", True), result
     if name.endswith("_auto_tie_free"):  # the path the name says was the one chosen
-        assert result["filter"] == name.startswith("filter"), result
+        assert result["path"] == name.split("_")[0], result
     if name in FILTER_CASES:
         assert result["flagged"] == list(FILTER_CASES[name][-1]), result
 
 
 TOPK_KERNELS = {  # name: (kernel, args, constexprs, num_warps), as select_topk / finish launch them
-    f"histogram_{bits}bit_pass{p}_tile{tile}": (
+    f"histogram_{bits}bit_pass{p}_tile{tile}_flagged{flagged}": (
         "_histogram_kernel", dict(bits_ptr=f"*i{bits}", hist_ptr="*i32", ties_ptr="*i32", flags_ptr="*i32",
                                   width="i32", chunk="i32", k="i32", SPLIT="i32"),
-        dict(P=p, NPASS=bits // 8, KEY_BITS=bits, BLOCK=tile, FLAGGED=tile == 4096), warps)
+        dict(P=p, NPASS=bits // 8, KEY_BITS=bits, BLOCK=tile, FLAGGED=flagged), warps)
     for bits in (16, 32) for p in range(bits // 8) for tile, warps in ((4096, 8), (1024, 4))
+    for flagged in (False, True)
 } | {
-    f"compact_{bits}bit_tile{tile}": (
+    f"compact_{bits}bit_tile{tile}_flagged{flagged}": (
         "_compact_kernel", dict(bits_ptr=f"*i{bits}", hist_ptr="*i32", ties_ptr="*i32", count_ptr="*i32",
                                 picks_ptr="*i32", flags_ptr="*i32", width="i32", chunk="i32", k="i32", SPLIT="i32"),
-        dict(NPASS=bits // 8, KEY_BITS=bits, SPLIT_P2=4, BLOCK=tile, FLAGGED=tile == 4096), warps)
-    for bits in (16, 32) for tile, warps in ((4096, 8), (1024, 4))
+        dict(NPASS=bits // 8, KEY_BITS=bits, SPLIT_P2=4, BLOCK=tile, FLAGGED=flagged), warps)
+    for bits in (16, 32) for tile, warps in ((4096, 8), (1024, 4)) for flagged in (False, True)
 } | {
     f"filter_{bits}bit_groups{groups}_sample{sample}_cand{cand}_block{block}_warps{warps}": (
         "_filter_kernel", dict(bits_ptr=f"*i{bits}", cand_ptr="*i32", picks_ptr="*i32", flags_ptr="*i32",
                                width="i32", k="i32"),
         dict(KEY_BITS=bits, GROUPS=groups, SAMPLE=sample, CAND=cand, K_P2=512, BLOCK=block), warps)
-    for bits, (groups, sample, cand, block, warps) in [(32, (2048, 2, 4096, 4096, 8))] + [
+    for bits, (groups, sample, cand, block, warps) in [(32, variant) for variant in FILTER_VARIANTS[:1]] + [
         (16, variant) for variant in FILTER_VARIANTS]
 } | {
     f"finish_mode{mode}_k{kp}": ("_finish_kernel", dict(picks_ptr="*i32", values_ptr="*bf16", visible_ptr="*i64",
