@@ -40,17 +40,15 @@ import triton.language as tl
 from .block_counters import block_counters
 from .mhc_finish_triton import _mixes, _rms_norm
 
-# H200 sweep (scripts/sweep_mhc.py --rows, 11-30, mhc-rows-sweep-2026-11-30.json), before the D split: this
-# kernel took ~230 us from 64 to 1024 tokens (one program's serial D walk), 359 us at 4096 and 705 at 8192,
-# against the one-token kernel's 32 / 98 / 364 / 1443 / 2887 us at 64 / 256 / 1024 / 4096 / 8192.
-# Kept until the sweep has measured the D split, which should win well below 1024 tokens (est. ~20 us at 64,
-# ~100 at 1024): the sweep prints the ROWS_MIN_TOKENS it would pick, likely 64-128.
-ROWS_MIN_TOKENS = 1024
+# H200 sweep (scripts/sweep_mhc.py --rows, 11-30, mhc-rows-sweep-2026-11-30-d.json): with split_plan's D splits
+# this kernel takes 28 / 31 / 37 / 98 / 362 us at 64 / 128 / 256 / 1024 / 4096 tokens (the best split count
+# swept: 26 / 29 / 37 / 98 / 338), against 222 / 221 / 237 / 233 / 362 without a split and the one-token
+# kernel's 39 / 66 / 119 / 476 / 1884 us. 64 is the fewest tokens swept, so the crossover may lie lower
+ROWS_MIN_TOKENS = 64
 # The fastest launch at every count swept; TF32x3 on tensor cores is 2.7-3.5x faster than "ieee" (fp32 FMAs)
-# and agreed with the reference as closely (the sweep's check). splits: D splits per token block; 1 (the kernel
-# the sweep measured) until the D split has run on a GPU, then None (split_plan's default: one split from 264
-# token blocks up) if the sweep bears out its estimates
-LAUNCH = dict(block_t=16, block_d=64, num_warps=4, precision="tf32x3", splits=1)
+# and agreed with the reference as closely (the sweep's check). splits: D splits per token block; None:
+# split_plan's (about TARGET_PROGRAMS programs), within 10% of the best swept split at every count
+LAUNCH = dict(block_t=16, block_d=64, num_warps=4, precision="tf32x3", splits=None)
 # Two programs per SM of an H200 (132 SMs), all resident at once: the default launch takes 255 registers a
 # thread and 95 KB of shared memory (sm_90 compile); two programs of a block per SM ran 1.3x the throughput
 # of one (4096 tokens = 256 programs in 359 us, 1024 = 64 programs in 233)

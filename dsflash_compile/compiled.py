@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from . import passes
 from .cache import CacheCapacityError
 from .context import check_left_padding
+from .custom_ops.mhc_rows_triton import ROWS_MIN_TOKENS
+from .moe import COUNT_ORDER_BOUND
 from .trimmed_graphs import TrimmedGraphs
 
 
@@ -51,9 +53,10 @@ class CompileOptions:
     passes: bool = True  # our FX passes (mHC seam and router fusion)
     # issue 8: seams of at most this many tokens (batch x columns) run their mixes on a side CUDA stream beside
     # the next sublayer (passes/mhc_overlap.py), joined before the next seam; same bits as one launch per seam.
-    # Off by default until the H200 shows the capture works and the overlap pays (scripts/bench_overlap.py)
+    # Off: on the H200 it did not pay at batch 1 (flash-40l-e8 decode step 13.10 ms against 12.99 fused, 0.81 ms
+    # of seam kernels overlapping others; overlap-flash-40l-e8-b1-2026-11-30.json, scripts/bench_overlap.py)
     mhc_overlap: bool = False
-    mhc_overlap_max_tokens: int = 16  # not yet measured on the H200 (scripts/bench_overlap.py)
+    mhc_overlap_max_tokens: int = 16  # below mhc_rows_triton.ROWS_MIN_TOKENS (checked)
     # issue 5: grouped GEMMs of the bf16 routed experts with at most this many (token, slot) rows run
     # dsflash::grouped_mm (each picked expert's weight streamed once over many programs) instead of
     # torch._grouped_mm, whose CUTLASS grouped GEMM took 63 us per projection at decode batch 1 (2.3 TB/s: 6
@@ -62,11 +65,10 @@ class CompileOptions:
     moe_few_rows: int = 112
     # issue 5: the routed pairs sorted by expert by counting (MoE._expert_order) where pairs x (groups + 1) is
     # at most this (any decode batch up to 64 and 1.5K-token prefill chunks of the release), and each token's
-    # slots by counting at every size (MoE._slot_order); 0: both argsort. Inductor turned the pairs' argsort
-    # into one single-program kernel, 39 us per layer at B64 on the H200 (1.5 of 24 ms). Same bits. Off until
-    # timed on the H200 (compile_and_profile's count-moe variant: moe.COUNT_ORDER_BOUND); on the CPU its kernels
-    # add ~40 s to Inductor's compile of the tiny model
-    moe_count_order: int = 0
+    # slots by counting at every size (MoE._slot_order); 0: both argsort. Same bits. Inductor turned the pairs'
+    # argsort into one single-program kernel (39 us per layer at B64); counting: decode step 23.8 ms against
+    # 26.4 at B64 (H200, flash-40l-e8 bf16, 11-30, compile-profile-flash-40l-e8-b64-count-moe-2026-11-30.json)
+    moe_count_order: int = COUNT_ORDER_BOUND
     # issue 5: bf16 weights: the shared expert as one more slice of the routed stacks (every token's last pair,
     # weight 1: the same bits), so its three GEMVs and two split-K reduces per layer (28 us at B1 on the H200,
     # floor 17) ride in the grouped GEMMs. No effect on native weights (FP8 shared, MXFP4 routed) or ParallelMoE
@@ -96,6 +98,10 @@ class CompileOptions:
         if self.mhc_overlap_max_tokens < 1:
             raise ValueError(f"CompileOptions.mhc_overlap_max_tokens={self.mhc_overlap_max_tokens}: expected >= 1 "
                              "(mhc_overlap=False turns the overlap off)")
+        if self.mhc_overlap and self.mhc_overlap_max_tokens >= ROWS_MIN_TOKENS:
+            # the fused seam runs the rows kernel from there, which sums in another order than the split ops
+            raise ValueError(f"CompileOptions.mhc_overlap_max_tokens={self.mhc_overlap_max_tokens}: the overlap "
+                             f"splits seams of fewer than {ROWS_MIN_TOKENS} tokens (mhc_rows_triton.ROWS_MIN_TOKENS)")
         for name in ("batch_buckets", "prefill_buckets"):
             buckets = getattr(self, name)
             if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:

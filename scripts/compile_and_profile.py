@@ -31,14 +31,13 @@ from dsflash_compile.benchmarking import (copy_bandwidth, decode_traffic, profil
                                           save_results)
 from dsflash_compile.custom_ops import records
 from dsflash_compile.custom_ops.dispatch import reference_kernels
-from dsflash_compile.moe import COUNT_ORDER_BOUND
 
 
 # compiled variants (CompileOptions besides the defaults), in the order they run; "warm" recompiles "passes" after
 # torch._dynamo.reset() (Inductor's FX graph cache)
 VARIANTS = {
     "no-passes": {"passes": False},
-    "count-moe": {"moe_count_order": COUNT_ORDER_BOUND},  # the MoE's sorts by counting (off by default until timed)
+    "argsort-moe": {"moe_count_order": 0},  # the MoE's sorts by argsort (before issue 5's counting orders)
     "torch-moe": {"moe_few_rows": 0},  # the routed experts on torch._grouped_mm at every batch (before issue 5)
     # issue 5's decode fusions off: shared expert on its own GEMMs, wq_a and wkv apart, Engram eager
     "unfused": {"moe_shared_stacked": False, "fuse_input_projections": False, "compile_engram": False},

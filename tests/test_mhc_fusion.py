@@ -212,7 +212,8 @@ def test_full_seams_of_many_tokens_take_the_rows_kernel(monkeypatch):
     least = mhc_rows_triton.ROWS_MIN_TOKENS
     dim = 1024  # 16 chunks of 64 to split
     seen_splits = set()
-    for tokens in (1, least - 1, least, 4 * least + 3):
+    # the last count fills TARGET_PROGRAMS programs with token blocks alone: no split
+    for tokens in (1, least - 1, least, mhc_rows_triton.TARGET_PROGRAMS * block_t + 3):
         out, streams, post, comb, pre_lagged, fn, scale, base, weight = seam_args((tokens,), dim=dim)
         consts = (NORM_EPS, HC_EPS, ITERS)
         calls.clear()

@@ -16,6 +16,7 @@ import dsflash_compile
 from dsflash_compile.compiled import CompileOptions
 from dsflash_compile.layers import RMSNorm
 from dsflash_compile.passes import MhcFusionPass, MhcOverlapPass
+from dsflash_compile.custom_ops.mhc_rows_triton import ROWS_MIN_TOKENS
 from dsflash_compile.passes.mhc_overlap import _views_and_readers
 from test_compile import distinct_roles, fresh_dynamo, prompts, tiny_model  # noqa: F401  (fresh_dynamo: a fixture)
 from interp import report, requires_interpreter, run_interpreted
@@ -160,11 +161,13 @@ def test_compile_options_set_the_cutoff(fresh_dynamo):  # noqa: F811
         manager = torch._inductor.config.post_grad_custom_post_pass
         return [(type(p).__name__, p.options.get("max_tokens")) for p in manager.passes]
 
-    assert not CompileOptions().mhc_overlap and CompileOptions().mhc_overlap_max_tokens == 16  # off until measured
+    assert not CompileOptions().mhc_overlap and CompileOptions().mhc_overlap_max_tokens == 16  # off: 0.99x at B1
     assert passes(mhc_overlap=True, mhc_overlap_max_tokens=8)[1:] == [("MhcFusionPass", None), ("MhcOverlapPass", 8)]
     assert passes()[1:] == [("MhcFusionPass", None)]
     with pytest.raises(ValueError, match="mhc_overlap_max_tokens"):
         CompileOptions(mhc_overlap_max_tokens=0)
+    with pytest.raises(ValueError, match=f"fewer than {ROWS_MIN_TOKENS} tokens"):  # the rows kernel's seams
+        CompileOptions(mhc_overlap=True, mhc_overlap_max_tokens=ROWS_MIN_TOKENS)
 
 
 # -- on a GPU --------------------------------------------------------------------------------------

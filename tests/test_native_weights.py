@@ -221,7 +221,7 @@ def test_counting_slot_order_is_the_stable_argsort(monkeypatch):
 
 def test_counting_orders_compile_with_inductor(monkeypatch):
     """Both counting orders through Inductor (fullgraph: no graph break, no host sync) give argsort's results
-    (CompileOptions.moe_count_order is off by default; this keeps its compiled path checked in CI)."""
+    (CompileOptions.moe_count_order's default path, without a whole model)."""
     moe = MoE(preset_config("tiny").text_config)
     moe.count_order = COUNT_ORDER_BOUND
     gen = torch.Generator().manual_seed(3)
