@@ -48,6 +48,13 @@ the radix path, launched for every row but returning at once where no flag is se
 every input, fast for most. Cost: 1 + 1/SAMPLE reads of the scores; on sm_90 pass 1 issues ~9
 instructions per sampled entry, pass 2 ~46 per entry (most of them Triton's layout conversion for the
 scattered store, and predicates), plus two 16-step bisections per row (GROUPS maxima, CAND candidates).
+
+Segmented filter path (fewer rows, wide: decode 64 x 128K..512K, 8 x 512K, where one program per row
+leaves most SMs idle and the row-wise path ranks every entry 16 times): each row in segments of at least
+SEGMENT entries, one filter program per (row, segment) with its own threshold, which writes the segment's
+k best as (key, index) pairs in candidate order (equal keys in index order); the row-wise stages then rank
+the row's segments x k pairs. The row's top k holds only entries of their segments' top k, so nothing is
+lost; an overflowing segment flags its row for the radix fallback as above.
 """
 
 import torch
@@ -78,6 +85,11 @@ FILTER_BLOCK = 2048
 FILTER_WARPS = 4
 FILTER_ROWS_PER_SM = 2
 FILTER_ON = True  # False: select_topk never picks the filter path (row-wise or radix by shape)
+# segmented filter path (fewer rows, wide: decode 64 x 128K..512K, 8 x 512K; see the module docstring): the
+# fewest entries per segment, and whether select_topk picks it (off until the H200 has timed it against the
+# row-wise and radix paths: scripts/sweep_topk.py, scripts/bench_indexer.py)
+SEGMENT = 16384
+SEGMENTED_ON = False
 LINE = tl.constexpr(64)  # 128 bytes of bf16 scores
 # (GROUPS, SAMPLE, CAND, FILTER_BLOCK, FILTER_WARPS) launches scripts/sweep_topk.py compares, the defaults first
 FILTER_VARIANTS = [(GROUPS, SAMPLE, CAND, FILTER_BLOCK, FILTER_WARPS), (2048, 2, 4096, 4096, 8),
@@ -262,14 +274,27 @@ def _chunk_select_kernel(keys_ptr, index_ptr, out_keys_ptr, out_index_ptr, width
 
 
 @triton.jit
-def _filter_kernel(bits_ptr, cand_ptr, picks_ptr, flags_ptr, width, k, KEY_BITS: tl.constexpr, GROUPS: tl.constexpr,
-                   SAMPLE: tl.constexpr, CAND: tl.constexpr, K_P2: tl.constexpr, BLOCK: tl.constexpr):
-    """Filter path, one row per program (see the module docstring): a threshold T <= the row's k-th
-    largest key from group maxima of a sample, the candidates' indices (keys above T, the first k equal to
-    it) to cand [rows, CAND], their k best to picks [rows, k]; flags[row] = 1 where the keys above T
-    overflow their CAND - K_P2 slots (picks not written: the radix path redoes the row)."""
+def _filter_kernel(bits_ptr, cand_ptr, picks_ptr, keys_ptr, flags_ptr, width, seg_width, k, KEY_BITS: tl.constexpr,
+                   GROUPS: tl.constexpr, SAMPLE: tl.constexpr, CAND: tl.constexpr, K_P2: tl.constexpr,
+                   BLOCK: tl.constexpr, SEGMENTED: tl.constexpr):
+    """Filter path, one (row, segment of seg_width entries) per program (see the module docstring): a
+    threshold T <= the segment's k-th largest key from group maxima of a sample, the candidates' indices
+    (keys above T, the first k equal to it) to cand [rows x segments, CAND], their k best to picks. Not
+    SEGMENTED (one segment, seg_width = width): picks [rows, k] (indices in no order), flags[row] = 1 where
+    the keys above T overflow their CAND - K_P2 slots (picks not written: the radix path redoes the row).
+    SEGMENTED: the k best (index, key) pairs in candidate order to picks / keys [rows, segments x k], slots
+    segment x k .. (padded with key 0, below every real key), for the row-wise stages; an overflow sets
+    flags[row] (zeroed beforehand)."""
     row = tl.program_id(0)
-    src = bits_ptr + row.to(tl.int64) * width
+    if SEGMENTED:
+        start = tl.program_id(1) * seg_width
+        length = tl.minimum(width - start, seg_width)
+        program = row.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+    else:  # (the unsegmented kernel as the sweep timed it: no segment arithmetic, no extra registers)
+        start = 0
+        length = width
+        program = row.to(tl.int64)
+    src = bits_ptr + row.to(tl.int64) * width + start
     # pass 1: matrix row m (SPAN entries) gives group g the entry at column LINE * (g // LINE * SAMPLE +
     # m % SAMPLE) + g % LINE: one LINE in SAMPLE, the line rotating with m, every entry in one group at most
     SPAN: tl.constexpr = GROUPS * SAMPLE
@@ -277,25 +302,25 @@ def _filter_kernel(bits_ptr, cand_ptr, picks_ptr, flags_ptr, width, k, KEY_BITS:
     g = tl.arange(0, GROUPS)[None, :]
     column = g // LINE * SAMPLE * LINE + g % LINE
     maxima = tl.zeros((GROUPS,), tl.uint32)
-    for m0 in range(0, tl.cdiv(width, SPAN), TILE_ROWS):
+    for m0 in range(0, tl.cdiv(length, SPAN), TILE_ROWS):
         m = m0 + tl.arange(0, TILE_ROWS)[:, None]
         idx = m * SPAN + m % SAMPLE * LINE + column
-        live = idx < width
+        live = idx < length
         u = _unsigned_key(tl.load(src + idx, mask=live, other=0).to(tl.int32), live, KEY_BITS)
         maxima = tl.maximum(maxima, tl.max(u, axis=0))
-    # T >= 1 means >= k groups hold a key >= T, k distinct entries of the row: its k-th largest is >= T
+    # T >= 1 means >= k groups hold a key >= T, k distinct entries of the segment: its k-th largest is >= T
     threshold = _kth_largest(maxima, k, KEY_BITS)
     # pass 2: candidates in index order, keys above T in slots 0 .. CAP - 1, the first k equal to T after.
     # Both counts in one int32 (tiles < 2^15 entries: the ties' count sits in the signed high half): one scan
     # and one sum per tile. Only the index is stored (each scattered store costs a layout conversion); the keys
     # are read again at the end
     CAP: tl.constexpr = CAND - K_P2
-    cand = cand_ptr + row.to(tl.int64) * CAND
+    cand = cand_ptr + program * CAND
     n_above = 0
     n_tie = 0
-    for off in range(0, width, BLOCK):
+    for off in range(0, length, BLOCK):
         idx = off + tl.arange(0, BLOCK)
-        live = idx < width
+        live = idx < length
         u = _unsigned_key(tl.load(src + idx, mask=live, other=0).to(tl.int32), live, KEY_BITS)
         above = u > threshold
         tie = live & (u == threshold)
@@ -307,16 +332,33 @@ def _filter_kernel(bits_ptr, cand_ptr, picks_ptr, flags_ptr, width, k, KEY_BITS:
         n_above += total & 65535
         n_tie += total >> 16
     overflow = n_above > CAP
-    tl.store(flags_ptr + row, overflow.to(tl.int32))
-    # the k best candidates are the row's top k: every key left out is below it. Ties at the k-th largest
-    # all sit in one region (above T, or equal to it), in index order there
+    if SEGMENTED:
+        tl.atomic_max(flags_ptr + row, overflow.to(tl.int32))
+    else:
+        tl.store(flags_ptr + row, overflow.to(tl.int32))
+    # the k best candidates are the segment's top k: every key left out is below it. Ties at the k-th largest
+    # all sit in one region (above T, or equal to it), in index order there: so candidate order orders equal
+    # keys like their indices, which the row-wise stages after a SEGMENTED launch rely on
     tl.debug_barrier()  # the candidates were stored by other threads of this program
     s = tl.arange(0, CAND)
     live = tl.where(s < CAP, s < n_above, s - CAP < tl.minimum(n_tie, k))
     idx = tl.load(cand + s, mask=live, other=0)
     u = _unsigned_key(tl.load(src + idx, mask=live, other=0).to(tl.int32), live, KEY_BITS)
     take = _take(u, live, k, KEY_BITS)
-    tl.store(picks_ptr + row.to(tl.int64) * k + tl.cumsum(take) - 1, idx, mask=(take > 0) & (n_above <= CAP))
+    if SEGMENTED:
+        slot = tl.cumsum(take) - 1
+        written = (take > 0) & (n_above <= CAP)
+        base = program * k
+        tl.store(picks_ptr + base + slot, start + idx, mask=written)
+        tl.store(keys_ptr + base + slot, u.to(tl.int32, bitcast=True), mask=written)
+        # an overflowing segment pads all its slots: the row-wise stages must only see keys below 2^KEY_BITS
+        # (more than k keys above their cut would be stored past the row); the radix path redoes the row
+        pad = tl.arange(0, K_P2)
+        pad_mask = (pad >= tl.where(n_above <= CAP, tl.sum(take), 0)) & (pad < k)
+        tl.store(keys_ptr + base + pad, tl.zeros((K_P2,), tl.int32), mask=pad_mask)
+        tl.store(picks_ptr + base + pad, tl.zeros((K_P2,), tl.int32), mask=pad_mask)
+    else:  # (this association: cumsum - 1 taken apart spilled 16 bytes at a sweep launch, 4096 candidates)
+        tl.store(picks_ptr + row.to(tl.int64) * k + tl.cumsum(take) - 1, idx, mask=(take > 0) & (n_above <= CAP))
 
 
 @triton.jit
@@ -356,13 +398,19 @@ def rowwise_fits(rows: int, width: int, k: int, device) -> bool:
 def select_rowwise(scores: torch.Tensor, k: int, chunk: int = CHUNK, num_warps: int | None = None) -> torch.Tensor:
     """The row-wise path (see the module docstring): indices int32 [rows, k] ascending, the same picks as
     select_topk. Stages while a row is wider than one chunk; buffers from the shapes only."""
-    rows, width = scores.shape
-    key_bits = _KEY_BITS[scores.dtype]
     if 2 * k > chunk:
         raise ValueError(f"select_rowwise: k = {k} must be at most chunk / 2 = {chunk // 2}")
-    keys, index = scores.contiguous().view(_BITS_VIEW[key_bits]), None
-    first = True
-    picks = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
+    key_bits = _KEY_BITS[scores.dtype]
+    return _rowwise_stages(scores.contiguous().view(_BITS_VIEW[key_bits]), None, k, key_bits, chunk, num_warps)
+
+
+def _rowwise_stages(keys: torch.Tensor, index: torch.Tensor | None, k: int, key_bits: int, chunk: int = CHUNK,
+                    num_warps: int | None = None) -> torch.Tensor:
+    """The row-wise stages from score bits [rows, width] (index None) or from candidates: unsigned keys
+    (int32 bits) and their indices [rows, width], equal keys in index order. Picks int32 [rows, k] ascending."""
+    rows, width = keys.shape
+    first = index is None
+    picks = torch.empty(rows, k, dtype=torch.int32, device=keys.device)
     k_p2 = triton.next_power_of_2(k)
     while True:
         # a row narrower than the chunk (a later stage: chunks x k candidates) takes a chunk of its width,
@@ -371,8 +419,8 @@ def select_rowwise(scores: torch.Tensor, k: int, chunk: int = CHUNK, num_warps: 
         chunks = triton.cdiv(width, size)
         last = chunks == 1
         out_width = chunks * k
-        out_keys = picks if last else torch.empty(rows, out_width, dtype=torch.int32, device=scores.device)
-        out_index = picks if last else torch.empty(rows, out_width, dtype=torch.int32, device=scores.device)
+        out_keys = picks if last else torch.empty(rows, out_width, dtype=torch.int32, device=keys.device)
+        out_index = picks if last else torch.empty(rows, out_width, dtype=torch.int32, device=keys.device)
         # later stages carry the first stage's unsigned keys (< 2^KEY_BITS): the same bisection depth
         _chunk_select_kernel[(rows, chunks)](keys, keys if index is None else index, out_keys, out_index, width, k,
                                              out_width, FIRST=first, LAST=last, KEY_BITS=key_bits,
@@ -390,25 +438,62 @@ def filter_fits(rows: int, width: int, k: int, device) -> bool:
             and 4 * triton.next_power_of_2(k) <= CAND)
 
 
+def filter_segments(rows: int, width: int, k: int, device, on: bool | None = None) -> int:
+    """Segments per row of the segmented filter path (shapes only), 0 where it is not chosen (SEGMENTED_ON
+    off, or filter_fits): enough to bring the rows up to FILTER_ROWS_PER_SM programs per SM, none narrower
+    than SEGMENT; chosen from 2 segments per row where the programs fill the GPU at least once (fewer rows:
+    the radix split path) and there is room for 3k candidates above each threshold. on: instead of
+    SEGMENTED_ON (the benchmarks time the path before it is on)."""
+    if not (SEGMENTED_ON if on is None else on) or filter_fits(rows, width, k, device):
+        return 0
+    if 4 * triton.next_power_of_2(k) > CAND:
+        return 0
+    segments = min(triton.cdiv(FILTER_ROWS_PER_SM * _num_sms(device), rows), width // SEGMENT)
+    return segments if segments >= 2 and rows * segments >= _num_sms(device) else 0
+
+
 def select_filtered(scores: torch.Tensor, k: int, groups: int = GROUPS, sample: int = SAMPLE, cand: int = CAND,
                     block: int = FILTER_BLOCK, num_warps: int = FILTER_WARPS,
-                    flags: torch.Tensor | None = None) -> torch.Tensor:
+                    flags: torch.Tensor | None = None, segments: int = 1) -> torch.Tensor:
     """The filter path (see the module docstring): indices int32 [rows, k] in no order, the same picks as
-    select_topk; rows whose candidates overflow are redone by the radix path, launched for flagged rows
-    only. flags: an int32 [rows] buffer for the overflow flags (the sweep reads it); all powers of 2."""
+    select_topk; rows whose candidates overflow are redone by the radix path,
+    launched for flagged rows only. flags: an int32 [rows] buffer for the overflow flags (the sweep reads it);
+    all powers of 2. segments > 1: each row in that many segments of whole tiles (fewer where the tiles run
+    out), one program each, whose k best the row-wise stages rank."""
     rows, width = scores.shape
     key_bits = _KEY_BITS[scores.dtype]
     k_p2 = triton.next_power_of_2(k)
     if not (k_p2 < cand and LINE.value <= groups <= block < 1 << 15):  # (two counts share an int32)
         raise ValueError(f"select_filtered: needs next_power_of_2(k) = {k_p2} < cand = {cand} and "
                          f"{LINE.value} <= groups = {groups} <= block = {block} < 2^15")
+    seg_width = triton.cdiv(triton.cdiv(width, max(1, segments)), block) * block if segments > 1 else width
+    segments = triton.cdiv(width, seg_width)
+    if segments > 1 and seg_width < 2 * k_p2:
+        raise ValueError(f"select_filtered: segments of {seg_width} entries leave no fewer than the row's "
+                         f"{width} for k = {k}; ask for at most {width // (2 * k_p2)} segments")
     bits = scores.contiguous().view(_BITS_VIEW[key_bits])
-    candidates = torch.empty(rows, cand, dtype=torch.int32, device=scores.device)
-    picks = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
-    flags = torch.empty(rows, dtype=torch.int32, device=scores.device) if flags is None else flags
-    _filter_kernel[(rows,)](bits, candidates, picks, flags, width, k, KEY_BITS=key_bits, GROUPS=groups, SAMPLE=sample,
-                            CAND=cand, K_P2=k_p2, BLOCK=block, num_warps=num_warps)
+    candidates = torch.empty(rows * segments, cand, dtype=torch.int32, device=scores.device)
+    picks = torch.empty(rows, segments * k, dtype=torch.int32, device=scores.device)
+    keys = torch.empty_like(picks) if segments > 1 else picks  # (not written without segments)
+    if flags is None:  # (segments raise a row's flag: zeroed; one program per row stores it)
+        flags = (torch.zeros if segments > 1 else torch.empty)(rows, dtype=torch.int32, device=scores.device)
+    elif segments > 1:
+        flags.zero_()
+    _filter_kernel[(rows, segments)](bits, candidates, picks, keys, flags, width, seg_width, k, KEY_BITS=key_bits,
+                                     GROUPS=groups, SAMPLE=sample, CAND=cand, K_P2=k_p2, BLOCK=block,
+                                     SEGMENTED=segments > 1, num_warps=num_warps)
+    if segments > 1:
+        picks = _rowwise_stages(keys, picks, k, key_bits)
     return _select_radix(bits, k, picks, flags=flags)
+
+
+def topk_path(rows: int, width: int, k: int, device) -> str:
+    """The path select_topk takes by shape: "filter", "segmented" (filter_segments), "rowwise" or "radix"."""
+    if filter_fits(rows, width, k, device):
+        return "filter"
+    if filter_segments(rows, width, k, device):
+        return "segmented"
+    return "rowwise" if rowwise_fits(rows, width, k, device) else "radix"
 
 
 def _select_radix(bits: torch.Tensor, k: int, picks: torch.Tensor, split: int | None = None,
@@ -444,8 +529,7 @@ def select_topk(scores: torch.Tensor, k: int, split: int | None = None, block: i
                 chunk: int | None = None) -> torch.Tensor:
     """Indices int32 [rows, k] (in no order) of the k largest of each row of scores [rows, width] (bf16,
     fp16 or fp32), ties to the lower index. split/block force the radix path with those programs per row
-    and tile; chunk forces the row-wise path with that chunk; none: the filter path where filter_fits, else
-    the row-wise one where rowwise_fits, else the radix one."""
+    and tile; chunk forces the row-wise path with that chunk; none: the path topk_path picks by shape."""
     rows, width = scores.shape
     if scores.dtype not in _KEY_BITS:
         raise TypeError(f"select_topk: scores must be bf16, fp16 or fp32, got {scores.dtype}")
@@ -454,9 +538,12 @@ def select_topk(scores: torch.Tensor, k: int, split: int | None = None, block: i
     if width >= 1 << 31:
         raise ValueError(f"select_topk: {width} entries per row exceed 2^31")
     auto = split is None and block is None and chunk is None
-    if auto and filter_fits(rows, width, k, scores.device):
+    path = topk_path(rows, width, k, scores.device) if auto else "rowwise" if chunk is not None else "radix"
+    if path == "filter":
         return select_filtered(scores, k)
-    if chunk is not None or (auto and rowwise_fits(rows, width, k, scores.device)):
+    if path == "segmented":
+        return select_filtered(scores, k, segments=filter_segments(rows, width, k, scores.device))
+    if path == "rowwise":
         return select_rowwise(scores, k, chunk or CHUNK)
     picks = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
     return _select_radix(scores.contiguous().view(_BITS_VIEW[_KEY_BITS[scores.dtype]]), k, picks, split, block)

@@ -7,8 +7,9 @@
   source     the candidate source (layer 20) with the dsflash ops: dense indexer_scores (Triton, MXFP4
              records in place) + candidate_blocks + topk_indices (for reference; no target)
   top-k      topk_indices vs torch.topk (k = 512) on each shape's dense [rows, context] scores and on the
-             candidate path's [rows, 16384]; the path the op picks (row-wise for many rows, radix split
-             for few) and, for comparison, the radix path forced
+             candidate path's [rows, 16384]; the path the op picks (topk_triton.topk_path: filter or
+             row-wise for many rows, radix split for few) and, for comparison, the radix path forced and
+             the segmented filter path where it would be chosen once on (topk_triton.SEGMENTED_ON)
   prefill    candidate_scores of the prefill chunk on the path the op picks (union of neighbours' blocks,
              tensor-core M = UNION_TOKENS x 32 heads) and on the per-token path forced, with the share of the
              union that one token uses (1 = identical lists)
@@ -189,8 +190,14 @@ def checks(gen) -> list[dict]:
         scores = torch.randn(1, rows, width, generator=gen, device="cuda").bfloat16()  # bf16: many exact ties
         vis = torch.full((1, rows), width, device="cuda")
         name = f"topk_indices {rows}x{width}"
-        results.append(guarded(name, lambda: exact_check(name, ops.topk_indices(scores, TOPK, vis),
-                                                         topk_indices_reference(scores, TOPK, vis))))
+        ref = topk_indices_reference(scores, TOPK, vis)
+        results.append(guarded(name, lambda: exact_check(name, ops.topk_indices(scores, TOPK, vis), ref)))
+        segments = topk_triton.filter_segments(rows, width, TOPK, scores.device, on=True)
+        if segments:  # the segmented filter path, timed below where it would be chosen
+            name = f"topk segmented x{segments} {rows}x{width}"
+            results.append(guarded(name, lambda: exact_check(name, topk_triton.finish(
+                topk_triton.select_filtered(scores.view(rows, width), TOPK, segments=segments), topk_triton.VISIBLE,
+                visible=vis.view(rows)).view(1, rows, TOPK), ref)))
     return results
 
 
@@ -203,15 +210,22 @@ def time_topk(rows: int, width: int, gen) -> dict:
     calls, replays = (2, 5) if rows * width > 1 << 28 else (10, 20)
     torch_s = time_graph(lambda: scores.topk(TOPK, dim=-1), calls=calls, replays=replays)
     ours_s = time_graph(lambda: ops.topk_indices(scores, TOPK, vis), calls=calls, replays=replays)
-    path = "rowwise" if topk_triton.rowwise_fits(rows, width, TOPK, scores.device) else "radix"
+    path = topk_triton.topk_path(rows, width, TOPK, scores.device)
     row = {"rows": rows, "width": width, "torch_topk_s": torch_s, "topk_indices_s": ours_s, "speedup": torch_s / ours_s,
            "path": path}
-    if path == "rowwise":  # the radix path on the same shape, for comparison
+    if path != "radix":  # the radix path on the same shape, for comparison
         row["radix_s"] = time_graph(lambda: topk_triton.topk_indices_triton(scores, TOPK, vis, block=topk_triton.BLOCK),
                                     calls=calls, replays=replays)
+    segments = topk_triton.filter_segments(rows, width, TOPK, scores.device, on=True)
+    if segments and path != "segmented":  # the segmented filter path where it would be chosen once on
+        flat = scores.view(rows, width)
+        row["segments"] = segments
+        row["segmented_s"] = time_graph(lambda: topk_triton.select_filtered(flat, TOPK, segments=segments),
+                                        calls=calls, replays=replays)
     print(f"  top-k {rows:>4} x {width:>7}: torch.topk {torch_s * 1e3:8.3f} ms, topk_indices {ours_s * 1e3:8.3f} ms "
-          f"({row['speedup']:5.1f}x, {path})" + (f", radix forced {row['radix_s'] * 1e3:8.3f} ms" if "radix_s" in row
-                                                 else ""), flush=True)
+          f"({row['speedup']:5.1f}x, {path})" + "".join(
+              f", {name} forced {row[key] * 1e3:8.3f} ms ({torch_s / row[key]:5.1f}x)"
+              for name, key in (("radix", "radix_s"), ("segmented", "segmented_s")) if key in row), flush=True)
     return row
 
 

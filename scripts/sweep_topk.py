@@ -1,10 +1,11 @@
 """Sweep the top-k launch (k = 512) on the shapes where the 11-30 H200 bench found topk_indices slower than
-torch.topk (4096 rows x 8K..512K) and on decode shapes (64 x 128K, 8 x 512K): the filter path at the
+torch.topk (4096 rows x 8K..512K) and on decode shapes (64 x 128K, 64 x 512K, 8 x 512K): the filter path at the
 launches of topk_triton.FILTER_VARIANTS (with how many rows overflowed into the radix fallback), the
 row-wise path at its two best 11-30 launches, the radix split path, the choice select_topk makes by shape
 ("auto"), and torch.topk. Every variant's picks are checked against torch.topk's values first (k distinct
 ids, each at least the k-th largest value). Picks the defaults of custom_ops/topk_triton.py (GROUPS,
-SAMPLE, CAND, FILTER_BLOCK, FILTER_WARPS, filter_fits, rowwise_fits).
+SAMPLE, CAND, FILTER_BLOCK, FILTER_WARPS, filter_fits, rowwise_fits), and times the segmented filter path
+at the segment count filter_segments would pick, half and twice it (SEGMENT, SEGMENTED_ON).
 
     python scripts/sweep_topk.py --out benchmarks/results
     python scripts/sweep_topk.py --shapes 64x131072 8x524288      (some shapes; the JSON is rewritten after each)
@@ -19,11 +20,11 @@ from dsflash_compile.benchmarking import print_table, run_metadata, save_results
 from dsflash_compile.custom_ops import topk_triton
 
 K = 512
-SHAPES = [(4096, 8192), (4096, 16384), (4096, 131072), (4096, 524288), (64, 131072), (8, 524288)]
+SHAPES = [(4096, 8192), (4096, 16384), (4096, 131072), (4096, 524288), (64, 131072), (64, 524288), (8, 524288)]
 # (chunk, warps): the default, and the 11-30 sweep's second best at 64 x 128K
 ROWWISE = [(topk_triton.CHUNK, topk_triton.CHUNK_WARPS), (8192, 8)]
 COLUMNS = [("rows", "rows", "d"), ("width", "width", "d"), ("path", "path", ""), ("groups", "groups", "d"),
-           ("sample", "sample", "d"), ("cand", "cand", "d"), ("chunk", "chunk", "d"), ("warps", "num_warps", "d"),
+           ("sample", "sample", "d"), ("cand", "cand", "d"), ("segments", "segments", "d"), ("chunk", "chunk", "d"), ("warps", "num_warps", "d"),
            ("ms", "s", ".3f", 1e3), ("x torch", "vs_torch", ".2f"), ("overflow", "overflow", "d"),
            ("agrees", "agrees", "")]
 
@@ -50,10 +51,14 @@ def sweep(rows: int, width: int) -> list[dict]:
                           "num_warps": warps},
                          lambda args=(groups, sample, cand, block, warps): topk_triton.select_filtered(
                              scores, K, *args, flags=flags)))
+    segments = topk_triton.filter_segments(rows, width, K, scores.device, on=True)
+    for count in sorted({segments // 2, segments, 2 * segments} - {0, 1}) if segments else ():
+        variants.append(({"path": "segmented", "segments": count},
+                         lambda count=count: topk_triton.select_filtered(scores, K, flags=flags, segments=count)))
     for params, call in variants:
         row = sweep_variant({"rows": rows, "width": width, **params}, call, agrees, calls=2, replays=5)
         row["vs_torch"] = torch_s / row["s"]
-        if row["path"] == "filter":  # rows whose candidates overflowed into the radix fallback
+        if row["path"] in ("filter", "segmented"):  # rows whose candidates overflowed into the radix fallback
             row["overflow"] = int(flags.sum())
         out.append(row)
     return out

@@ -43,6 +43,12 @@ FILTER_CASES = {  # name: (rows, width, k, dtype, groups, sample, cand, block, p
     "filter_overflow_fallback": (5, 3000, 40, torch.bfloat16, 128, 2, 256, 256, (3, 4)),
     "filter_fp32_overflow_fallback": (4, 2000, 20, torch.float32, 64, 2, 128, 128, (0,)),
 }
+SEGMENTED_CASES = {  # name: (rows, width, k, dtype, groups, sample, cand, block, segments, periodic rows)
+    "segmented_bf16_ties_inf": (4, 3000, 40, torch.bfloat16, 128, 2, 256, 256, 3, ()),
+    "segmented_fp32_last_below_k": (3, 2350, 60, torch.float32, 64, 1, 512, 256, 4, ()),  # 46 entries last
+    "segmented_two_stages": (1, 40000, 40, torch.float16, 64, 2, 512, 128, 120, ()),  # 105 x 40 > CHUNK
+    "segmented_overflow_fallback": (4, 3000, 40, torch.bfloat16, 128, 1, 256, 256, 3, (2, 3)),
+}
 
 
 def make_scores(rows, width, dtype, seed=0, device="cpu"):
@@ -102,15 +108,25 @@ def interpreter_checks():
         ref = topk_indices_reference(scores.view(1, rows, width), k, visible.view(1, rows)).view(rows, k)
         report(dict(name=name, same_picks=bool(torch.equal(picks.long().sort(-1).values, want)),
                     same_op=bool(torch.equal(out, ref)), flagged=flags.nonzero().flatten().tolist()))
+    for name, (rows, width, k, dtype, groups, sample, cand, block, segments, periodic) in SEGMENTED_CASES.items():
+        scores = make_scores(rows, width, dtype, seed=9)
+        for row in periodic:  # every segment overflows
+            scores[row] = (torch.arange(width) % (groups * sample)).to(dtype)
+        flags = torch.ones(rows, dtype=torch.int32)  # (zeroed by the call)
+        picks = select_filtered(scores, k, groups, sample, cand, block, flags=flags, segments=segments)
+        want = top_k_stable(scores, k)[1].sort(-1).values
+        report(dict(name=name, same_picks=bool(torch.equal(picks.long().sort(-1).values, want)),
+                    flagged=flags.nonzero().flatten().tolist()))
     # tie-free random rows, the path chosen by shape (the interpreter's 8 "SMs"): row-wise for 16 rows of
-    # one chunk, filter (FILTER_ON) for 16 rows wider than one (the default launch)
-    for name, width in (("rowwise_auto_tie_free", 3000), ("filter_auto_tie_free", 5000)):
-        scores = torch.randperm(16 * width, generator=torch.Generator().manual_seed(7)).float().view(16, width)
+    # one chunk, filter (FILTER_ON) for 16 rows wider than one (the default launch), segmented for 2 rows
+    # (SEGMENTED_ON, segments of at least 1024 entries here)
+    topk_triton.SEGMENTED_ON, topk_triton.SEGMENT = True, 1024
+    for name, rows, width in (("rowwise_auto_tie_free", 16, 3000), ("filter_auto_tie_free", 16, 5000),
+                              ("segmented_auto_tie_free", 2, 5000)):
+        scores = torch.randperm(rows * width, generator=torch.Generator().manual_seed(7)).float().view(rows, width)
         picks = select_topk(scores - 20000, 50).long().sort(-1).values
-        path = ("filter" if topk_triton.filter_fits(16, width, 50, scores.device) else
-                "rowwise" if topk_triton.rowwise_fits(16, width, 50, scores.device) else "radix")
         report(dict(name=name, same_picks=bool(torch.equal(picks, top_k_stable(scores, 50)[1].sort(-1).values)),
-                    path=path))
+                    path=topk_triton.topk_path(rows, width, 50, scores.device)))
 
 
 @pytest.fixture(scope="module")
@@ -119,20 +135,21 @@ def interpreted():
 
 
 @requires_interpreter
-@pytest.mark.parametrize("name", list(CASES) + list(ROWWISE_CASES) + list(FILTER_CASES) +
-                         ["rowwise_auto_tie_free", "filter_auto_tie_free"])
+@pytest.mark.parametrize("name", list(CASES) + list(ROWWISE_CASES) + list(FILTER_CASES) + list(SEGMENTED_CASES) +
+                         ["rowwise_auto_tie_free", "filter_auto_tie_free", "segmented_auto_tie_free"])
 def test_topk_kernel_matches_reference(interpreted, name):
     """The same k indices as top_k_stable (ties to the lower index, -0 == +0, all -inf rows), and the op's
     output (ascending, -1 for picks past visible) equal to the reference; radix, row-wise and filter paths
     (the row-wise one also returns its picks ascending; select_topk picks row-wise or filter for many
     rows). Filter cases: exactly the periodic rows overflow their candidates and take the radix fallback;
-    ties at the cut, all -inf rows and -inf tails (fewer finite entries than k) do not."""
+    ties at the cut, all -inf rows and -inf tails (fewer finite entries than k) do not. Segmented cases: the
+    same, with a short last segment, and enough segments for two row-wise stages after them."""
     result = interpreted[name]
     assert result["same_picks"] and result.get("same_op", True), result
     if name.endswith("_auto_tie_free"):  # the path the name says was the one chosen
         assert result["path"] == name.split("_")[0], result
-    if name in FILTER_CASES:
-        assert result["flagged"] == list(FILTER_CASES[name][-1]), result
+    if name in FILTER_CASES or name in SEGMENTED_CASES:
+        assert result["flagged"] == list({**FILTER_CASES, **SEGMENTED_CASES}[name][-1]), result
 
 
 TOPK_KERNELS = {  # name: (kernel, args, constexprs, num_warps), as select_topk / finish launch them
@@ -149,12 +166,14 @@ TOPK_KERNELS = {  # name: (kernel, args, constexprs, num_warps), as select_topk 
         dict(NPASS=bits // 8, KEY_BITS=bits, SPLIT_P2=4, BLOCK=tile, FLAGGED=flagged), warps)
     for bits in (16, 32) for tile, warps in ((4096, 8), (1024, 4)) for flagged in (False, True)
 } | {
-    f"filter_{bits}bit_groups{groups}_sample{sample}_cand{cand}_block{block}_warps{warps}": (
-        "_filter_kernel", dict(bits_ptr=f"*i{bits}", cand_ptr="*i32", picks_ptr="*i32", flags_ptr="*i32",
-                               width="i32", k="i32"),
-        dict(KEY_BITS=bits, GROUPS=groups, SAMPLE=sample, CAND=cand, K_P2=512, BLOCK=block), warps)
-    for bits, (groups, sample, cand, block, warps) in [(32, variant) for variant in FILTER_VARIANTS[:1]] + [
-        (16, variant) for variant in FILTER_VARIANTS]
+    f"filter_{bits}bit_groups{groups}_sample{sample}_cand{cand}_block{block}_warps{warps}_segmented{segmented}": (
+        "_filter_kernel", dict(bits_ptr=f"*i{bits}", cand_ptr="*i32", picks_ptr="*i32", keys_ptr="*i32",
+                               flags_ptr="*i32", width="i32", seg_width="i32", k="i32"),
+        dict(KEY_BITS=bits, GROUPS=groups, SAMPLE=sample, CAND=cand, K_P2=512, BLOCK=block, SEGMENTED=segmented),
+        warps)
+    for bits, (groups, sample, cand, block, warps), segmented in [(32, variant, False) for variant in
+                                                                  FILTER_VARIANTS[:1]] + [
+        (16, variant, False) for variant in FILTER_VARIANTS] + [(16, FILTER_VARIANTS[0], True)]
 } | {
     f"finish_mode{mode}_k{kp}": ("_finish_kernel", dict(picks_ptr="*i32", values_ptr="*bf16", visible_ptr="*i64",
                                                         blocks_ptr="*i32", out_ptr="*i32", width="i32", k="i32",
@@ -177,7 +196,8 @@ def test_topk_kernels_compile_for_hopper(name):
     from dsflash_compile.custom_ops import topk_triton
 
     spec = TOPK_KERNELS[name]
-    aligned = ("bits_ptr", "cand_ptr", "picks_ptr", "width") if spec[0] == "_filter_kernel" else ()  # as launched
+    aligned = (("bits_ptr", "cand_ptr", "picks_ptr", "keys_ptr", "width", "seg_width")  # as launched
+               if spec[0] == "_filter_kernel" else ())
     check_compiles_for_hopper(topk_triton, spec, aligned)
 
 
@@ -217,8 +237,9 @@ def test_topk_indices_cuda_equals_reference(rows, width, dtype):
 @requires_cuda
 @pytest.mark.parametrize("rows,width", [(4096, 16384), (64, 1 << 19), (300, 70000)])
 def test_rowwise_radix_and_filter_paths_cuda_agree(rows, width):
-    """The three paths forced on many-row shapes (one and two row-wise stages, a ragged last chunk; the
-    filter path at every launch the sweep compares): the reference's picks exactly, bf16 ties included."""
+    """The paths forced on many-row shapes (one and two row-wise stages, a ragged last chunk; the filter
+    path at every launch the sweep compares, and segmented in 2 to 64 segments): the reference's picks
+    exactly, bf16 ties included."""
     from dsflash_compile.custom_ops import topk_triton
     from dsflash_compile.custom_ops.topk import topk_indices_reference
 
@@ -234,6 +255,11 @@ def test_rowwise_radix_and_filter_paths_cuda_agree(rows, width):
         bad = (topk_triton.finish(picks, topk_triton.VISIBLE, visible=visible.view(rows)) != ref).any(-1).sum().item()
         print(f"topk filter {variant} {rows}x{width}: {'PASS' if bad == 0 else 'FAIL'} ({bad} rows differ)")
         assert bad == 0, variant
+    for segments in (2, 5, 64):
+        picks = topk_triton.select_filtered(scores.view(rows, width), 512, segments=segments)
+        bad = (topk_triton.finish(picks, topk_triton.VISIBLE, visible=visible.view(rows)) != ref).any(-1).sum().item()
+        print(f"topk segmented x{segments} {rows}x{width}: {'PASS' if bad == 0 else 'FAIL'} ({bad} rows differ)")
+        assert bad == 0, segments
 
 
 @requires_cuda
