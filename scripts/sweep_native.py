@@ -3,11 +3,13 @@
   projections   bf16 cuBLAS (`layers.block_diagonal_linear`), the 11-30 conversion (ptx=False: Triton code,
                 ~8 instructions per value, in the new loop) and the PTX conversion (2.5 per value) over a small
                 grid of launches (BLOCK_N, BLOCK_K, programs per SM that the K splits aim at, pipeline stages)
-  experts       384 MXFP4 experts, top-6: torch._grouped_mm and dsflash::grouped_mm over bf16 stacks, the Triton
-                conversion and the PTX table lookup over a grid of (BLOCK_N, BLOCK_K, warps, stages)
+  experts       384 MXFP4 experts (--experts), top-6: torch._grouped_mm and dsflash::grouped_mm over bf16 stacks, the
+                Triton conversion and the PTX table lookup over a grid of (BLOCK_N, BLOCK_K, warps, stages) and
+                of row tiles (BLOCK_M)
 
     python scripts/sweep_native.py        (1, 8 and 64 tokens; writes benchmarks/results/native-sweep-<date>.json)
     python scripts/sweep_native.py --tokens 1 --only wq_a experts.w1
+    python scripts/sweep_native.py --tokens 8 64 --only experts.w1 experts.w2 --experts 8
 
 Every variant is checked against the op's reference first (worst error relative to sum |x| |w| <= 2^-7, as the
 tests); then CUDA-graph times and the achieved bandwidth in bytes of the weights each call must read. The best
@@ -21,7 +23,7 @@ import argparse
 
 import torch
 
-from bench_native import EXPERT_PROJECTIONS, PROJECTIONS, error, experts_case, projection_case
+from bench_native import EXPERT_PROJECTIONS, EXPERTS, PROJECTIONS, error, experts_case, projection_case
 from dsflash_compile.benchmarking import copy_bandwidth, print_table, run_metadata, save_results, time_graph, timed
 from dsflash_compile.custom_ops.fp8_linear_triton import fp8_block_linear_triton
 from dsflash_compile.custom_ops.mxfp4_experts_triton import grouped_mm_triton
@@ -38,7 +40,11 @@ FP8_VARIANTS = [dict(ptx=False), dict(ptx=True)] + [
 MXFP4_VARIANTS = [dict(ptx=False), dict(ptx=True)] + [
     dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, ptx=True)
     for bn, bk, warps, stages in [(16, 128, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (64, 256, 8, 3),
-                                  (32, 128, 4, 4), (16, 256, 4, 4)]]
+                                  (32, 128, 4, 4), (16, 256, 4, 4)]] + [
+    # taller row tiles: each expert's weight dequantized once per 32 / 64 of its rows, not per 16 (few experts,
+    # many rows each: flash-40l-e8 at batch 64 has 48 per expert, where the H200 ran this op at 0.64x bf16
+    # torch._grouped_mm in the decode step, 11-30)
+    dict(block_m=bm, ptx=True) for bm in (32, 64)]
 COLUMNS = [("op", "name", "s"), ("tokens", "tokens", "d"), ("variant", "variant", "s"), ("us", "s", ".1f", 1e6),
            ("GB/s", "GBps", ".0f"), ("x bf16", "vs_bf16", ".2f"), ("err", "err", ".1e"), ("best", "best", "")]
 
@@ -75,9 +81,9 @@ def sweep_projection(name, n, k, groups, tokens, gen) -> list[dict]:
     return rows
 
 
-def sweep_experts(name, n, k, tokens, gen) -> list[dict]:
-    x, weight, scale, offsets, dense, want, mag, used = experts_case(n, k, tokens, gen)
-    base = {"name": name, "tokens": tokens}
+def sweep_experts(name, n, k, tokens, gen, experts) -> list[dict]:
+    x, weight, scale, offsets, dense, want, mag, used = experts_case(n, k, tokens, gen, experts)
+    base = {"name": name, "tokens": tokens, "experts": experts}
     rows = []
     measure(rows, dict(base, variant="bf16 torch._grouped_mm"),
             lambda: torch._grouped_mm(x, dense.transpose(1, 2), offs=offsets), want, mag, used * 2 * dense.numel(),
@@ -101,12 +107,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--only", nargs="+", help="ops by name (wq_a ... engram.wkv, experts.w1, experts.w2)")
+    parser.add_argument("--experts", type=int, default=EXPERTS,
+                        help=f"routed experts of the experts cases (default {EXPERTS}, the release; 8: flash-40l-e8)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     result = {**run_metadata(), "copy_bandwidth_Bps": copy_bandwidth(), "rows": []}
     jobs = [(name, lambda t, s=shape, nm=name: sweep_projection(nm, *s, t, gen)) for name, shape in PROJECTIONS.items()]
-    jobs += [(name, lambda t, s=shape, nm=name: sweep_experts(nm, *s, t, gen))
+    jobs += [(name, lambda t, s=shape, nm=name: sweep_experts(nm, *s, t, gen, args.experts))
              for name, shape in EXPERT_PROJECTIONS.items()]
     for name, job in jobs:
         if args.only and name not in args.only:

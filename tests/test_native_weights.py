@@ -351,6 +351,8 @@ GROUPED_CASES = {
     "ragged_outputs_several_k_blocks": ([2, 1], 40, 288, {}),
     "block_n_16_block_k_256": ([1, 2, 0, 1], 48, 512, dict(block_n=16, block_k=256, num_stages=4)),
     "block_n_32_warps_8": ([1, 0, 3], 64, 384, dict(block_n=32, num_warps=8)),
+    "block_m_64_many_rows": ([70, 0, 3, 64], 64, 256, dict(block_m=64)),
+    "block_m_32": ([33, 1, 0, 40], 32, 128, dict(block_m=32)),
 }
 
 
@@ -443,19 +445,20 @@ def test_fp8_kernel_compiles_for_hopper_without_spills(block_m, block_n, block_k
     check_compiles_for_hopper(fp8_linear_triton, ("_sum_splits_kernel", args, dict(BLOCK=1024), 4))
 
 
-# (MXFP4, PTX, BLOCK_N, BLOCK_K, warps): the launches' defaults and the largest tiles of scripts/sweep_experts.py
+# (MXFP4, PTX, BLOCK_M, BLOCK_N, BLOCK_K, warps): the launches' defaults and the largest tiles of scripts/sweep_experts.py
 # and scripts/sweep_native.py
-@pytest.mark.parametrize("mxfp4, ptx, block_n, block_k, warps", [
-    (True, True, 64, 128, 4), (True, False, 64, 128, 4), (True, True, 32, 256, 4), (True, True, 64, 256, 8),
-    (False, False, 32, 128, 4), (False, False, 64, 256, 8), (False, False, 16, 256, 4)])
-def test_grouped_kernel_compiles_for_hopper_without_spills(mxfp4, ptx, block_n, block_k, warps):
+@pytest.mark.parametrize("mxfp4, ptx, block_m, block_n, block_k, warps", [
+    (True, True, 16, 64, 128, 4), (True, False, 16, 64, 128, 4), (True, True, 16, 32, 256, 4),
+    (True, True, 16, 64, 256, 8), (True, True, 32, 64, 128, 4), (True, True, 64, 64, 128, 4),
+    (False, False, 16, 32, 128, 4), (False, False, 16, 64, 256, 8), (False, False, 16, 16, 256, 4)])
+def test_grouped_kernel_compiles_for_hopper_without_spills(mxfp4, ptx, block_m, block_n, block_k, warps):
     from dsflash_compile.custom_ops import mxfp4_experts_triton
 
     weight = "*u8" if mxfp4 else "*bf16"
     args = dict(x_ptr="*bf16", w_ptr=weight, s_ptr="*u8" if mxfp4 else weight, offsets_ptr="*i32",
                 out_ptr="*bf16", P="i32", E="i32", N="i32", K="i32")
     # E_PAD 512: the release's 384 experts
-    constexprs = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, E_PAD=512, MXFP4=mxfp4, FP32_DOT=False,
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, E_PAD=512, MXFP4=mxfp4, FP32_DOT=False,
                       PTX=ptx)
     check_compiles_for_hopper(mxfp4_experts_triton, ("_grouped_kernel", args, constexprs, warps),
                               ("x_ptr", "w_ptr", "s_ptr", "offsets_ptr", "out_ptr", "N", "K"))
