@@ -15,6 +15,7 @@ rows), so on CPU a model holding MXFP4 experts gives the bf16 model's bits. On C
 bf16 model (moe.py uses it up to MoE.few_rows rows): the same Triton kernel, which streams each selected
 expert's weight once over many programs, where torch._grouped_mm's grouped GEMM reaches about half the
 copy bandwidth at a few rows per expert. Its reference is the same per-expert F.linear.
+`dsflash::grouped_mm_by_rows` makes moe.py's choice between it and torch._grouped_mm when it runs (dynamic shapes).
 """
 
 import torch
@@ -116,3 +117,19 @@ if mxfp4_experts_triton is not None:
     def _(x, weight, offsets):
         check_bf16_inputs(x, weight, offsets)
         return mxfp4_experts_triton.grouped_mm_triton(x, weight, None, offsets)
+
+
+@torch.library.custom_op("dsflash::grouped_mm_by_rows", mutates_args=())
+def grouped_mm_by_rows(x: Tensor, weight: Tensor, offsets: Tensor, few_rows: int) -> Tensor:
+    """dsflash::grouped_mm up to `few_rows` rows of x, else torch._grouped_mm (rows past offsets[-1] then
+    undefined): MoE._grouped_mm's choice, made when the op runs. For graphs with a symbolic row count (dynamic
+    shapes), where testing the count while tracing would guard the graph on it (one graph per side)."""
+    if x.shape[0] <= few_rows:
+        return torch.ops.dsflash.grouped_mm(x, weight, offsets)
+    return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+
+
+@grouped_mm_by_rows.register_fake
+def _(x, weight, offsets, few_rows):
+    check_bf16_inputs(x, weight, offsets)
+    return x.new_empty(x.shape[0], weight.shape[1])

@@ -166,6 +166,9 @@ class CompiledRunner:
             if not layer.ffn.grouped or layer.ffn.shared_stacked != shared or layer.ffn.stacks_stale():
                 layer.ffn.stack_experts(shared)
             layer.ffn.few_rows = options.moe_few_rows
+            # a symbolic graph must not test its row count against few_rows: the guard would split it in two
+            # (flash-40l-e8: batches up to 16 and above), so the op picks the GEMM when it runs
+            layer.ffn.few_rows_at_run_time = options.dynamic_shapes
             layer.ffn.count_order = options.moe_count_order
             layer.attn.fuse_input_projections(options.fuse_input_projections)
         if options.swa_bounded_replay is not None:

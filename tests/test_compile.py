@@ -96,6 +96,28 @@ def test_dynamic_shapes_reuse_one_graph_from_the_second_batch_bucket_on(fresh_dy
     assert graphs[1] > graphs[0] and graphs[2] == graphs[1], graphs
 
 
+@torch.no_grad()
+def test_dynamic_shapes_decode_graph_serves_batches_past_moe_few_rows(fresh_dynamo):
+    """Batches 1, 2, 4 as scripts/bench_overlap.py runs them (1 static, 2 symbolic), the MoE's few-rows cutoff
+    between 2 and 4: batch 4 reuses batch 2's graphs (the grouped GEMM is picked when it runs, not by a guard on
+    the batch; on the H200 flash-40l-e8 recompiled every block at batch 32 after 8: 7 rows a token, cutoff 112).
+    Three layers (two roles) keep it short."""
+    model = tiny_model(num_hidden_layers=3, compress_ratios=[0, 0, 2], kv_source_layer_ids=[2],
+                       index_source_layer_ids=[2], candidate_source_layer_id=None, engram_layer_ids=[1])
+    ids = prompts(4, 1)
+    want = model(ids, cache=model.new_cache(4, 64)).logits
+    pairs = model.config.text_config.num_experts_per_tok + 1  # per token: the shared expert is stacked, one more
+    dsflash_compile.compile(model, max_batch=4, max_length=64, batch_buckets=(1, 2, 4), prefill_buckets=(16,),
+                            backend="eager", passes=False, dynamic_shapes=True, moe_few_rows=2 * pairs)
+    runner, graphs = model.compiled_runner, []
+    for batch in (1, 2, 4):
+        runner.fresh_cache(batch, 64)
+        torch.testing.assert_close(runner(ids[:batch], torch.ones_like(ids[:batch]), 1)[:, -1], want[:batch, -1],
+                                   rtol=0, atol=1e-4)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] > graphs[0] and graphs[2] == graphs[1], graphs
+
+
 def test_dynamic_shapes_inductor_options_are_known(fresh_dynamo, monkeypatch):
     """With Inductor, dynamic_shapes turns off its coalesce tiling analysis (which fails on symbolic sizes):
     torch.compile checks the option's name when the blocks are wrapped, before anything runs."""

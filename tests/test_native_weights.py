@@ -158,6 +158,19 @@ def count_grouped_mm(monkeypatch) -> list:
     return calls
 
 
+def test_grouped_mm_by_rows_picks_the_grouped_gemm_when_it_runs(monkeypatch):
+    """dsflash::grouped_mm_by_rows (dynamic shapes): dsflash::grouped_mm up to few_rows rows, torch._grouped_mm
+    above (the same bits on CPU: only the count tells them apart)."""
+    x, weight, offsets = bf16_case([3, 0, 5, 1], 64, 96)
+    want = torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    opcheck(ops.grouped_mm_by_rows.default, (x, weight, offsets, 9))
+    calls = count_grouped_mm(monkeypatch)
+    assert torch.equal(ops.grouped_mm_by_rows(x, weight, offsets, 9), want)
+    assert len(calls) == 1
+    assert torch.equal(ops.grouped_mm_by_rows(x, weight, offsets, 8), want)
+    assert len(calls) == 1
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("count_order", [0, COUNT_ORDER_BOUND])
 def test_moe_few_rows_path_equals_the_expert_loop(count_order, monkeypatch):
