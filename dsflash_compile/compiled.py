@@ -156,9 +156,7 @@ class CompiledRunner:
         # Inductor keeps fused intermediates in fp32, which moves FP8/FP4 quantization steps.
         passes.keep_model_rounding()
         for layer in model.model.layers:
-            shared = options.moe_shared_stacked and layer.ffn.can_stack_shared()
-            if not layer.ffn.grouped or layer.ffn.shared_stacked != shared or layer.ffn.stacks_stale():
-                layer.ffn.stack_experts(shared)
+            layer.ffn.ensure_grouped(options.moe_shared_stacked and layer.ffn.can_stack_shared())
             layer.ffn.few_rows = options.moe_few_rows
             layer.ffn.count_order = options.moe_count_order
             layer.attn.fuse_input_projections(options.fuse_input_projections)
