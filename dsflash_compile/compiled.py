@@ -162,9 +162,7 @@ class CompiledRunner:
         # Inductor keeps fused intermediates in fp32, which moves FP8/FP4 quantization steps.
         passes.keep_model_rounding()
         for layer in model.model.layers:
-            shared = options.moe_shared_stacked and layer.ffn.can_stack_shared()
-            if not layer.ffn.grouped or layer.ffn.shared_stacked != shared or layer.ffn.stacks_stale():
-                layer.ffn.stack_experts(shared)
+            layer.ffn.ensure_grouped(options.moe_shared_stacked and layer.ffn.can_stack_shared())
             layer.ffn.few_rows = options.moe_few_rows
             # a symbolic graph must not test its row count against few_rows: the guard would split it in two
             # (flash-40l-e8: batches up to 16 and above), so the op picks the GEMM when it runs

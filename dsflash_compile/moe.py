@@ -141,6 +141,12 @@ class MoE(nn.Module):
         self._view_experts()
         self.grouped = True
 
+    def ensure_grouped(self, shared: bool = False) -> None:
+        """Run the grouped path, the shared expert stacked or not: stack_experts(shared) unless the stacks already
+        hold that layout and are current (compile(); eager callers that must not sync with the host per expert)."""
+        if not self.grouped or self.shared_stacked != shared or self.stacks_stale():
+            self.stack_experts(shared)
+
     def stacks_stale(self) -> bool:
         """Whether a stacked expert tensor is no longer a view of its stack (a load with assign=True replaced
         it): stack_experts() must run again before the grouped path reads the stacks."""

@@ -572,6 +572,23 @@ def test_a_loaded_expert_tensor_makes_the_stacks_stale():
     assert not moe.stacks_stale()
 
 
+def test_ensure_grouped_restacks_only_a_stale_or_other_layout():
+    """ensure_grouped (compile(), eager scripts): current stacks of the asked layout are kept; another layout
+    (shared expert stacked or not) or a stale stack is stacked anew."""
+    moe = tiny_moe()
+    moe.ensure_grouped(shared=True)
+    stack = moe.w1_weight_stacked
+    assert moe.grouped and moe.shared_stacked and stack.shape[0] == len(moe.experts) + 1
+    moe.ensure_grouped(shared=True)
+    assert moe.w1_weight_stacked is stack
+    moe.ensure_grouped(shared=False)
+    assert not moe.shared_stacked and moe.w1_weight_stacked.shape[0] == len(moe.experts)
+    stack = moe.w1_weight_stacked
+    hold(moe.experts[3].w2, "weight", moe.experts[3].w2.weight.detach().clone())
+    moe.ensure_grouped(shared=False)
+    assert moe.w1_weight_stacked is not stack and not moe.stacks_stale()
+
+
 @torch.no_grad()
 def test_random_native_model_equals_random_bf16_model():
     """A preset built with native weights draws the same values as the bf16 one (kept encoded)."""

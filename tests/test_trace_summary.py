@@ -1,21 +1,16 @@
 """scripts/trace_summary.py on a small synthetic Chrome trace (no GPU, no model)."""
 
 import gzip
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "trace_summary.py"
+from script_module import load_script
 
 
 @pytest.fixture(scope="module")
 def trace_summary():
-    spec = importlib.util.spec_from_file_location("trace_summary", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("trace_summary")
 
 
 def kernel(name, ts, dur, grid=(1, 1, 1)):

@@ -1,0 +1,72 @@
+"""scripts/replay_accuracy.py on the tiny preset (CPU): its chunked teacher forcing and grouped experts against
+token-by-token runs of the model as built."""
+
+import json
+
+import pytest
+import torch
+
+from dsflash_compile.presets import preset_model
+from script_module import load_script
+
+
+@pytest.fixture(scope="module")
+def replay_accuracy():
+    return load_script("replay_accuracy")
+
+
+def token_by_token(model, prompts, new_tokens, replay, feed=None):
+    """(tokens [B, N], fp32 log-probs [B, N, V]): greedy decoding, or fed `feed`, one token per forward in a
+    cache of its own (the measurement as first written)."""
+    model.model.text_config.swa_bounded_replay = replay
+    cache = model.new_cache(prompts.shape[0], prompts.shape[1] + new_tokens)
+    logits = model(prompts, cache=cache, logits_to_keep=1).logits[:, -1]
+    tokens, logprobs = [], []
+    for t in range(new_tokens):
+        logprobs.append(torch.log_softmax(logits.float(), -1))
+        tokens.append(logits.argmax(-1) if feed is None else feed[:, t])
+        if t + 1 < new_tokens:
+            logits = model(tokens[-1][:, None], cache=cache).logits[:, -1]
+    return torch.stack(tokens, 1), torch.stack(logprobs, 1)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("length", [12, 40])  # within the window (16): exact; beyond it: trimmed
+def test_runs_equal_the_token_by_token_runs(replay_accuracy, length):
+    """run(): one prefill per setting (its cache saved, then put back for the forced tokens, fed as one chunk),
+    grouped experts: the greedy tokens of separate token-by-token runs of the model as built (the expert loop),
+    and their log-probs but for the fp32 head's rounding of a chunk (its GEMM's blocking follows the rows)."""
+    batch, new_tokens = 3, 5
+    loop, grouped = preset_model("tiny"), preset_model("tiny")
+    replay_accuracy.prepare(grouped)
+    assert not loop.model.layers[0].ffn.grouped and grouped.model.layers[0].ffn.grouped
+    prompts = torch.randint(3, 512, (batch, length), generator=torch.Generator().manual_seed(length))
+    exact, exact_logprobs = token_by_token(loop, prompts, new_tokens, replay=False)
+    replayed, _ = token_by_token(loop, prompts, new_tokens, replay=True)
+    _, forced = token_by_token(loop, prompts, new_tokens, replay=True, feed=exact)
+    tokens_off, logprobs_off = replay_accuracy.run(grouped, prompts, new_tokens, replay=False)
+    tokens_on, logprobs_on = replay_accuracy.run(grouped, prompts, new_tokens, replay=True, forced=exact)
+    assert torch.equal(tokens_off, exact) and torch.equal(tokens_on, replayed)
+    for got, want in ((logprobs_off, exact_logprobs), (logprobs_on, forced)):
+        assert torch.equal(got[:, 0], want[:, 0])  # the prefill's
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    metrics = replay_accuracy.compare(grouped, prompts, new_tokens)
+    if length <= grouped.model.text_config.sliding_window:  # both settings run the same computation
+        assert torch.equal(logprobs_on, logprobs_off) and torch.equal(tokens_on, tokens_off)
+        assert metrics["teacher_forced_argmax_agreement"] == metrics["greedy_all_tokens_equal"] == 1.0
+        assert metrics["mean_kl"] == metrics["max_kl"] == 0.0
+    else:
+        assert not torch.equal(logprobs_on, logprobs_off) and metrics["max_kl"] > 0.0
+
+
+def test_main_writes_a_row_per_length(replay_accuracy, tmp_path, monkeypatch):
+    """Three prompts in batches of two (one partial batch) per length; the untrimmed length is exact."""
+    monkeypatch.setattr("sys.argv", ["replay_accuracy.py", "--prompts", "3", "--lengths", "12", "24", "--new-tokens",
+                                     "3", "--batch", "2", "--out", str(tmp_path)])
+    replay_accuracy.main()
+    rows = json.loads(next(tmp_path.glob("replay-accuracy-*.json")).read_text())["rows"]
+    assert [(r["prompt_len"], r["prompts"], r["new_tokens"], r["trimmed"]) for r in rows] == [(12, 3, 3, False),
+                                                                                            (24, 3, 3, True)]
+    assert rows[0]["mean_kl"] == rows[0]["max_kl"] == 0.0 and rows[0]["greedy_token_agreement"] == 1.0
+    for row in rows:
+        assert 0.0 <= row["teacher_forced_argmax_agreement"] <= 1.0 and row["max_kl"] >= row["mean_kl"] >= 0.0
