@@ -31,6 +31,7 @@ from compile_and_profile import fill_cache, profile_step, step_time
 from dsflash_compile import DeepseekV41ForCausalLM, preset_config
 from dsflash_compile.benchmarking import print_table, run_metadata, save_results
 from dsflash_compile.custom_ops import side_stream
+from dsflash_compile.custom_ops.mhc_rows_triton import ROWS_MIN_TOKENS
 
 VARIANTS = ("fused", "overlap", "split")
 
@@ -46,15 +47,13 @@ def concurrent_us(trace_path: str, name: str = "_seam_kernel") -> float:
     return total
 
 
-def compile_variant(model, variant: str, batches: list[int], max_length: int, context: int, gen,
-                    dynamic_shapes: bool = False):
+def compile_variant(model, variant: str, batches: list[int], max_length: int, context: int, gen):
     """Compile for `variant` ("fused" or "overlap") and capture its decode graphs. Returns the runner and
     batch -> step function (a step replays the graph; the cache is rewound to `context` before it fills)."""
     torch._dynamo.reset()
     model.compiled_runner = None
     dsflash_compile.compile(model, max_batch=max(batches), max_length=max_length, batch_buckets=tuple(batches),
-                            mhc_overlap=variant != "fused", mhc_overlap_max_tokens=max(batches),
-                            dynamic_shapes=dynamic_shapes)
+                            mhc_overlap=variant != "fused", mhc_overlap_max_tokens=max(batches))
     runner = model.compiled_runner
     steps = {}
     for batch in batches:  # ascending: the last fill leaves every row at `context` tokens
@@ -102,12 +101,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dynamic-shapes", action="store_true",
-                        help="CompileOptions.dynamic_shapes for both variants: one symbolic decode graph from the "
-                             "second batch on, about 2 compiles per variant instead of one per batch")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     batches = sorted(args.batch)
+    if batches[-1] >= ROWS_MIN_TOKENS:  # such seams run the rows kernel, which the overlap does not split
+        parser.error(f"--batch: the overlap splits seams of fewer than {ROWS_MIN_TOKENS} tokens "
+                     "(mhc_rows_triton.ROWS_MIN_TOKENS)")
     name = f"overlap-{args.preset}-b{'-'.join(map(str, batches))}"
 
     torch.set_grad_enabled(False)
@@ -116,13 +115,11 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     max_length = args.context + args.steps + 64
     result = {**run_metadata(), "preset": args.preset, "context": args.context, "steps": args.steps,
-              "repeats": args.repeats, "dynamic_shapes": args.dynamic_shapes,
-              "batches": {str(b): {} for b in batches}}
+              "repeats": args.repeats, "batches": {str(b): {} for b in batches}}
 
     steps = {}
     for variant in ("fused", "overlap"):
-        runner, steps[variant] = compile_variant(model, variant, batches, max_length, args.context, gen,
-                                                 args.dynamic_shapes)
+        runner, steps[variant] = compile_variant(model, variant, batches, max_length, args.context, gen)
         result[f"{variant}_pass_matches"] = dict(runner.pass_manager.matches)
     steps["split"] = split_variant(runner, steps["overlap"])
     save_results(result, name, args.out)

@@ -98,7 +98,7 @@ def test_dynamic_shapes_reuse_one_graph_from_the_second_batch_bucket_on(fresh_dy
 
 @torch.no_grad()
 def test_dynamic_shapes_decode_graph_serves_batches_past_moe_few_rows(fresh_dynamo):
-    """Batches 1, 2, 4 as scripts/bench_overlap.py runs them (1 static, 2 symbolic), the MoE's few-rows cutoff
+    """Batches 1, 2, 4 in ascending buckets (1 static, 2 symbolic), the MoE's few-rows cutoff
     between 2 and 4: batch 4 reuses batch 2's graphs (the grouped GEMM is picked when it runs, not by a guard on
     the batch; on the H200 flash-40l-e8 recompiled every block at batch 32 after 8: 7 rows a token, cutoff 112).
     Three layers (two roles) keep it short."""
