@@ -1,5 +1,5 @@
 """Triton kernel of the full mHC seam for many tokens (prefill chunks, batched decode); mhc_triton.py's
-`mhc_seam_triton` launches it from ROWS_MIN_TOKENS tokens (see mhc.py for the math).
+`mhc_seam_triton` launches it from mhc.ROWS_MIN_TOKENS tokens (see mhc.py for the math and the sweep).
 
 Grid: (block of BLOCK_T tokens, split of D). A program walks its split's columns in BLOCK_D chunks for its
 block's tokens, and within a chunk the hc new streams j: with HAS_POST it expands the chunk's streams tile
@@ -30,7 +30,7 @@ Rounding points are the reference's: fp32 math, bf16 casts of the new streams an
 order of the fp32 sums differs from the one-token kernel (and between split counts), so they agree within
 summation order, not bit for bit: the split launches of mhc_split.py keep mhc_triton.py's kernel (they must
 equal its one launch), and the overlap pass splits only seams of at most
-CompileOptions.mhc_overlap_max_tokens (16) tokens, fewer than ROWS_MIN_TOKENS.
+CompileOptions.mhc_overlap_max_tokens (16) tokens, fewer than mhc.ROWS_MIN_TOKENS.
 """
 
 import torch
@@ -40,11 +40,6 @@ import triton.language as tl
 from .block_counters import block_counters
 from .mhc_finish_triton import _mixes, _rms_norm
 
-# H200 sweep (scripts/sweep_mhc.py --rows, 11-30, mhc-rows-sweep-2026-11-30-d.json): with split_plan's D splits
-# this kernel takes 28 / 31 / 37 / 98 / 362 us at 64 / 128 / 256 / 1024 / 4096 tokens (the best split count
-# swept: 26 / 29 / 37 / 98 / 338), against 222 / 221 / 237 / 233 / 362 without a split and the one-token
-# kernel's 39 / 66 / 119 / 476 / 1884 us. 64 is the fewest tokens swept, so the crossover may lie lower
-ROWS_MIN_TOKENS = 64
 # The fastest launch at every count swept; TF32x3 on tensor cores is 2.7-3.5x faster than "ieee" (fp32 FMAs)
 # and agreed with the reference as closely (the sweep's check). splits: D splits per token block; None:
 # split_plan's (about TARGET_PROGRAMS programs), within 10% of the best swept split at every count

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from . import mhc_rows_triton
 from .block_counters import block_counters
+from .mhc import ROWS_MIN_TOKENS
 from .mhc_finish_triton import _mixes, _rms_norm
 
 
@@ -149,7 +150,7 @@ def _columns_per_program(tokens: int) -> int:
 def takes_rows(tokens: int, mixes: bool, collapse: bool) -> bool:
     """Whether mhc_seam_triton runs mhc_rows_triton.py's kernel: full seams of ROWS_MIN_TOKENS tokens or more.
     The split launches (mixes or collapse off) always take _seam_kernel: they must equal its one launch."""
-    return mixes and collapse and tokens >= mhc_rows_triton.ROWS_MIN_TOKENS
+    return mixes and collapse and tokens >= ROWS_MIN_TOKENS
 
 
 def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters,

@@ -430,26 +430,37 @@ def _rowwise_stages(keys: torch.Tensor, index: torch.Tensor | None, k: int, key_
         keys, index, width, first = out_keys, out_index, out_width, False
 
 
+def _candidate_room(k: int) -> bool:
+    """Room for 3k candidates above a filter threshold (CAND - K_P2 slots): k <= 512 at the default CAND."""
+    return 4 * triton.next_power_of_2(k) <= CAND
+
+
 def filter_fits(rows: int, width: int, k: int, device) -> bool:
     """The filter path's choice (shapes only; never while FILTER_ON is off): one program per row, so at least
     FILTER_ROWS_PER_SM rows per SM; rows wider than one CHUNK (narrower ones take the row-wise path in one
-    pass); and room for 3k candidates above the threshold (CAND - K_P2 slots)."""
-    return (FILTER_ON and rows >= FILTER_ROWS_PER_SM * _num_sms(device) and width > CHUNK
-            and 4 * triton.next_power_of_2(k) <= CAND)
+    pass); and _candidate_room."""
+    return FILTER_ON and rows >= FILTER_ROWS_PER_SM * _num_sms(device) and width > CHUNK and _candidate_room(k)
 
 
 def filter_segments(rows: int, width: int, k: int, device, on: bool | None = None) -> int:
     """Segments per row of the segmented filter path (shapes only), 0 where it is not chosen (SEGMENTED_ON
     off, or filter_fits): enough to bring the rows up to FILTER_ROWS_PER_SM programs per SM, none narrower
     than SEGMENT; chosen from 2 segments per row where the programs fill the GPU at least once (fewer rows:
-    the radix split path) and there is room for 3k candidates above each threshold. on: instead of
-    SEGMENTED_ON (the benchmarks time the path before it is on)."""
-    if not (SEGMENTED_ON if on is None else on) or filter_fits(rows, width, k, device):
-        return 0
-    if 4 * triton.next_power_of_2(k) > CAND:
+    the radix split path) and _candidate_room. on: instead of SEGMENTED_ON (the benchmarks time the path before
+    it is on)."""
+    if not (SEGMENTED_ON if on is None else on) or filter_fits(rows, width, k, device) or not _candidate_room(k):
         return 0
     segments = min(triton.cdiv(FILTER_ROWS_PER_SM * _num_sms(device), rows), width // SEGMENT)
     return segments if segments >= 2 and rows * segments >= _num_sms(device) else 0
+
+
+def segment_plan(width: int, segments: int, block: int = FILTER_BLOCK) -> tuple[int, int]:
+    """(segments, entries per segment) of a row split into about `segments` segments of whole tiles (fewer
+    where the tiles run out; 1 segment: the whole row)."""
+    if segments <= 1:
+        return 1, width
+    seg_width = triton.cdiv(triton.cdiv(width, segments), block) * block
+    return triton.cdiv(width, seg_width), seg_width
 
 
 def select_filtered(scores: torch.Tensor, k: int, groups: int = GROUPS, sample: int = SAMPLE, cand: int = CAND,
@@ -466,11 +477,11 @@ def select_filtered(scores: torch.Tensor, k: int, groups: int = GROUPS, sample: 
     if not (k_p2 < cand and LINE.value <= groups <= block < 1 << 15):  # (two counts share an int32)
         raise ValueError(f"select_filtered: needs next_power_of_2(k) = {k_p2} < cand = {cand} and "
                          f"{LINE.value} <= groups = {groups} <= block = {block} < 2^15")
-    seg_width = triton.cdiv(triton.cdiv(width, max(1, segments)), block) * block if segments > 1 else width
-    segments = triton.cdiv(width, seg_width)
+    segments, seg_width = segment_plan(width, segments, block)
     if segments > 1 and seg_width < 2 * k_p2:
-        raise ValueError(f"select_filtered: segments of {seg_width} entries leave no fewer than the row's "
-                         f"{width} for k = {k}; ask for at most {width // (2 * k_p2)} segments")
+        raise ValueError(f"select_filtered: {segments} segments of {seg_width} entries, but each needs at least "
+                         f"2 x next_power_of_2(k) = {2 * k_p2} (the row-wise stages must shrink the row); ask for "
+                         f"at most {width // (2 * k_p2)}")
     bits = scores.contiguous().view(_BITS_VIEW[key_bits])
     candidates = torch.empty(rows * segments, cand, dtype=torch.int32, device=scores.device)
     picks = torch.empty(rows, segments * k, dtype=torch.int32, device=scores.device)

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from . import passes
 from .cache import CacheCapacityError
 from .context import check_left_padding
-from .custom_ops.mhc_rows_triton import ROWS_MIN_TOKENS
+from .custom_ops.mhc import ROWS_MIN_TOKENS
 from .moe import COUNT_ORDER_BOUND
 from .trimmed_graphs import TrimmedGraphs
 
@@ -56,7 +56,7 @@ class CompileOptions:
     # Off: on the H200 it did not pay at batch 1 (flash-40l-e8 decode step 13.10 ms against 12.99 fused, 0.81 ms
     # of seam kernels overlapping others; overlap-flash-40l-e8-b1-2026-11-30.json, scripts/bench_overlap.py)
     mhc_overlap: bool = False
-    mhc_overlap_max_tokens: int = 16  # below mhc_rows_triton.ROWS_MIN_TOKENS (checked)
+    mhc_overlap_max_tokens: int = 16  # below custom_ops.mhc.ROWS_MIN_TOKENS (checked)
     # issue 5: grouped GEMMs of the bf16 routed experts with at most this many (token, slot) rows run
     # dsflash::grouped_mm (each picked expert's weight streamed once over many programs) instead of
     # torch._grouped_mm, whose CUTLASS grouped GEMM took 63 us per projection at decode batch 1 (2.3 TB/s: 6
@@ -101,7 +101,7 @@ class CompileOptions:
         if self.mhc_overlap and self.mhc_overlap_max_tokens >= ROWS_MIN_TOKENS:
             # the fused seam runs the rows kernel from there, which sums in another order than the split ops
             raise ValueError(f"CompileOptions.mhc_overlap_max_tokens={self.mhc_overlap_max_tokens}: the overlap "
-                             f"splits seams of fewer than {ROWS_MIN_TOKENS} tokens (mhc_rows_triton.ROWS_MIN_TOKENS)")
+                             f"splits seams of fewer than {ROWS_MIN_TOKENS} tokens (custom_ops/mhc.py ROWS_MIN_TOKENS)")
         for name in ("batch_buckets", "prefill_buckets"):
             buckets = getattr(self, name)
             if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:

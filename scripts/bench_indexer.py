@@ -186,7 +186,7 @@ def checks(gen) -> list[dict]:
         ]
         if not ramp:  # (with queries that see nothing, both paths pick arbitrary -1 rows)
             results.append(guarded(f"layer picks agree {shape}", lambda: layer_agreement(case, shape)))
-    for rows, width in ((1, 1 << 20), (4096, 16384), (64, 1 << 19)):  # radix, row-wise 1 and 2 stages
+    for rows, width in ((1, 1 << 20), (4096, 16384), (64, 1 << 19)):  # radix, filter, row-wise (2 stages)
         scores = torch.randn(1, rows, width, generator=gen, device="cuda").bfloat16()  # bf16: many exact ties
         vis = torch.full((1, rows), width, device="cuda")
         name = f"topk_indices {rows}x{width}"
@@ -219,7 +219,7 @@ def time_topk(rows: int, width: int, gen) -> dict:
     segments = topk_triton.filter_segments(rows, width, TOPK, scores.device, on=True)
     if segments and path != "segmented":  # the segmented filter path where it would be chosen once on
         flat = scores.view(rows, width)
-        row["segments"] = segments
+        row["segments"] = topk_triton.segment_plan(width, segments)[0]
         row["segmented_s"] = time_graph(lambda: topk_triton.select_filtered(flat, TOPK, segments=segments),
                                         calls=calls, replays=replays)
     print(f"  top-k {rows:>4} x {width:>7}: torch.topk {torch_s * 1e3:8.3f} ms, topk_indices {ours_s * 1e3:8.3f} ms "

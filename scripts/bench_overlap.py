@@ -31,7 +31,7 @@ from compile_and_profile import fill_cache, profile_step, step_time
 from dsflash_compile import DeepseekV41ForCausalLM, preset_config
 from dsflash_compile.benchmarking import print_table, run_metadata, save_results
 from dsflash_compile.custom_ops import side_stream
-from dsflash_compile.custom_ops.mhc_rows_triton import ROWS_MIN_TOKENS
+from dsflash_compile.custom_ops.mhc import ROWS_MIN_TOKENS
 
 VARIANTS = ("fused", "overlap", "split")
 
@@ -106,7 +106,7 @@ def main() -> None:
     batches = sorted(args.batch)
     if batches[-1] >= ROWS_MIN_TOKENS:  # such seams run the rows kernel, which the overlap does not split
         parser.error(f"--batch: the overlap splits seams of fewer than {ROWS_MIN_TOKENS} tokens "
-                     "(mhc_rows_triton.ROWS_MIN_TOKENS)")
+                     "(custom_ops/mhc.py ROWS_MIN_TOKENS)")
     name = f"overlap-{args.preset}-b{'-'.join(map(str, batches))}"
 
     torch.set_grad_enabled(False)

@@ -12,14 +12,15 @@ launches; the token blocks it found slow (16 tokens per program: 2-5x) are left 
 --rows: the rows kernel at 64 ... 4096 tokens (prefill chunks, batched decode, bounded replay's trimmed
 layers at 128), beside mhc_triton.py's kernel at its default launch and the rows kernel at its default launch
 (LAUNCH, split_plan's splits); it prints the fastest launch per token count and the smallest swept count from
-which the rows kernel wins (for mhc_rows_triton.LAUNCH, TARGET_PROGRAMS and ROWS_MIN_TOKENS). Its grid: the
+which the rows kernel wins (for mhc_rows_triton.LAUNCH, TARGET_PROGRAMS and mhc.ROWS_MIN_TOKENS). Its grid: the
 tiles of 8 values a thread (BLOCK_T BLOCK_D = 256 warps: 16 x 64 and 32 x 32 at 4 warps, 16 x 128, 32 x 64 and
 64 x 32 at 8), the five fastest of the 11-30 sweep (mhc-rows-sweep-2026-11-30.json; smaller tiles were 2-9x
 slower, larger ones spilled), TF32x3 dots only ("ieee" was 2.7-3.5x slower at every count), each with 1, 2,
 4 ... 64 D splits as split_plan evens them out (64 of 80 chunks: 40), duplicates and launches of more than
 2 TARGET_PROGRAMS programs left out: 141 launches at the five default counts. GPU time: about a minute of
 compiles (two variants per tile: one split or several) and some 30 s of runs (each a check and 221 calls;
-the rows kernel should take ~20-100 us from 64 to 1024 tokens with the splits, ~360 us at 4096).
+11-30 on the H200, mhc-rows-sweep-2026-11-30-d.json: the rows kernel took 28-98 us from 64 to 1024 tokens
+with the default splits, 362 us at 4096).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def sweep(rows: int, width: int) -> list[dict]:
                              scores, K, *args, flags=flags)))
     segments = topk_triton.filter_segments(rows, width, K, scores.device, on=True)
     for count in sorted({segments // 2, segments, 2 * segments} - {0, 1}) if segments else ():
-        variants.append(({"path": "segmented", "segments": count},
+        variants.append(({"path": "segmented", "segments": topk_triton.segment_plan(width, count)[0]},
                          lambda count=count: topk_triton.select_filtered(scores, K, flags=flags, segments=count)))
     for params, call in variants:
         row = sweep_variant({"rows": rows, "width": width, **params}, call, agrees, calls=2, replays=5)

@@ -9,7 +9,7 @@ from torch import nn
 from torch._inductor import config as inductor_config
 
 from dsflash_compile import DeepseekV41ForCausalLM, passes, preset_config
-from dsflash_compile.custom_ops.mhc import entry_seam_reference, seam_reference
+from dsflash_compile.custom_ops.mhc import ROWS_MIN_TOKENS, entry_seam_reference, seam_reference
 from dsflash_compile.layers import RMSNorm
 from dsflash_compile.modeling_deepseek_v41 import DeepseekV41Block
 from dsflash_compile.mhc import hc_mixes, hc_post, hc_pre
@@ -73,9 +73,10 @@ KERNEL_CASES = {  # name: (leading dims, D, launch); D = 96 leaves a partial chu
 }
 ROWS_CASES = {  # name: (leading dims, D, rows_launch): mhc_rows_triton's kernel, forced below ROWS_MIN_TOKENS;
     # each leaves a partial last block of tokens, D = 96 a partial chunk at the default 64 columns
-    "rows_prefill": ((37,), 96, {}),
+    # (one split: the kernel without partials; the default launch splits D)
+    "rows_prefill": ((37,), 96, {"splits": 1}),
     "rows_batch_seq": ((2, 19), 64, {"block_t": 32, "block_d": 32}),
-    "rows_short": ((20,), 96, {"block_d": 32, "num_warps": 8}),
+    "rows_short": ((20,), 96, {"block_d": 32, "num_warps": 8, "splits": 1}),
     # D splits: a short last split with a partial chunk; split_plan's default (4 splits of one chunk); more
     # splits than SPLIT_GROUP (two group loads of partials)
     "rows_split": ((37,), 80, {"block_d": 32, "splits": 2}),
@@ -207,9 +208,9 @@ def test_full_seams_of_many_tokens_take_the_rows_kernel(monkeypatch):
     calls = []
     monkeypatch.setattr(mhc_triton, "_seam_kernel", RecordedKernel("seam", calls))
     monkeypatch.setattr(mhc_rows_triton, "_seam_rows_kernel", RecordedKernel("rows", calls))
-    monkeypatch.setitem(mhc_rows_triton.LAUNCH, "splits", None)  # split_plan's automatic splits
+    monkeypatch.setitem(mhc_rows_triton.LAUNCH, "splits", None)  # split_plan's automatic splits (pinned)
     block_t = mhc_rows_triton.LAUNCH["block_t"]
-    least = mhc_rows_triton.ROWS_MIN_TOKENS
+    least = ROWS_MIN_TOKENS
     dim = 1024  # 16 chunks of 64 to split
     seen_splits = set()
     # the last count fills TARGET_PROGRAMS programs with token blocks alone: no split

@@ -16,7 +16,7 @@ import dsflash_compile
 from dsflash_compile.compiled import CompileOptions
 from dsflash_compile.layers import RMSNorm
 from dsflash_compile.passes import MhcFusionPass, MhcOverlapPass
-from dsflash_compile.custom_ops.mhc_rows_triton import ROWS_MIN_TOKENS
+from dsflash_compile.custom_ops.mhc import ROWS_MIN_TOKENS
 from dsflash_compile.passes.mhc_overlap import _views_and_readers
 from test_compile import distinct_roles, fresh_dynamo, prompts, tiny_model  # noqa: F401  (fresh_dynamo: a fixture)
 from interp import report, requires_interpreter, run_interpreted

@@ -2,6 +2,8 @@
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,6 +19,21 @@ from golden import TINY_A, load_model, requires_golden
 def tiny():
     torch.manual_seed(0)
     return DeepseekV41ForCausalLM(preset_config("tiny")).eval()
+
+
+def test_the_package_runs_without_triton():
+    """Triton is optional on CPU machines (the `cuda` extra): with it unimportable the package imports, its
+    compile options validate and the tiny model runs on the ops' references (a subprocess: this one imported
+    triton)."""
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch\n"
+            "from dsflash_compile import DeepseekV41ForCausalLM, preset_config\n"
+            "from dsflash_compile.compiled import CompileOptions\n"
+            "CompileOptions(mhc_overlap=True)\n"
+            "model = DeepseekV41ForCausalLM(preset_config('tiny')).eval()\n"
+            "print(tuple(model(torch.tensor([[5, 6, 7]])).logits.shape))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("(1, 3, 512)"), proc.stdout + proc.stderr[-3000:]
 
 
 def prompts(lengths, vocab=512, seed=0):

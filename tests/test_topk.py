@@ -238,8 +238,8 @@ def test_topk_indices_cuda_equals_reference(rows, width, dtype):
 @pytest.mark.parametrize("rows,width", [(4096, 16384), (64, 1 << 19), (300, 70000)])
 def test_rowwise_radix_and_filter_paths_cuda_agree(rows, width):
     """The paths forced on many-row shapes (one and two row-wise stages, a ragged last chunk; the filter
-    path at every launch the sweep compares, and segmented in 2 to 64 segments): the reference's picks
-    exactly, bf16 ties included."""
+    path at every launch the sweep compares, and segmented with 2, 5 and 64 segments asked): the reference's
+    picks exactly, bf16 ties included."""
     from dsflash_compile.custom_ops import topk_triton
     from dsflash_compile.custom_ops.topk import topk_indices_reference
 
