@@ -15,7 +15,8 @@ rows), so on CPU a model holding MXFP4 experts gives the bf16 model's bits. On C
 bf16 model (moe.py uses it up to MoE.few_rows rows): the same Triton kernel, which streams each selected
 expert's weight once over many programs, where torch._grouped_mm's grouped GEMM reaches about half the
 copy bandwidth at a few rows per expert. Its reference is the same per-expert F.linear.
-`dsflash::grouped_mm_by_rows` makes moe.py's choice between it and torch._grouped_mm when it runs (dynamic shapes).
+`dsflash::grouped_mm_by_rows` makes moe.py's choice between it and torch._grouped_mm when it runs (a graph
+with a symbolic row count, dynamic shapes, is then not guarded on it, which would give one graph per side).
 """
 
 import torch

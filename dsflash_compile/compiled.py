@@ -164,9 +164,6 @@ class CompiledRunner:
         for layer in model.model.layers:
             layer.ffn.ensure_grouped(options.moe_shared_stacked and layer.ffn.can_stack_shared())
             layer.ffn.few_rows = options.moe_few_rows
-            # a symbolic graph must not test its row count against few_rows: the guard would split it in two
-            # (flash-40l-e8: batches up to 16 and above), so the op picks the GEMM when it runs
-            layer.ffn.few_rows_at_run_time = options.dynamic_shapes
             layer.ffn.count_order = options.moe_count_order
             layer.attn.fuse_input_projections(options.fuse_input_projections)
         if options.swa_bounded_replay is not None:

@@ -12,7 +12,7 @@ Two ways to run the routed experts, with the same math and the same summation or
     grouped GEMM is `dsflash::mxfp4_grouped_mm`; such a model is stacked from the start (and again after
     from_pretrained assigns the loaded tensors), so it runs grouped unless told otherwise. With bf16 weights,
     up to `few_rows` (token, slot) pairs (compile() sets it: the decode step) run `dsflash::grouped_mm`,
-    else torch._grouped_mm (with dynamic shapes `dsflash::grouped_mm_by_rows` picks when it runs); with
+    else torch._grouped_mm (`dsflash::grouped_mm_by_rows` picks when it runs); with
     `count_order` set, the sorts are counts (see _expert_order, _slot_order).
     With bf16 weights the shared expert can be stacked too (`stack_experts(shared=True)`):
     it is then every token's last pair, with weight 1 (exact), and added last as before, so the same bits
@@ -93,7 +93,6 @@ class MoE(nn.Module):
         self.grouped = False  # set by stack_experts()
         self.shared_stacked = False  # the shared expert is the stacks' last slice (stack_experts(shared=True))
         self.few_rows = 0  # bf16 grouped GEMMs of at most this many rows run dsflash::grouped_mm (see _grouped_mm)
-        self.few_rows_at_run_time = False  # that test made by the op when it runs (compile() with dynamic shapes)
         self.count_order = 0  # pairs x (groups + 1) up to this: sorts by counting (see _expert_order); 0: argsort
         if self.native:
             self.stack_experts()
@@ -182,12 +181,10 @@ class MoE(nn.Module):
         if self.native:
             return torch.ops.dsflash.mxfp4_grouped_mm(xs, getattr(self, f"{name}_weight_stacked"),
                                                       getattr(self, f"{name}_scale_stacked"), offsets)
-        weight = getattr(self, f"{name}_weight_stacked")
-        if self.few_rows_at_run_time:  # a symbolic row count: testing it here would guard the graph on the batch
-            return torch.ops.dsflash.grouped_mm_by_rows(xs, weight, offsets, self.few_rows)
-        if xs.shape[0] <= self.few_rows:  # few rows per expert: the CUTLASS grouped GEMM reads weights slowly
-            return torch.ops.dsflash.grouped_mm(xs, weight, offsets)
-        return torch._grouped_mm(xs, weight.transpose(1, 2), offs=offsets)
+        # few rows per expert: dsflash::grouped_mm (the CUTLASS grouped GEMM reads weights slowly there), else
+        # torch._grouped_mm; the op picks when it runs, so a symbolic row count (dynamic shapes) is not guarded
+        return torch.ops.dsflash.grouped_mm_by_rows(xs, getattr(self, f"{name}_weight_stacked"), offsets,
+                                                    self.few_rows)
 
     def _expert_order(self, key: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The pairs sorted stably by key (expert id, `groups` for a pair no GEMM computes): order [pairs] and

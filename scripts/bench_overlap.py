@@ -30,8 +30,8 @@ import dsflash_compile
 from compile_and_profile import fill_cache, profile_step, step_time
 from dsflash_compile import DeepseekV41ForCausalLM, preset_config
 from dsflash_compile.benchmarking import print_table, run_metadata, save_results
+from dsflash_compile.compiled import CompileOptions
 from dsflash_compile.custom_ops import side_stream
-from dsflash_compile.custom_ops.mhc import ROWS_MIN_TOKENS
 
 VARIANTS = ("fused", "overlap", "split")
 
@@ -104,9 +104,10 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     batches = sorted(args.batch)
-    if batches[-1] >= ROWS_MIN_TOKENS:  # such seams run the rows kernel, which the overlap does not split
-        parser.error(f"--batch: the overlap splits seams of fewer than {ROWS_MIN_TOKENS} tokens "
-                     "(custom_ops/mhc.py ROWS_MIN_TOKENS)")
+    try:  # before the minutes of building the model: the options compile_variant will pass
+        CompileOptions(mhc_overlap=True, mhc_overlap_max_tokens=batches[-1])
+    except ValueError as error:
+        parser.error(f"--batch: {error}")
     name = f"overlap-{args.preset}-b{'-'.join(map(str, batches))}"
 
     torch.set_grad_enabled(False)
