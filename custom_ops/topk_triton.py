@@ -86,10 +86,16 @@ FILTER_WARPS = 4
 FILTER_ROWS_PER_SM = 2
 FILTER_ON = True  # False: select_topk never picks the filter path (row-wise or radix by shape)
 # segmented filter path (fewer rows, wide: decode 64 x 128K..512K, 8 x 512K; see the module docstring): the
-# fewest entries per segment, and whether select_topk picks it (off until the H200 has timed it against the
-# row-wise and radix paths: scripts/sweep_topk.py, scripts/bench_indexer.py)
+# fewest entries per segment, the (row, segment) programs per SM it aims for, and whether select_topk picks it.
+# The H200 sweep (scripts/sweep_topk.py, 11-30 e), ms against torch.topk's, by segments per row:
+#   64 x 512K: 0.353 / 0.294 / 0.238 at 2 / 5 / 10 (torch 0.321; the row-wise path 0.387)
+#   8 x 512K:  0.062 / 0.053 / 0.068 at 16 / 32 / 64 (torch 0.082; row-wise 0.068)
+#   64 x 128K: 0.074 / 0.083 / 0.096 at 2 / 5 / 10 (torch 0.119; row-wise 0.100)
+# 5 programs per SM gives 11 / 32 / 8 segments there (all three beat torch.topk and the row-wise path; at
+# 64 x 128K fewer would be faster still, but one rule serves all three)
 SEGMENT = 16384
-SEGMENTED_ON = False
+SEGMENT_PROGRAMS_PER_SM = 5
+SEGMENTED_ON = True
 LINE = tl.constexpr(64)  # 128 bytes of bf16 scores
 # (GROUPS, SAMPLE, CAND, FILTER_BLOCK, FILTER_WARPS) launches scripts/sweep_topk.py compares, the defaults first
 FILTER_VARIANTS = [(GROUPS, SAMPLE, CAND, FILTER_BLOCK, FILTER_WARPS), (2048, 2, 4096, 4096, 8),
@@ -444,13 +450,14 @@ def filter_fits(rows: int, width: int, k: int, device) -> bool:
 
 def filter_segments(rows: int, width: int, k: int, device, on: bool | None = None) -> int:
     """Segments per row of the segmented filter path (shapes only), 0 where it is not chosen (SEGMENTED_ON
-    off, or filter_fits): enough to bring the rows up to FILTER_ROWS_PER_SM programs per SM, none narrower
-    than SEGMENT; chosen from 2 segments per row where the programs fill the GPU at least once (fewer rows:
-    the radix split path) and _candidate_room. on: instead of SEGMENTED_ON (the benchmarks time the path before
-    it is on)."""
-    if not (SEGMENTED_ON if on is None else on) or filter_fits(rows, width, k, device) or not _candidate_room(k):
+    off, filter_fits, or rows of one CHUNK, which the row-wise path ranks in one pass): enough to bring the
+    rows up to SEGMENT_PROGRAMS_PER_SM programs per SM, none narrower than SEGMENT; chosen from 2 segments per
+    row where the programs fill the GPU at least once (fewer rows: the radix split path) and _candidate_room.
+    on: instead of SEGMENTED_ON (the benchmarks time the path whether or not it is on)."""
+    if (not (SEGMENTED_ON if on is None else on) or filter_fits(rows, width, k, device) or width <= CHUNK
+            or not _candidate_room(k)):
         return 0
-    segments = min(triton.cdiv(FILTER_ROWS_PER_SM * _num_sms(device), rows), width // SEGMENT)
+    segments = min(triton.cdiv(SEGMENT_PROGRAMS_PER_SM * _num_sms(device), rows), width // SEGMENT)
     return segments if segments >= 2 and rows * segments >= _num_sms(device) else 0
 
 

@@ -8,8 +8,9 @@
              records in place) + candidate_blocks + topk_indices (for reference; no target)
   top-k      topk_indices vs torch.topk (k = 512) on each shape's dense [rows, context] scores and on the
              candidate path's [rows, 16384]; the path the op picks (topk_triton.topk_path: filter or
-             row-wise for many rows, radix split for few) and, for comparison, the radix path forced and
-             the segmented filter path where it would be chosen once on (topk_triton.SEGMENTED_ON)
+             row-wise for many rows, segmented filter for 8-64 wide rows, radix split for fewer) and, for
+             comparison, the radix path forced (and, with topk_triton.SEGMENTED_ON off, the segmented
+             filter path where it would be chosen)
   prefill    candidate_scores of the prefill chunk on the path the op picks (union of neighbours' blocks,
              tensor-core M = UNION_TOKENS x 32 heads) and on the per-token path forced, with the share of the
              union that one token uses (1 = identical lists)
@@ -217,7 +218,7 @@ def time_topk(rows: int, width: int, gen) -> dict:
         row["radix_s"] = time_graph(lambda: topk_triton.topk_indices_triton(scores, TOPK, vis, block=topk_triton.BLOCK),
                                     calls=calls, replays=replays)
     segments = topk_triton.filter_segments(rows, width, TOPK, scores.device, on=True)
-    if segments and path != "segmented":  # the segmented filter path where it would be chosen once on
+    if segments and path != "segmented":  # (SEGMENTED_ON off) the segmented path where it would be chosen
         flat = scores.view(rows, width)
         row["segments"] = topk_triton.segment_plan(width, segments)[0]
         row["segmented_s"] = time_graph(lambda: topk_triton.select_filtered(flat, TOPK, segments=segments),

@@ -211,6 +211,22 @@ def test_select_topk_rejects_bad_input():
         select_topk(torch.zeros(2, 8, dtype=torch.float64), 2)
 
 
+@pytest.mark.parametrize("rows,width,path,segments", [
+    (1, 1 << 20, "radix", 0), (8, 131072, "radix", 0), (8, 524288, "segmented", 32), (64, 16384, "radix", 0),
+    (64, 131072, "segmented", 8), (64, 524288, "segmented", 11), (4096, 524288, "filter", 0)])
+def test_topk_path_on_an_h200(monkeypatch, rows, width, path, segments):
+    """The shapes-only choice at the H200's 132 SMs: the segmented filter path for the decode shapes where the
+    11-30 e sweep timed it faster than torch.topk and the row-wise path, at the segment counts it timed
+    (8 x 512K at 32, 64 x 512K near its 10, 64 x 128K between its 5 and 10)."""
+    pytest.importorskip("triton")
+    from dsflash_compile.custom_ops import topk_triton
+
+    monkeypatch.setattr(topk_triton, "_num_sms", lambda device: 132)
+    cuda = torch.device("cuda")  # (shapes only: nothing runs on it)
+    assert topk_triton.topk_path(rows, width, 512, cuda) == path
+    assert topk_triton.segment_plan(width, topk_triton.filter_segments(rows, width, 512, cuda))[0] == max(segments, 1)
+
+
 # ----------------------------------------------------------------------------------------------- CUDA
 
 GPU_SHAPES = [(1, 16384), (64, 16384), (1, 1 << 20), (8, 1 << 20), (64, 131072), (4096, 8192), (4096, 16384),
