@@ -45,12 +45,14 @@ def plot(result: dict | str | Path, png: str | Path | None = None) -> Path:
     latency.set(xscale="log", yscale="log", xlabel="tokens/s per GPU", ylabel="TTFT p50 (s)",
                 title="time to first token vs throughput")
     plain = FuncFormatter(lambda value, _: f"{value:g}")  # 20, not 2 x 10^1
+    # minor ticks labelled at 2 and 5 x 10^n only: every one (0.06 0.07 0.08 0.09) overlaps its neighbours
+    sparse = FuncFormatter(lambda value, _: f"{value:g}" if f"{value:e}"[0] in "25" else "")
     for axes in (speed, latency):
         axes.grid(True, which="both", alpha=0.3)
         axes.legend()
         for axis in (axes.xaxis, axes.yaxis):
             axis.set_major_formatter(plain)
-            axis.set_minor_formatter(plain)
+            axis.set_minor_formatter(sparse)
     ratio = head.get("throughput_ratio_at_constraint")
     summary = f"; optimized / day-zero at that speed: {ratio:.2f}x" if ratio else ""
     fig.suptitle(f"dsflash bench serve: {result['preset']} on {result['device']}, {result['date']}{summary}\n"
