@@ -8,7 +8,7 @@ import json
 import textwrap
 from pathlib import Path
 
-from .serve_bench import curve
+from .serve_bench import curve, ratio_bound
 
 
 def plot(result: dict | str | Path, png: str | Path | None = None) -> Path:
@@ -54,7 +54,7 @@ def plot(result: dict | str | Path, png: str | Path | None = None) -> Path:
             axis.set_major_formatter(plain)
             axis.set_minor_formatter(sparse)
     ratio = head.get("throughput_ratio_at_constraint")
-    summary = f"; optimized / day-zero at that speed: {ratio:.2f}x" if ratio else ""
+    summary = f"; optimized / day-zero at that speed: {ratio:.2f}x{ratio_bound(head)}" if ratio else ""
     fig.suptitle(f"dsflash bench serve: {result['preset']} on {result['device']}, {result['date']}{summary}\n"
                  + textwrap.fill(result["batching"], 160), fontsize=9)
     fig.tight_layout()

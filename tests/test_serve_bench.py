@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 from torch._inductor import config as inductor_config
 
 from dsflash_compile import cli
-from dsflash_compile.serve_bench import throughput_at
+from dsflash_compile.serve_bench import ratio_bound, throughput_at
 
 SERVE = ["bench", "serve", "--preset", "tiny", "--device", "cpu", "--concurrency", "1", "2", "--turns", "2",
          "--max-new-tokens", "4", "--scale", "1/128", "--backend", "eager", "--prefill-buckets", "32",
@@ -101,6 +101,14 @@ def test_throughput_at_a_per_user_speed_interpolates_and_flags_the_curve_end():
     assert throughput_at(points, 50.0) == (400.0, False)
     assert throughput_at(points, 5.0) == (640.0, True)  # every point is fast enough: a lower bound
     assert throughput_at(points, 200.0) == (None, False)
+
+
+def test_the_throughput_ratio_says_which_curve_ends_still_fast_enough():
+    def says(base, fast):
+        return ratio_bound({"day-zero_is_lower_bound": base, "optimized_is_lower_bound": fast})
+    assert says(False, False) == ""
+    assert "at least" in says(False, True) and "at most" in says(True, False)
+    assert "not a bound" in says(True, True)  # the 11-30 e H200 run: both still met 1.1 tokens/s per user at C=64
 
 
 def test_cli_parses_bench_commands_and_names_bad_input(capsys, monkeypatch):
