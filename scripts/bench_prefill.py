@@ -7,7 +7,9 @@ cache, through dsflash_compile.compile (chunked prefill, batch 1).
         --device cpu --backend eager --repeats 1      (a quick check on the CPU)
 
 TTFT = one prefill forward of a fresh random prompt asking for the last logits (what generate() does),
-synchronized, median of --repeats after one untimed run of the same length (compiles what it needs).
+synchronized. The variants of a length take turns, round by round: one untimed round (compiles what they
+need), then --repeats timed rounds; each variant's median is reported with its spread (min, max), so a
+slower stretch of the machine hits every variant alike instead of one of them.
 Three variants per length: replay off (every layer on every token); replay on with the trimmed layers
 (after the last KV source, on the last window of tokens) as compiled blocks launched one by one; replay on
 with them replayed as one CUDA graph (the default on CUDA). The two replay-on variants must give the same
@@ -31,25 +33,54 @@ from dsflash_compile.presets import preset_model
 
 
 @torch.inference_mode()
-def ttft(model, ids: torch.Tensor, repeats: int) -> tuple[float, torch.Tensor]:
-    """Median seconds of a prefill of `ids` into the compiled runner's emptied cache, after one untimed run
-    (repeats=0: the one run, timed), and the last run's logits."""
-    runner, times = model.compiled_runner, []
+def prefill(model, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """Seconds of a prefill of `ids` into the compiled runner's emptied cache, and its last logits."""
+    cache = model.compiled_runner.fresh_cache(1, ids.shape[1] + 1)
+    sync(ids.device)
+    start = time.perf_counter()
+    logits = model(ids, cache=cache, logits_to_keep=1).logits
+    sync(ids.device)
+    return time.perf_counter() - start, logits
+
+
+def rounds(variants: dict, repeats: int) -> dict:
+    """{name: timed seconds} of variants {name: callable returning seconds} run in turn: one untimed round,
+    then `repeats` timed ones (repeats=0: the one round, timed). A variant that raises RuntimeError in the
+    untimed round is dropped, with its error under name + "_error"; the others go on."""
+    times = {name: [] for name in variants}
     for i in range(repeats + 1):
-        cache = runner.fresh_cache(1, ids.shape[1] + 1)
-        sync(ids.device)
-        start = time.perf_counter()
-        logits = model(ids, cache=cache, logits_to_keep=1).logits
-        sync(ids.device)
-        if i or not repeats:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times), logits
+        for name, run in list(variants.items()):
+            try:
+                seconds = run()
+            except RuntimeError as error:  # (a capture failure must not lose the other variants' numbers)
+                if i:
+                    raise
+                print(f"{name} failed:", repr(error), flush=True)
+                variants.pop(name)
+                times[f"{name}_error"] = repr(error)
+                del times[name]
+                continue
+            if i or not repeats:
+                times[name].append(seconds)
+    return times
+
+
+def summarize(row: dict, key: str, seconds: list[float]) -> None:
+    """row[key] = the median; row[key without _s + _spread_s] = [min, max]."""
+    row[key] = statistics.median(seconds)
+    row[key[:-2] + "_spread_s"] = [min(seconds), max(seconds)]
+
+
+def spread(row: dict) -> float:
+    """The widest (max - min) / median of a row's variants."""
+    return max((row[key][1] - row[key][0]) / row[key.replace("_spread", "")] for key in row
+               if key.endswith("_spread_s"))
 
 
 COLUMNS = [("prompt", "prompt", "d"), ("replay off s", "ttft_replay_off_s", ".4f"),
            ("on, blocks s", "ttft_replay_on_blocks_s", ".4f"), ("on, graphs s", "ttft_replay_on_graphs_s", ".4f"),
            ("reduction %", "ttft_reduction", ".1f", 100), ("graphs x", "graphs_vs_blocks", ".2f"),
-           ("graphs equal", "graphs_equal", "")]
+           ("graphs equal", "graphs_equal", ""), ("spread %", "spread", ".1f", 100)]
 
 
 def print_rows(rows: list[dict]) -> None:
@@ -93,28 +124,33 @@ def main() -> None:
 
     runner = model.compiled_runner
     graphs = runner.trimmed  # None off CUDA: then the graph variant is not timed
-    variants = [("off", False, None), ("on_blocks", True, None)] + ([("on_graphs", True, graphs)] if graphs else [])
+    settings = {"off": (False, None), "on_blocks": (True, None)} | ({"on_graphs": (True, graphs)} if graphs else {})
     for length in args.lengths:
         row, ids, logits = {"prompt": length}, prompt(length), {}
-        for name, replay, trimmed in variants:
-            text.swa_bounded_replay, runner.trimmed = replay, trimmed
-            try:
-                row[f"ttft_replay_{name}_s"], logits[name] = ttft(model, ids, args.repeats)
-            except RuntimeError as error:  # a capture failure must not lose the other variants' numbers
-                if trimmed is None:
-                    raise
-                row["graphs_error"] = repr(error)
-                print("trimmed-layer graphs failed:", repr(error), flush=True)
-                graphs, variants = None, variants[:2]
+
+        def variant(name: str):
+            def run() -> float:
+                text.swa_bounded_replay, runner.trimmed = settings[name]
+                seconds, logits[name] = prefill(model, ids)
+                return seconds
+            return run
+
+        times = rounds({name: variant(name) for name in settings}, args.repeats)
+        if "on_graphs_error" in times:  # the other lengths go on without the graphs
+            row["graphs_error"] = times.pop("on_graphs_error")
+            graphs = settings.pop("on_graphs")[1] and None
+        for name, seconds in times.items():
+            summarize(row, f"ttft_replay_{name}_s", seconds)
         runner.trimmed = graphs
         best = row.get("ttft_replay_on_graphs_s", row["ttft_replay_on_blocks_s"])
         row["ttft_reduction"] = 1 - best / row["ttft_replay_off_s"]
+        row["spread"] = spread(row)
         if graphs:
             row["graphs_equal"] = torch.equal(logits["on_blocks"], logits["on_graphs"])
             row["graphs_vs_blocks"] = row["ttft_replay_on_blocks_s"] / row["ttft_replay_on_graphs_s"]
         if length in args.profile:
             trace = str(Path(args.out) / f"prefill-trace-{length}.json")
-            row["profile"] = profile_summary(lambda: ttft(model, ids, 0), trace, top=15)
+            row["profile"] = profile_summary(lambda: prefill(model, ids), trace, top=15)
         print(row, flush=True)
         result["rows"].append(row)
         save_results(result, args.name, args.out)  # after every length: a run cut short keeps what it measured
@@ -127,20 +163,26 @@ def main() -> None:
     text.swa_bounded_replay = True
     before = prompt(args.agentic_prefix)
     turn = torch.cat([before, prompt(args.agentic_new)], 1)
-    agentic = {"prefix": args.agentic_prefix, "new": args.agentic_new,
-               "full_recompute_s": ttft(model, turn, args.repeats)[0]}
-    hits = []
-    for i in range(args.repeats + 1):  # each with a new store holding only the previous prompt (first untimed)
+    agentic = {"prefix": args.agentic_prefix, "new": args.agentic_new}
+    stats = {}
+
+    def full_recompute() -> float:
+        model.prefix_cache = None
+        return prefill(model, turn)[0]
+
+    def prefix_cache_hit() -> float:  # a new store holding only the previous prompt
         store = model.enable_prefix_cache(budget_bytes=1 << 36)
-        with torch.inference_mode():
-            model(before, cache=model.compiled_runner.fresh_cache(1, before.shape[1] + 1), logits_to_keep=1)
-        seconds = ttft(model, turn, 0)[0]
-        if i:
-            hits.append(seconds)
+        prefill(model, before)
+        seconds = prefill(model, turn)[0]
         assert store.stats.hits == 1, "the turn did not hit the previous prompt's prefix"
+        stats["hit_tokens"] = store.stats.hit_tokens
+        return seconds
+
+    for name, seconds in rounds({"full_recompute": full_recompute, "prefix_cache_hit": prefix_cache_hit},
+                                args.repeats).items():
+        summarize(agentic, f"{name}_s", seconds)
     model.prefix_cache = None
-    agentic["prefix_cache_hit_s"] = statistics.median(hits)
-    agentic["hit_tokens"] = store.stats.hit_tokens
+    agentic["hit_tokens"] = stats["hit_tokens"]
     agentic["speedup"] = agentic["full_recompute_s"] / agentic["prefix_cache_hit_s"]
     print(agentic, flush=True)
     result["agentic_turn"] = agentic
