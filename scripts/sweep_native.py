@@ -35,9 +35,7 @@ from dsflash_compile.layers import block_diagonal_linear
 FP8_VARIANTS = [dict(ptx=False), dict(ptx=True)] + [
     dict(block_n=bn, block_k=bk, programs_per_sm=pps, num_stages=stages, ptx=True)
     for bn, bk, pps, stages in [(32, 128, 2, 3), (128, 128, 2, 3), (64, 256, 2, 3), (64, 128, 4, 3),
-                                (128, 128, 4, 3), (64, 128, 2, 4)]] + [
-    # the split sum in the kernel (fp8_linear_triton.FINISH_IN_KERNEL) at the default launch
-    dict(ptx=True, finish=True)]
+                                (128, 128, 4, 3), (64, 128, 2, 4)]]
 # grouped_mm_triton keywords (MXFP4), the first two likewise
 MXFP4_VARIANTS = [dict(ptx=False), dict(ptx=True)] + [
     dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, ptx=True)
