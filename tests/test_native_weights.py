@@ -364,17 +364,32 @@ GROUPED_CASES = {
     "ragged_outputs_several_k_blocks": ([2, 1], 40, 288, {}),
     "block_n_16_block_k_256": ([1, 2, 0, 1], 48, 512, dict(block_n=16, block_k=256, num_stages=4)),
     "block_n_32_warps_8": ([1, 0, 3], 64, 384, dict(block_n=32, num_warps=8)),
-    "block_m_64_many_rows": ([70, 0, 3, 64], 64, 256, dict(block_m=64)),
+    # each row tile over uneven experts, one without rows (the default launch picks by rows: block_m_for)
+    "block_m_16_many_rows": ([40, 0, 7, 21], 64, 128, dict(block_m=16)),
     "block_m_32": ([33, 1, 0, 40], 32, 128, dict(block_m=32)),
+    "block_m_64_many_rows": ([70, 0, 3, 64], 64, 256, dict(block_m=64)),
 }
 
 
 # name: (rows per expert, rows past the last expert, launch keywords)
 TAIL_CASES = {
     "all_rows_past": ([0, 0, 0], 40, {}),
-    "every_expert_full_tail_several_tiles": ([16, 16, 16, 16, 16, 16, 16, 16], 37, {}),
-    "ragged_tail_block_m_16": ([1, 17, 0, 3], 33, dict(block_n=16)),
+    "every_expert_full_tail_several_tiles": ([16, 16, 16, 16, 16, 16, 16, 16], 37, dict(block_m=16)),
+    "ragged_tail_block_m_16": ([1, 17, 0, 3], 33, dict(block_n=16, block_m=16)),
+    "ragged_tail_block_m_32": ([33, 0, 1], 31, dict(block_m=32)),
+    "ragged_tail_default_block_m_64": ([1, 65, 0, 2], 127, {}),  # 195 rows over 4 experts: block_m_for picks 64
 }
+
+
+@pytest.mark.parametrize("rows, experts, block_m", [
+    (0, 8, 16), (48, 8, 16), (128, 8, 16), (136, 8, 32), (256, 8, 32), (264, 8, 64), (384, 8, 64), (6, 384, 16),
+    (4096, 1, 64), (195, 4, 64)])
+def test_block_m_for_picks_the_smallest_row_tile_over_the_mean(rows, experts, block_m):
+    """16 / 32 / 64 by mean rows per expert: flash-40l-e8 at 8 tokens (48 rows) 16, at 64 tokens (384) 64."""
+    pytest.importorskip("triton")
+    from dsflash_compile.custom_ops.mxfp4_experts_triton import block_m_for
+
+    assert block_m_for(rows, experts) == block_m
 
 
 def relative_error(got, want, mag) -> float:
@@ -458,11 +473,12 @@ def test_fp8_kernel_compiles_for_hopper_without_spills(block_m, block_n, block_k
     check_compiles_for_hopper(fp8_linear_triton, ("_sum_splits_kernel", args, dict(BLOCK=1024), 4))
 
 
-# (MXFP4, PTX, BLOCK_M, BLOCK_N, BLOCK_K, warps): the launches' defaults and the largest tiles of scripts/sweep_experts.py
-# and scripts/sweep_native.py
+# (MXFP4, PTX, BLOCK_M, BLOCK_N, BLOCK_K, warps): the launches' defaults (MXFP4 at each BLOCK_M block_m_for picks)
+# and the largest tiles of scripts/sweep_experts.py and scripts/sweep_native.py (whose grid runs at block_m_for's)
 @pytest.mark.parametrize("mxfp4, ptx, block_m, block_n, block_k, warps", [
     (True, True, 16, 64, 128, 4), (True, False, 16, 64, 128, 4), (True, True, 16, 32, 256, 4),
     (True, True, 16, 64, 256, 8), (True, True, 32, 64, 128, 4), (True, True, 64, 64, 128, 4),
+    (True, False, 64, 64, 128, 4), (True, True, 64, 64, 256, 8),
     (False, False, 16, 32, 128, 4), (False, False, 16, 64, 256, 8), (False, False, 16, 16, 256, 4)])
 def test_grouped_kernel_compiles_for_hopper_without_spills(mxfp4, ptx, block_m, block_n, block_k, warps):
     from dsflash_compile.custom_ops import mxfp4_experts_triton
