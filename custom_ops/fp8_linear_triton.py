@@ -6,7 +6,7 @@ cost is the weight's bytes, one per value instead of two. Grid (token block, out
 program streams a [BLOCK_N, K / splits] slice of the E4M3 codes once and feeds tl.dot with bf16 values.
 Few outputs (wq_a: 1280, wkv: 512) would leave most SMs idle, so K is split until about PROGRAMS_PER_SM
 programs per SM are busy; split programs store fp32 partials that one small kernel adds in a fixed order
-(deterministic) and rounds to bf16 (or, with FINISH_IN_KERNEL, the last split program of each tile). With groups (the block-diagonal `wo_a`) an output block reads only its
+(deterministic) and rounds to bf16. With groups (the block-diagonal `wo_a`) an output block reads only its
 group's inputs, which needs each group's outputs to be a multiple of BLOCK_N.
 
 Where decode time went (11-30, H200): ~8 CUDA-core instructions per weight value (Triton converts one byte
@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _dot, _e4m3_rows, _num_sms, _ue8m0_bf16, _ue8m0_f32
-from .block_counters import block_counters
 
 BLOCK_K = 128
 PROGRAMS_PER_SM = 2
@@ -41,12 +40,8 @@ PTX_MAX_ROWS = 8  # above it the Triton conversion, at least as fast at 64 rows 
 # in all), which at large row counts costs more than the tensor-core work. A first guess: scripts/bench_native.py
 # --tokens 1 8 64 256 1024 4096 measures the crossover on the H200.
 MAX_ROWS = 256
+# A separate launch: the sum in the kernel (each tile's last split program) measured no faster (H200, 11-30 e)
 SUM_BLOCK = 1024
-# The split sum in the kernel: the last split program of each output tile (a counter per tile, block_counters.py
-# lane "fp8") adds the tile's partials in split order, the bits of _sum_splits_kernel, and rounds to bf16: no
-# second launch (native decode at B1 on the H200, 11-30: 248 _sum_splits_kernel launches, 0.42 of 11.9 ms).
-# Off until the H200 times it (scripts/sweep_native.py's finish=True launches)
-FINISH_IN_KERNEL = False
 
 
 # _e4m3_bf16's body. $2: 4 E4M3 codes; $3-$4: their bf16 scales, two per register; outputs $0-$1: the 4
@@ -84,13 +79,12 @@ def _e4m3_bf16(codes, exps, PTX: tl.constexpr):
 
 
 @triton.jit
-def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, y_ptr, counter_ptr, M, N, K, x_stride, n_per_group,
-                       k_blocks_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, x_stride, n_per_group, k_blocks_per_split,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        PARTIAL: tl.constexpr, FP32_DOT: tl.constexpr, PTX: tl.constexpr,
-                       EVEN_K: tl.constexpr, FINISH: tl.constexpr):
+                       EVEN_K: tl.constexpr):
     """BLOCK_N divides N (a multiple of 32 per group), so weight rows need no mask; EVEN_K: BLOCK_K divides K,
-    so no column mask either (every release shape). PARTIAL: fp32 partials to out [splits, M, N]; with FINISH
-    the tile's last split program also writes their sum (in split order) as bf16 to y [M, N]."""
+    so no column mask either (every release shape)."""
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -120,18 +114,6 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, y_ptr, counter_ptr, M, N, K
     if PARTIAL:
         # int64: splits x rows x outputs passes 2^31 (32 x 4096 x 25600 in bench_native)
         tl.store(out_ptr + split.to(tl.int64) * M * N + out, acc, mask=m_in[:, None])
-        if FINISH:
-            tile = pid_m * tl.num_programs(1) + pid_n
-            splits = tl.num_programs(2)
-            tl.debug_barrier()  # every thread's stores are issued before the release below
-            if tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel") == splits - 1:
-                # .cg: bypass L1 (not coherent across SMs) to read what the other programs wrote
-                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for s in range(splits):
-                    total += tl.load(out_ptr + s * M.to(tl.int64) * N + out, mask=m_in[:, None], other=0.0,
-                                     cache_modifier=".cg")
-                tl.store(y_ptr + out, total.to(tl.bfloat16), mask=m_in[:, None])
-                tl.atomic_xchg(counter_ptr + tile, 0)
     else:
         tl.store(out_ptr + out, acc.to(tl.bfloat16), mask=m_in[:, None])
 
@@ -168,10 +150,10 @@ def default_splits(tiles: int, k_blocks: int, device: torch.device, programs_per
 
 def fp8_block_linear_triton(x, weight, scale, groups=1, splits=None, block_m=None, block_n=None,
                             block_k=BLOCK_K, num_warps=4, num_stages=NUM_STAGES, ptx=None,
-                            programs_per_sm=PROGRAMS_PER_SM, finish=None):
+                            programs_per_sm=PROGRAMS_PER_SM):
     """bf16 [..., N] as the reference. splits / block sizes / warps / stages / the conversion (ptx: None is the
-    module's PTX flag, on CUDA up to PTX_MAX_ROWS rows) / the programs per SM that the default splits aim at /
-    the split sum in the kernel (finish: None is FINISH_IN_KERNEL): for sweeps."""
+    module's PTX flag, on CUDA up to PTX_MAX_ROWS rows) / the programs per SM that the default splits aim at:
+    for sweeps."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     (m, _), (n, k) = rows.shape, weight.shape
     if m == 0:
@@ -186,14 +168,11 @@ def fp8_block_linear_triton(x, weight, scale, groups=1, splits=None, block_m=Non
     splits = triton.cdiv(k_blocks, per_split)  # no split left without columns
     out = x.new_empty(m, n)
     partial = x.new_empty(splits, m, n, dtype=torch.float32) if splits > 1 else out
-    finish = splits > 1 and (FINISH_IN_KERNEL if finish is None else finish)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)
-    counters = block_counters(x.device, grid[0] * grid[1], lane="fp8") if finish else out  # (unread without)
-    _fp8_linear_kernel[grid](
-        rows, weight.view(torch.uint8), scale.view(torch.uint8), partial, out, counters, m, n, k, rows.stride(0),
-        n // groups, per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=splits > 1,
-        FP32_DOT=not on_gpu, PTX=on_gpu and PTX and m <= PTX_MAX_ROWS if ptx is None else ptx,
-        EVEN_K=k % block_k == 0, FINISH=finish, num_warps=num_warps, num_stages=num_stages)
-    if splits > 1 and not finish:
+    _fp8_linear_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)](
+        rows, weight.view(torch.uint8), scale.view(torch.uint8), partial, m, n, k, rows.stride(0), n // groups,
+        per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=splits > 1, FP32_DOT=not on_gpu,
+        PTX=on_gpu and PTX and m <= PTX_MAX_ROWS if ptx is None else ptx, EVEN_K=k % block_k == 0, num_warps=num_warps,
+        num_stages=num_stages)
+    if splits > 1:
         _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](partial, out, m * n, splits, BLOCK=SUM_BLOCK)
     return out.view(*x.shape[:-1], n)

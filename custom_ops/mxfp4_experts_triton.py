@@ -10,7 +10,9 @@ same map in torch took several small kernels per call), and slots past the last 
 Only the selected experts' weights are read: at decode (P = 6 rows per token) every tile is one token's
 row against one expert's slice, so the kernel streams each selected expert's weight once, with many
 small output blocks to fill the SMs (torch._grouped_mm's CUTLASS kernel at 6 rows: ~2.3 TB/s of the
-H200's 4.2 on bf16 weights, 11-30 trace).
+H200's 4.2 on bf16 weights, 11-30 trace). Each tile dequantizes its expert's weight slice once, so with many
+rows per expert (few experts, larger batches) taller tiles pay: MXFP4 launches pick BLOCK_M from the mean
+rows per expert (block_m_for).
 
 Dequantization, inline PTX (PTX, the default on CUDA: 1.4-1.5x the Triton conversion on the H200, 11-30,
 scripts/sweep_native.py): the bf16 bytes of the 8 E2M1 magnitudes held as tables in registers, looked up by
@@ -30,12 +32,12 @@ import triton.language as tl
 
 from .attention_triton import _dot, _e2m1_rows, _ue8m0_bf16, _ue8m0_f32
 
-BLOCK_M = 16  # decode rows per expert are few (one per token that picked it); tl.dot's smallest tile
 BLOCK_N = 64
 BLOCK_K = 128
 # bf16 weights: twice the bytes per output row of MXFP4, so narrower output blocks for as many programs
 # (7 experts, 6 routed and the shared one, x 2304 / 32 = 504 at decode). Not yet measured on the H200:
 # scripts/sweep_experts.py
+BF16_BLOCK_M = 16  # few rows per expert up to moe_few_rows; block_m_for is timed on MXFP4 only
 BF16_BLOCK_N = 32
 BF16_BLOCK_K = 128
 NUM_STAGES = 3  # Triton's default, what the MXFP4 launch has run with
@@ -139,17 +141,28 @@ def _grouped_kernel(x_ptr, w_ptr, s_ptr, offsets_ptr, out_ptr, P, E, N, K, BLOCK
     tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(tl.bfloat16), mask=m_in[:, None] & n_in[None, :])
 
 
-def grouped_mm_triton(x, weight, scale, offsets, block_m=BLOCK_M, block_n=None, block_k=None, num_warps=4,
+def block_m_for(rows: int, experts: int) -> int:
+    """MXFP4 BLOCK_M for `rows` over `experts` (shapes only: no host sync): the smallest of 16 / 32 / 64 not
+    below the mean rows per expert, 64 above. Taller tiles dequantize each weight slice for more rows, but at
+    a few rows per expert they are mostly padding. H200, flash-40l-e8 (8 experts, top-6), 11-30 e
+    (native-sweep-experts-e8-2026-11-30-e.log), us at BLOCK_M 16 / 32 / 64: 6 rows per expert (8 tokens) w1
+    51.3 / 79.8 / 100.8, w2 41.1 / 63.3 / 73.0; 48 rows (64 tokens) w1 126.4 / 128.1 / 101.5, w2 122.7 /
+    105.1 / 77.6."""
+    return min(max(triton.next_power_of_2(rows // experts), 16), 64)
+
+
+def grouped_mm_triton(x, weight, scale, offsets, block_m=None, block_n=None, block_k=None, num_warps=4,
                       num_stages=NUM_STAGES, ptx=None, out=None):
     """bf16 [P, N] as the reference (rows past offsets[-1] are zero). scale None: bf16 weight [E, N, K]; else
-    MXFP4 weight and scale (mxfp4_experts.py). Block sizes (None: the format's default), warps, pipeline
-    stages and the MXFP4 conversion (ptx None: the module's PTX flag, on CUDA only) for sweeps; out: the bf16
-    [P, N] to write (default: a new one; every element is written)."""
+    MXFP4 weight and scale (mxfp4_experts.py). Block sizes (None: the format's default, for MXFP4's BLOCK_M
+    block_m_for), warps, pipeline stages and the MXFP4 conversion (ptx None: the module's PTX flag, on CUDA
+    only) for sweeps; out: the bf16 [P, N] to write (default: a new one; every element is written)."""
     mxfp4 = scale is not None
-    block_n = block_n or (BLOCK_N if mxfp4 else BF16_BLOCK_N)
-    block_k = block_k or (BLOCK_K if mxfp4 else BF16_BLOCK_K)
     rows, k = x.shape
     experts, n, _ = weight.shape
+    block_m = block_m or (block_m_for(rows, experts) if mxfp4 else BF16_BLOCK_M)
+    block_n = block_n or (BLOCK_N if mxfp4 else BF16_BLOCK_N)
+    block_k = block_k or (BLOCK_K if mxfp4 else BF16_BLOCK_K)
     out = x.new_empty(rows, n) if out is None else out
     if rows == 0:
         return out

@@ -4,8 +4,9 @@
                 ~8 instructions per value, in the new loop) and the PTX conversion (2.5 per value) over a small
                 grid of launches (BLOCK_N, BLOCK_K, programs per SM that the K splits aim at, pipeline stages)
   experts       384 MXFP4 experts (--experts), top-6: torch._grouped_mm and dsflash::grouped_mm over bf16 stacks, the
-                Triton conversion and the PTX table lookup over a grid of (BLOCK_N, BLOCK_K, warps, stages) and
-                of row tiles (BLOCK_M)
+                Triton conversion and the PTX table lookup over a grid of (BLOCK_N, BLOCK_K, warps, stages) at
+                the row tile the launch picks (BLOCK_M column: mxfp4_experts_triton.block_m_for) and at row tiles
+                16 / 32 / 64
 
     python scripts/sweep_native.py        (1, 8 and 64 tokens; writes benchmarks/results/native-sweep-<date>.json)
     python scripts/sweep_native.py --tokens 1 --only wq_a experts.w1
@@ -26,7 +27,7 @@ import torch
 from bench_native import EXPERT_PROJECTIONS, EXPERTS, PROJECTIONS, error, experts_case, projection_case
 from dsflash_compile.benchmarking import copy_bandwidth, print_table, run_metadata, save_results, time_graph, timed
 from dsflash_compile.custom_ops.fp8_linear_triton import fp8_block_linear_triton
-from dsflash_compile.custom_ops.mxfp4_experts_triton import grouped_mm_triton
+from dsflash_compile.custom_ops.mxfp4_experts_triton import block_m_for, grouped_mm_triton
 from dsflash_compile.layers import block_diagonal_linear
 
 # fp8_block_linear_triton keywords; the first two: the default launch with the 11-30 conversion (Triton code) and
@@ -35,20 +36,17 @@ from dsflash_compile.layers import block_diagonal_linear
 FP8_VARIANTS = [dict(ptx=False), dict(ptx=True)] + [
     dict(block_n=bn, block_k=bk, programs_per_sm=pps, num_stages=stages, ptx=True)
     for bn, bk, pps, stages in [(32, 128, 2, 3), (128, 128, 2, 3), (64, 256, 2, 3), (64, 128, 4, 3),
-                                (128, 128, 4, 3), (64, 128, 2, 4)]] + [
-    # the split sum in the kernel (fp8_linear_triton.FINISH_IN_KERNEL) at the default launch
-    dict(ptx=True, finish=True)]
+                                (128, 128, 4, 3), (64, 128, 2, 4)]]
 # grouped_mm_triton keywords (MXFP4), the first two likewise
 MXFP4_VARIANTS = [dict(ptx=False), dict(ptx=True)] + [
     dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, ptx=True)
     for bn, bk, warps, stages in [(16, 128, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (64, 256, 8, 3),
                                   (32, 128, 4, 4), (16, 256, 4, 4)]] + [
-    # taller row tiles: each expert's weight dequantized once per 32 / 64 of its rows, not per 16 (few experts,
-    # many rows each: flash-40l-e8 at batch 64 has 48 per expert, where the H200 ran this op at 0.64x bf16
-    # torch._grouped_mm in the decode step, 11-30)
-    dict(block_m=bm, ptx=True) for bm in (32, 64)]
-COLUMNS = [("op", "name", "s"), ("tokens", "tokens", "d"), ("variant", "variant", "s"), ("us", "s", ".1f", 1e6),
-           ("GB/s", "GBps", ".0f"), ("x bf16", "vs_bf16", ".2f"), ("err", "err", ".1e"), ("best", "best", "")]
+    # each row tile fixed, against the one block_m_for picks by rows per expert (above)
+    dict(block_m=bm, ptx=True) for bm in (16, 32, 64)]
+COLUMNS = [("op", "name", "s"), ("tokens", "tokens", "d"), ("variant", "variant", "s"), ("BLOCK_M", "block_m", "d"),
+           ("us", "s", ".1f", 1e6), ("GB/s", "GBps", ".0f"), ("x bf16", "vs_bf16", ".2f"), ("err", "err", ".1e"),
+           ("best", "best", "")]
 
 
 def label(kwargs: dict) -> str:
@@ -93,7 +91,8 @@ def sweep_experts(name, n, k, tokens, gen, experts) -> list[dict]:
     measure(rows, dict(base, variant="bf16 dsflash::grouped_mm"), lambda: grouped_mm_triton(x, dense, None, offsets),
             want, mag, used * 2 * dense.numel(), rows[0].get("s"))
     for kwargs in MXFP4_VARIANTS:
-        measure(rows, dict(base, variant=label(kwargs), kwargs=kwargs),
+        block_m = kwargs.get("block_m") or block_m_for(x.shape[0], weight.shape[0])
+        measure(rows, dict(base, variant=label(kwargs), kwargs=kwargs, block_m=block_m),
                 lambda: grouped_mm_triton(x, weight, scale, offsets, **kwargs), want, mag,
                 used * (weight.numel() + scale.numel()), rows[0].get("s"))
     return rows
