@@ -10,9 +10,9 @@ For each prompt length, random prompts (seeded) are generated greedily with repl
     mean position of the first differing token (N when none differs);
   - control (noise floor, `control_*` keys): the same metrics for replay off with the prompt prefilled in two
     chunks, [0, L - window) and the last window (as many rows as the replayed layers run), against one chunk.
-    Exact in math (the cache carries every state across chunks; on the CPU the logits are equal bit for bit),
-    so whatever differs is rounding of other kernel shapes (e.g. bf16 GEMMs on the GPU): how often near-ties
-    flip with no approximation at all;
+    Exact in math (the cache carries every state across chunks), so whatever differs is rounding of other
+    kernel shapes (e.g. bf16 GEMMs on the GPU; on the CPU mostly none), grown where it moves a value across an
+    FP8 / FP4 step: how often near-ties flip with no approximation at all;
   - margins: the top-1 margin of the replay-off next-token distributions (log p1 - log p2, nats): its median
     and 10th percentile, the share of positions above each of --margins and the teacher-forced agreement on
     those positions only, and the largest margin at which replay (or the control) flipped a teacher-forced

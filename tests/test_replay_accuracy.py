@@ -59,12 +59,14 @@ def test_runs_equal_the_token_by_token_runs(replay_accuracy, length):
         assert "control_mean_kl" not in metrics
     else:
         assert not torch.equal(logprobs_on, logprobs_off) and metrics["max_kl"] > 0.0
-        # the control: the same math in other chunk shapes, which on the CPU round alike (no noise floor here)
+        # the control: the same math in other chunk shapes (here bit for bit; allowed their rounding), far
+        # closer to replay off than replay on is
         tokens_ctl, logprobs_ctl = replay_accuracy.run(grouped, prompts, new_tokens, replay=False, forced=exact,
                                                        split=length - window)
-        assert torch.equal(tokens_ctl, tokens_off) and torch.equal(logprobs_ctl, logprobs_off)
+        assert torch.equal(tokens_ctl, tokens_off)
+        torch.testing.assert_close(logprobs_ctl, logprobs_off, rtol=0, atol=1e-5)
         assert metrics["control_teacher_forced_argmax_agreement"] == metrics["control_greedy_all_tokens_equal"] == 1.0
-        assert metrics["control_max_kl"] == 0.0 and metrics["control_max_margin_flipped"] is None
+        assert metrics["control_max_margin_flipped"] is None and metrics["control_max_kl"] <= metrics["max_kl"] / 10
 
 
 def test_main_writes_a_row_per_length(replay_accuracy, tmp_path, monkeypatch):
@@ -76,7 +78,7 @@ def test_main_writes_a_row_per_length(replay_accuracy, tmp_path, monkeypatch):
     assert [(r["prompt_len"], r["prompts"], r["new_tokens"], r["trimmed"]) for r in rows] == [(12, 3, 3, False),
                                                                                             (24, 3, 3, True)]
     assert rows[0]["mean_kl"] == rows[0]["max_kl"] == 0.0 and rows[0]["greedy_token_agreement"] == 1.0
-    assert "control_mean_kl" not in rows[0] and rows[1]["control_mean_kl"] == 0.0  # (exact on the CPU)
+    assert "control_mean_kl" not in rows[0] and rows[1]["control_mean_kl"] <= rows[1]["mean_kl"] / 10
     for row in rows:
         assert 0.0 <= row["teacher_forced_argmax_agreement"] <= 1.0 and row["max_kl"] >= row["mean_kl"] >= 0.0
         assert 0.0 <= row["margin_p10"] <= row["margin_median"] < float("inf")
