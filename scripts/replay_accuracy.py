@@ -7,10 +7,20 @@ For each prompt length, random prompts (seeded) are generated greedily with repl
   - teacher-forced agreement: the replay-on model fed the same tokens; the share of the N next-token
     argmaxes that match, and the mean KL(off || on) of the next-token distributions;
   - free-running: greedy generation with replay on; the share of prompts whose N tokens all match, and the
-    mean position of the first differing token (N when none differs).
-Prompts no longer than the window are not trimmed, so they are exact by construction (reported as such).
+    mean position of the first differing token (N when none differs);
+  - control (noise floor, `control_*` keys): the same metrics for replay off with the prompt prefilled in two
+    chunks, [0, L - window) and the last window (as many rows as the replayed layers run), against one chunk.
+    Exact in math (the cache carries every state across chunks), so whatever differs is rounding of other
+    kernel shapes (e.g. bf16 GEMMs on the GPU; on the CPU mostly none), grown where it moves a value across an
+    FP8 / FP4 step: how often near-ties flip with no approximation at all;
+  - margins: the top-1 margin of the replay-off next-token distributions (log p1 - log p2, nats): its median
+    and 10th percentile, the share of positions above each of --margins and the teacher-forced agreement on
+    those positions only, and the largest margin at which replay (or the control) flipped a teacher-forced
+    argmax or first diverged in greedy generation.
+Prompts no longer than the window are not trimmed, so they are exact by construction (reported as such;
+they get no control).
 Per batch of prompts and setting: one prefill, whose cache is saved, then the greedy steps, then the cache put
-back and the replay-off tokens fed as one chunk (both settings alike, so the KL compares like with like).
+back and the replay-off tokens fed as one chunk (every setting alike, so the KL compares like with like).
 The preset is built on --device, and the routed experts run as grouped GEMMs (no host sync per expert); its
 random weights come from that device's generator, so the same --seed gives other weights on CPU and GPU.
 --model also runs on a checkpoint folder (e.g. the golden fixture ../shared/golden/tiny-a), including its
@@ -29,6 +39,8 @@ from dsflash_compile import DeepseekV41ForCausalLM
 from dsflash_compile.benchmarking import print_table, run_metadata, save_results
 from dsflash_compile.presets import preset_model
 
+SETTINGS = (("replay", ""), ("ctl", "control_"))  # (table header, key prefix) of what is compared with replay off
+
 
 def prepare(model) -> None:
     """Routed experts as grouped GEMMs (the layout compile() uses; on the CPU the loop's bits): the eager
@@ -39,14 +51,16 @@ def prepare(model) -> None:
 
 
 @torch.no_grad()
-def run(model, prompts: torch.Tensor, new_tokens: int, replay: bool,
-        forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def run(model, prompts: torch.Tensor, new_tokens: int, replay: bool, forced: torch.Tensor | None = None,
+        split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(greedy tokens [B, N], fp32 log-probs [B, N, V]) with bounded replay on or off: the log-probs of the next
     token at each of the N positions when the continuation is `forced` (default: these greedy tokens), its
-    first N - 1 tokens fed as one chunk into the prompt's cache (saved before the greedy steps, put back after)."""
+    first N - 1 tokens fed as one chunk into the prompt's cache (saved before the greedy steps, put back after).
+    split: prefill the prompt as two chunks, [0, split) and the rest (the control, with replay off)."""
     model.model.text_config.swa_bounded_replay = replay
     cache = model.new_cache(prompts.shape[0], prompts.shape[1] + new_tokens)
-    logits = [model(prompts, cache=cache, logits_to_keep=1).logits.float()]
+    for chunk in (prompts,) if split is None else (prompts[:, :split], prompts[:, split:]):
+        logits = [model(chunk, cache=cache, logits_to_keep=1).logits.float()]
     saved = [t.clone() for t in cache.tensors()]
     seen, writer = cache.seen_columns, cache.last_index_key_writer  # (the host-side state)
     tokens = [logits[0][:, -1].argmax(-1)]
@@ -61,20 +75,56 @@ def run(model, prompts: torch.Tensor, new_tokens: int, replay: bool,
     return tokens, torch.log_softmax(torch.cat(logits, 1), -1)
 
 
-def compare(model, prompts: torch.Tensor, new_tokens: int) -> dict:
-    exact_tokens, exact_logprobs = run(model, prompts, new_tokens, replay=False)
-    replay_tokens, forced = run(model, prompts, new_tokens, replay=True, forced=exact_tokens)
-    kl = (exact_logprobs.exp() * (exact_logprobs - forced)).sum(-1)  # KL(off || on) per position
-    differs = replay_tokens != exact_tokens
-    first = torch.where(differs.any(1), differs.float().argmax(1), torch.full_like(differs[:, 0], new_tokens,
-                                                                                  dtype=torch.long))
-    return {"prompts": prompts.shape[0], "prompt_len": prompts.shape[1], "new_tokens": new_tokens,
-            # both argmaxes from a chunk: chunk and one-token steps round differently (GPU), so near-ties may flip
-            "teacher_forced_argmax_agreement": (forced.argmax(-1) == exact_logprobs.argmax(-1)).float().mean().item(),
-            "mean_kl": kl.mean().item(), "max_kl": kl.max().item(),
-            "greedy_all_tokens_equal": (~differs.any(1)).float().mean().item(),
-            "greedy_token_agreement": (~differs).float().mean().item(),
-            "mean_first_divergence": first.float().mean().item()}
+def compare(model, prompts: torch.Tensor, new_tokens: int) -> dict[str, torch.Tensor]:
+    """Per position [B, N]: the replay-off top-1 margin, and for replay on ('' keys) and, where the prompt is
+    longer than the window, the control ('control_' keys): whether the teacher-forced argmax agrees with replay
+    off's, KL(off || it), and whether its greedy token differs."""
+    exact_tokens, exact = run(model, prompts, new_tokens, replay=False)
+    top2 = exact.topk(2, -1).values
+    positions = {"margin": top2[..., 0] - top2[..., 1]}
+    settings = {"": {"replay": True}}
+    window = model.model.text_config.sliding_window
+    if prompts.shape[1] > window:
+        settings["control_"] = {"replay": False, "split": prompts.shape[1] - window}
+    for prefix, setting in settings.items():
+        tokens, logprobs = run(model, prompts, new_tokens, forced=exact_tokens, **setting)
+        # both argmaxes from a chunk: chunk and one-token steps round differently (GPU), so near-ties may flip
+        positions[prefix + "agrees"] = logprobs.argmax(-1) == exact.argmax(-1)
+        positions[prefix + "kl"] = (exact.exp() * (exact - logprobs)).sum(-1)
+        positions[prefix + "differs"] = tokens != exact_tokens
+    return positions
+
+
+def largest(values: torch.Tensor) -> float | None:
+    return values.max().item() if values.numel() else None
+
+
+def summarize(positions: dict[str, torch.Tensor], margins: list[float]) -> dict:
+    """A row's metrics from compare()'s per-position tensors (all batches of a length concatenated)."""
+    margin = positions["margin"]
+    row = {"margin_median": margin.median().item(), "margin_p10": margin.quantile(0.1).item()}
+    for threshold in margins:
+        row[f"share_margin_over_{threshold:g}"] = (margin > threshold).float().mean().item()
+    for _, prefix in SETTINGS:
+        if prefix + "agrees" not in positions:
+            continue
+        agrees, kl, differs = (positions[prefix + key] for key in ("agrees", "kl", "differs"))
+        diverged = differs.any(1)
+        first = torch.where(diverged, differs.float().argmax(1), differs.shape[1])
+        row.update({prefix + "teacher_forced_argmax_agreement": agrees.float().mean().item(),
+                    prefix + "mean_kl": kl.mean().item(), prefix + "max_kl": kl.max().item(),
+                    prefix + "greedy_all_tokens_equal": (~diverged).float().mean().item(),
+                    prefix + "greedy_token_agreement": (~differs).float().mean().item(),
+                    prefix + "mean_first_divergence": first.float().mean().item(),
+                    # how close to a tie the flips were: the largest replay-off margin where the teacher-forced
+                    # argmax flipped, and where a greedy run first took another token (its context still equal)
+                    prefix + "max_margin_flipped": largest(margin[~agrees]),
+                    prefix + "max_margin_first_divergence": largest(margin[diverged].gather(1, first[diverged, None]))})
+        for threshold in margins:
+            above = agrees[margin > threshold]
+            row[f"{prefix}teacher_forced_argmax_agreement_margin_over_{threshold:g}"] = (
+                above.float().mean().item() if above.numel() else None)
+    return row
 
 
 def main() -> None:
@@ -87,6 +137,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=50, help="prompts per forward")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--margins", type=float, nargs="+", default=[0.01, 0.1, 1.0],
+                        help="top-1 margins (nats) above which the agreement is also reported")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
 
@@ -118,21 +170,32 @@ def main() -> None:
         for chunk in prompts.split(args.batch):
             parts.append(compare(model, chunk.to(args.device), args.new_tokens))
             progress.update()
-        row = {key: sum(p[key] * p["prompts"] for p in parts) / prompts.shape[0] for key in parts[0]
-               if key not in ("prompts", "prompt_len", "new_tokens", "max_kl")}
+        row = summarize({key: torch.cat([p[key] for p in parts]) for key in parts[0]}, args.margins)
         row.update(model=name, window=text.sliding_window, prompt_len=prompts.shape[1],
-                   prompts=prompts.shape[0], new_tokens=args.new_tokens, max_kl=max(p["max_kl"] for p in parts),
+                   prompts=prompts.shape[0], new_tokens=args.new_tokens,
                    trimmed=prompts.shape[1] > text.sliding_window, own_prompt=length is None)
         result["rows"].append(row)
     progress.close()
 
-    print()
-    print_table(result["rows"], [("model", "model", "s"), ("len", "prompt_len", "d"), ("n", "prompts", "d"),
-                                 ("trim", "trimmed", "s"), ("tf agree", "teacher_forced_argmax_agreement", ".3f"),
-                                 ("mean KL", "mean_kl", ".2e"), ("max KL", "max_kl", ".2e"),
-                                 ("greedy agree", "greedy_token_agreement", ".3f"),
-                                 ("all equal", "greedy_all_tokens_equal", ".3f"),
-                                 ("1st diff", "mean_first_divergence", ".1f")])
+    def both(header, key, spec):  # the column for replay on and for the control
+        return [(f"{who} {header}", prefix + key, spec) for who, prefix in SETTINGS]
+
+    case = [("model", "model", "s"), ("len", "prompt_len", "d"), ("n", "prompts", "d")]
+    print("\nreplay on vs off (replay) and the control (ctl: replay off, two prefill chunks vs one)")
+    print_table(result["rows"], case + [("trim", "trimmed", "s"),
+                                        *both("tf agree", "teacher_forced_argmax_agreement", ".3f"),
+                                        *both("mean KL", "mean_kl", ".2e"), ("replay max KL", "max_kl", ".2e"),
+                                        *both("greedy agree", "greedy_token_agreement", ".3f"),
+                                        *both("all equal", "greedy_all_tokens_equal", ".3f"),
+                                        *both("1st diff", "mean_first_divergence", ".1f")])
+    margins = [("median", "margin_median", ".3f"), ("p10", "margin_p10", ".4f"),
+               *both("max flip", "max_margin_flipped", ".4f"),
+               *both("max 1st diff", "max_margin_first_divergence", ".4f")]
+    for t in args.margins:
+        margins += [(f">{t:g} share", f"share_margin_over_{t:g}", ".3f"),
+                    *both(f"tf >{t:g}", f"teacher_forced_argmax_agreement_margin_over_{t:g}", ".3f")]
+    print("\nreplay-off top-1 margins (nats); teacher-forced agreement on the positions whose margin is over t")
+    print_table(result["rows"], case + margins)
     save_results(result, "replay-accuracy", args.out)
 
 
