@@ -143,8 +143,9 @@ def _grouped_kernel(x_ptr, w_ptr, s_ptr, offsets_ptr, out_ptr, P, E, N, K, BLOCK
 
 def block_m_for(rows: int, experts: int) -> int:
     """MXFP4 BLOCK_M for `rows` over `experts` (shapes only: no host sync): the smallest of 16 / 32 / 64 not
-    below the mean rows per expert, 64 above. Taller tiles dequantize each weight slice for more rows, but at
-    a few rows per expert they are mostly padding. H200, flash-40l-e8 (8 experts, top-6), 11-30 e
+    below rows // experts, 64 above. Taller tiles dequantize each weight slice for more rows, but at a few
+    rows per expert they are mostly padding. Timed only at 6 and 48 rows per expert: the 32 band (17-32) and
+    prefill's hundreds of rows per expert follow the trend, untimed. H200, flash-40l-e8 (8 experts, top-6), 11-30 e
     (native-sweep-experts-e8-2026-11-30-e.log), us at BLOCK_M 16 / 32 / 64: 6 rows per expert (8 tokens) w1
     51.3 / 79.8 / 100.8, w2 41.1 / 63.3 / 73.0; 48 rows (64 tokens) w1 126.4 / 128.1 / 101.5, w2 122.7 /
     105.1 / 77.6."""

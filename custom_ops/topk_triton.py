@@ -91,10 +91,12 @@ FILTER_ON = True  # False: select_topk never picks the filter path (row-wise or 
 #   64 x 512K: 0.353 / 0.294 / 0.238 at 2 / 5 / 10 (torch 0.321; the row-wise path 0.387)
 #   8 x 512K:  0.062 / 0.053 / 0.068 at 16 / 32 / 64 (torch 0.082; row-wise 0.068)
 #   64 x 128K: 0.074 / 0.083 / 0.096 at 2 / 5 / 10 (torch 0.119; row-wise 0.100)
-# 5 programs per SM gives 11 / 32 / 8 segments there (all three beat torch.topk and the row-wise path; at
-# 64 x 128K fewer would be faster still, but one rule serves all three)
+# 5 programs per SM gives 32 segments at 8 x 512K (timed) and 11 / 8 at 64 x 512K / 128K (untimed; their
+# timed neighbours beat torch.topk and the row-wise path, though 2 segments is ~20% faster at 64 x 128K).
+# Only 8 and 64 rows were timed: more rows than SEGMENT_MAX_ROWS keep the row-wise path until a sweep times them
 SEGMENT = 16384
 SEGMENT_PROGRAMS_PER_SM = 5
+SEGMENT_MAX_ROWS = 64
 SEGMENTED_ON = True
 LINE = tl.constexpr(64)  # 128 bytes of bf16 scores
 # (GROUPS, SAMPLE, CAND, FILTER_BLOCK, FILTER_WARPS) launches scripts/sweep_topk.py compares, the defaults first
@@ -450,11 +452,11 @@ def filter_fits(rows: int, width: int, k: int, device) -> bool:
 
 def filter_segments(rows: int, width: int, k: int, device, on: bool | None = None) -> int:
     """Segments per row of the segmented filter path (shapes only), 0 where it is not chosen (SEGMENTED_ON
-    off, filter_fits, or rows of one CHUNK, which the row-wise path ranks in one pass): enough to bring the
-    rows up to SEGMENT_PROGRAMS_PER_SM programs per SM, none narrower than SEGMENT; chosen from 2 segments per
-    row where the programs fill the GPU at least once (fewer rows: the radix split path) and _candidate_room.
-    on: instead of SEGMENTED_ON (the benchmarks time the path whether or not it is on)."""
-    if (not (SEGMENTED_ON if on is None else on) or filter_fits(rows, width, k, device) or width <= CHUNK
+    off, filter_fits, or more than SEGMENT_MAX_ROWS rows): enough to bring the rows up to
+    SEGMENT_PROGRAMS_PER_SM programs per SM, none narrower than SEGMENT; chosen from 2 segments per row where
+    the programs fill the GPU at least once (fewer rows: the radix split path) and _candidate_room. on:
+    instead of SEGMENTED_ON (the benchmarks time the path whether or not it is on)."""
+    if (not (SEGMENTED_ON if on is None else on) or filter_fits(rows, width, k, device) or rows > SEGMENT_MAX_ROWS
             or not _candidate_room(k)):
         return 0
     segments = min(triton.cdiv(SEGMENT_PROGRAMS_PER_SM * _num_sms(device), rows), width // SEGMENT)

@@ -187,14 +187,15 @@ def checks(gen) -> list[dict]:
         ]
         if not ramp:  # (with queries that see nothing, both paths pick arbitrary -1 rows)
             results.append(guarded(f"layer picks agree {shape}", lambda: layer_agreement(case, shape)))
-    for rows, width in ((1, 1 << 20), (4096, 16384), (64, 1 << 19)):  # radix, filter, row-wise (2 stages)
+    # the op's paths at 132 SMs: radix, filter, row-wise (4 chunks), segmented
+    for rows, width in ((1, 1 << 20), (4096, 16384), (200, 16384), (64, 1 << 19)):
         scores = torch.randn(1, rows, width, generator=gen, device="cuda").bfloat16()  # bf16: many exact ties
         vis = torch.full((1, rows), width, device="cuda")
         name = f"topk_indices {rows}x{width}"
         ref = topk_indices_reference(scores, TOPK, vis)
         results.append(guarded(name, lambda: exact_check(name, ops.topk_indices(scores, TOPK, vis), ref)))
         segments = topk_triton.filter_segments(rows, width, TOPK, scores.device, on=True)
-        if segments:  # the segmented filter path, timed below where it would be chosen
+        if segments and topk_triton.topk_path(rows, width, TOPK, scores.device) != "segmented":  # (SEGMENTED_ON off)
             name = f"topk segmented x{segments} {rows}x{width}"
             results.append(guarded(name, lambda: exact_check(name, topk_triton.finish(
                 topk_triton.select_filtered(scores.view(rows, width), TOPK, segments=segments), topk_triton.VISIBLE,

@@ -43,26 +43,28 @@ def prefill(model, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
     return time.perf_counter() - start, logits
 
 
-def rounds(variants: dict, repeats: int) -> dict:
-    """{name: timed seconds} of variants {name: callable returning seconds} run in turn: one untimed round,
-    then `repeats` timed ones (repeats=0: the one round, timed). A variant that raises RuntimeError in the
-    untimed round is dropped, with its error under name + "_error"; the others go on."""
-    times = {name: [] for name in variants}
+def rounds(variants: dict, repeats: int, optional: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """({name: timed seconds}, {name: error}) of variants {name: callable returning seconds} run in turn: one
+    untimed round, then `repeats` timed ones (repeats=0: the one round, timed). An `optional` variant that
+    raises RuntimeError in the untimed round (a graph capture) is dropped and the others go on; any other
+    failure raises."""
+    times, errors = {name: [] for name in variants}, {}
     for i in range(repeats + 1):
-        for name, run in list(variants.items()):
+        for name, run in variants.items():
+            if name in errors:
+                continue
             try:
                 seconds = run()
-            except RuntimeError as error:  # (a capture failure must not lose the other variants' numbers)
-                if i:
+            except RuntimeError as error:
+                if i or name not in optional:
                     raise
                 print(f"{name} failed:", repr(error), flush=True)
-                variants.pop(name)
-                times[f"{name}_error"] = repr(error)
+                errors[name] = repr(error)
                 del times[name]
                 continue
             if i or not repeats:
                 times[name].append(seconds)
-    return times
+    return times, errors
 
 
 def summarize(row: dict, key: str, seconds: list[float]) -> None:
@@ -135,10 +137,11 @@ def main() -> None:
                 return seconds
             return run
 
-        times = rounds({name: variant(name) for name in settings}, args.repeats)
-        if "on_graphs_error" in times:  # the other lengths go on without the graphs
-            row["graphs_error"] = times.pop("on_graphs_error")
-            graphs = settings.pop("on_graphs")[1] and None
+        times, errors = rounds({name: variant(name) for name in settings}, args.repeats, optional=("on_graphs",))
+        if errors:  # the other lengths go on without the graphs
+            row["graphs_error"] = errors["on_graphs"]
+            settings.pop("on_graphs")
+            graphs = None
         for name, seconds in times.items():
             summarize(row, f"ttft_replay_{name}_s", seconds)
         runner.trimmed = graphs
@@ -179,7 +182,7 @@ def main() -> None:
         return seconds
 
     for name, seconds in rounds({"full_recompute": full_recompute, "prefix_cache_hit": prefix_cache_hit},
-                                args.repeats).items():
+                                args.repeats)[0].items():
         summarize(agentic, f"{name}_s", seconds)
     model.prefix_cache = None
     agentic["hit_tokens"] = stats["hit_tokens"]

@@ -119,10 +119,10 @@ def interpreter_checks():
                     flagged=flags.nonzero().flatten().tolist()))
     # tie-free random rows, the path chosen by shape (the interpreter's 8 "SMs"): row-wise for 16 rows of
     # one chunk, filter (FILTER_ON) for 16 rows wider than one (the default launch), segmented for 2 rows
-    # (SEGMENTED_ON, segments of at least 1024 entries here)
-    topk_triton.SEGMENTED_ON, topk_triton.SEGMENT = True, 1024
+    # (SEGMENTED_ON, segments of at least 2048 entries here)
+    topk_triton.SEGMENTED_ON, topk_triton.SEGMENT = True, 2048
     for name, rows, width in (("rowwise_auto_tie_free", 16, 3000), ("filter_auto_tie_free", 16, 5000),
-                              ("segmented_auto_tie_free", 2, 5000)):
+                              ("segmented_auto_tie_free", 2, 9000)):
         scores = torch.randperm(rows * width, generator=torch.Generator().manual_seed(7)).float().view(rows, width)
         picks = select_topk(scores - 20000, 50).long().sort(-1).values
         report(dict(name=name, same_picks=bool(torch.equal(picks, top_k_stable(scores, 50)[1].sort(-1).values)),
@@ -213,11 +213,12 @@ def test_select_topk_rejects_bad_input():
 
 @pytest.mark.parametrize("rows,width,path,segments", [
     (1, 1 << 20, "radix", 0), (8, 131072, "radix", 0), (8, 524288, "segmented", 32), (64, 16384, "radix", 0),
-    (64, 131072, "segmented", 8), (64, 524288, "segmented", 11), (4096, 524288, "filter", 0)])
+    (64, 131072, "segmented", 8), (64, 524288, "segmented", 11), (256, 131072, "rowwise", 0),
+    (4096, 524288, "filter", 0)])
 def test_topk_path_on_an_h200(monkeypatch, rows, width, path, segments):
     """The shapes-only choice at the H200's 132 SMs: the segmented filter path for the decode shapes where the
     11-30 e sweep timed it faster than torch.topk and the row-wise path, at the segment counts it timed
-    (8 x 512K at 32, 64 x 512K near its 10, 64 x 128K between its 5 and 10)."""
+    (8 x 512K at 32, 64 x 512K near its 10, 64 x 128K between its 5 and 10); more rows stay row-wise."""
     pytest.importorskip("triton")
     from dsflash_compile.custom_ops import topk_triton
 
@@ -302,15 +303,20 @@ def test_filter_path_cuda_prefill_with_overflow(rows, width, dtype):
 
 
 @requires_cuda
-def test_topk_indices_cuda_graph_replay():
-    """No host sync, no data-dependent allocation: capture once, replay on new scores, same as eager."""
-    scores = make_scores(4, 1 << 18, torch.bfloat16, device="cuda").view(1, 4, -1)
-    visible = torch.full((1, 4), 1 << 18, device="cuda")
+@pytest.mark.parametrize("rows,width", [(4, 1 << 18), (8, 1 << 19), (64, 1 << 17)])
+def test_topk_indices_cuda_graph_replay(rows, width):
+    """No host sync, no data-dependent allocation: capture once, replay on new scores, same as eager (the
+    decode shapes; 8 x 512K and 64 x 128K take the segmented path on an H200)."""
+    from dsflash_compile.custom_ops import topk_triton
+
+    scores = make_scores(rows, width, torch.bfloat16, device="cuda").view(1, rows, -1)
+    visible = torch.full((1, rows), width, device="cuda")
+    assert (topk_triton.topk_path(rows, width, 512, scores.device) == "segmented") == (rows > 4)
     ops.topk_indices(scores, 512, visible)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = ops.topk_indices(scores, 512, visible)
-    scores.copy_(make_scores(4, 1 << 18, torch.bfloat16, seed=5, device="cuda").view(1, 4, -1))
+    scores.copy_(make_scores(rows, width, torch.bfloat16, seed=5, device="cuda").view(1, rows, -1))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, ops.topk_indices(scores, 512, visible))
