@@ -718,12 +718,13 @@ def test_kernels_dequantize_every_code_exactly_on_cuda(ptx):
 
 
 @requires_cuda
-@pytest.mark.parametrize("tokens", [1, 8, 64])
-def test_mxfp4_grouped_mm_cuda_release_shapes(tokens):
-    """384 experts, top-6, D = 5120, intermediate 2304 (w1) against the reference; CUDA-graph capture."""
+@pytest.mark.parametrize("experts,tokens", [(384, 1), (384, 8), (384, 64), (8, 8), (8, 64)])
+def test_mxfp4_grouped_mm_cuda_release_shapes(experts, tokens):
+    """384 experts (8: flash-40l-e8, whose 48 rows per expert at 64 tokens take BLOCK_M 64), top-6, D = 5120,
+    intermediate 2304 (w1) against the reference; CUDA-graph capture."""
     g = torch.Generator().manual_seed(tokens)
-    ids = torch.stack([torch.randperm(384, generator=g)[:6] for _ in range(tokens)]).flatten()
-    counts = torch.bincount(ids, minlength=384).tolist()
+    ids = torch.stack([torch.randperm(experts, generator=g)[:6] for _ in range(tokens)]).flatten()
+    counts = torch.bincount(ids, minlength=experts).tolist()
     x, weight, scale, offsets = mxfp4_case(counts, 2304, 5120, device="cuda")
     from dsflash_compile.custom_ops.mxfp4_experts import mxfp4_grouped_mm_reference
 
