@@ -183,5 +183,16 @@ class DeepseekV41Cache(Cache):
         return [*self.window.values(), *self.compressed.values(), *self.index_keys.values(),
                 *self.pending_kv.values(), *self.pending_score.values(), self.engram_history, self.lengths]
 
+    def save_state(self) -> tuple:
+        """A copy of every tensor and of the host-side counters, for restore_state: runs that must leave the
+        cache as they found it (a decode graph's warm-up steps; a script replaying steps from one prefill)."""
+        return [t.clone() for t in self.tensors()], self.seen_columns, self.last_index_key_writer
+
+    def restore_state(self, state: tuple) -> None:
+        """Put back what save_state copied, in place (tensors keep their storage, so captured graphs stay valid)."""
+        tensors, self.seen_columns, self.last_index_key_writer = state
+        for t, saved in zip(self.tensors(), tensors):
+            t.copy_(saved)
+
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())

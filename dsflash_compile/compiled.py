@@ -210,15 +210,14 @@ class CompiledRunner:
         if rows not in self.graphs:
             ids = torch.zeros(rows, 1, dtype=torch.long, device=self.model.device)
             mask = torch.ones_like(ids)
-            saved = [t.clone() for t in self.cache.tensors()]
+            saved = self.cache.save_state()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
                     self._decode_step(ids, mask)
             torch.cuda.current_stream().wait_stream(side)
-            for t, s in zip(self.cache.tensors(), saved):
-                t.copy_(s)
+            self.cache.restore_state(saved)
             del saved
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):

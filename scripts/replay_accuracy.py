@@ -61,16 +61,13 @@ def run(model, prompts: torch.Tensor, new_tokens: int, replay: bool, forced: tor
     cache = model.new_cache(prompts.shape[0], prompts.shape[1] + new_tokens)
     for chunk in (prompts,) if split is None else (prompts[:, :split], prompts[:, split:]):
         logits = [model(chunk, cache=cache, logits_to_keep=1).logits.float()]
-    saved = [t.clone() for t in cache.tensors()]
-    seen, writer = cache.seen_columns, cache.last_index_key_writer  # (the host-side state)
+    saved = cache.save_state()
     tokens = [logits[0][:, -1].argmax(-1)]
     for _ in range(new_tokens - 1):
         tokens.append(model(tokens[-1][:, None], cache=cache).logits[:, -1].argmax(-1))
     tokens = torch.stack(tokens, 1)
     if new_tokens > 1:
-        for t, s in zip(cache.tensors(), saved):
-            t.copy_(s)
-        cache.seen_columns, cache.last_index_key_writer = seen, writer
+        cache.restore_state(saved)
         logits.append(model((tokens if forced is None else forced)[:, :-1], cache=cache).logits.float())
     return tokens, torch.log_softmax(torch.cat(logits, 1), -1)
 

@@ -121,6 +121,21 @@ def test_left_padded_chunk_after_cached_tokens(tiny):
     assert torch.equal(got, want)
 
 
+def test_restored_cache_state_gives_the_same_steps(tiny):
+    """save_state / restore_state: decode steps after a restore give the bits of the steps after the save, and
+    the host-side counters come back too."""
+    ids = prompts([20])[0][None]
+    with torch.no_grad():
+        cache = tiny.new_cache(1, 32)
+        tiny(ids, cache=cache)
+        saved, seen = cache.save_state(), cache.seen_columns
+        first = [tiny(ids[:, i:i + 1], cache=cache).logits for i in range(3)]
+        cache.restore_state(saved)
+        assert cache.seen_columns == seen
+        again = [tiny(ids[:, i:i + 1], cache=cache).logits for i in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
 def test_no_cache_forward_equals_cached(tiny):
     """A forward without a cache (temporary one) equals the cached prefill; use_cache=False returns none."""
     ids = prompts([30])[0][None]
