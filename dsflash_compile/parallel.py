@@ -93,18 +93,23 @@ def init_distributed(backend: str | None = None) -> dist.ProcessGroup:
 
 
 # -- collectives: one line each, so the model code names what it does ------------------------------------
+# torch 2.11 has only the *_tensor names, which newer releases deprecate for *_single
+_all_gather_single = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
+_reduce_scatter_single = getattr(funcol, "reduce_scatter_single", funcol.reduce_scatter_tensor)
+
+
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
 
 
 def all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Concatenate every rank's x along dim 0 (rank order); all ranks' shapes must match."""
-    return funcol.wait_tensor(funcol.all_gather_single(x, 0, group))
+    return funcol.wait_tensor(_all_gather_single(x, 0, group))
 
 
 def reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Sum over ranks, then keep this rank's slice of dim 0 (the inverse of all_gather's layout)."""
-    return funcol.wait_tensor(funcol.reduce_scatter_single(x, "sum", 0, group))
+    return funcol.wait_tensor(_reduce_scatter_single(x, "sum", 0, group))
 
 
 def owned_by(text: DeepseekV41TextConfig, config: ParallelConfig, group: dist.ProcessGroup):

@@ -1,0 +1,43 @@
+"""scripts/parallel_check.py on CPU: 2 gloo processes (test_parallel's harness) check the tiny preset. Right
+shardings pass the teacher-forced sublayer check; one whose ranks all keep rank 0's attention heads fails it,
+worst at an attention."""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from test_parallel import WORLD, free_port
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+ARGS = ["--preset", "tiny", "--prompt", "12", "--steps", "2", "--new-tokens", "2"]
+
+
+def worker(rank, port, folder):
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    sys.path.insert(0, str(SCRIPTS))
+    import parallel_check
+
+    from dsflash_compile import parallel
+
+    results = {"right": parallel_check.main([*ARGS, "--modes", "tp", "ep", "dp+ep"])}
+    shard = parallel.shard_attention
+    parallel.shard_attention = lambda attn, _rank, tp, group: shard(attn, 0, tp, group)  # every rank: heads of 0
+    results["wrong"] = parallel_check.main([*ARGS, "--modes", "tp"])
+    parallel.shard_attention = shard
+    torch.save(results, Path(folder) / f"rank{rank}.pt")
+
+
+def test_sublayer_check_passes_right_shardings_and_fails_a_wrong_one(tmp_path):
+    mp.spawn(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD)
+    results = torch.load(tmp_path / "rank0.pt")
+    for mode, r in results["right"].items():
+        assert r["passed"] and r["sublayers"] < 0.02, (mode, r)
+    ep = results["right"]["ep"]  # whole experts and fp32 partial sums: exact (TP's bf16 expert partials are not)
+    assert ep["sublayers"] == 0 and ep["logits"] == 0 and ep["greedy_equal"], ep
+    wrong = results["wrong"]["tp"]
+    assert not wrong["passed"] and wrong["sublayers"] > 0.1 and wrong["worst"][1] == "attn", wrong
