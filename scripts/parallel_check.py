@@ -145,8 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
         stats = torch.tensor([sub, (got - want[rows]).abs().max().item(), -float(torch.equal(tokens, want_tokens[rows]))],
                              device=device)
         dist.all_reduce(stats, dist.ReduceOp.MAX)  # worst rank; tokens: equal only if equal on every rank
-        results[name] = dict(sublayers=stats[0].item(), worst=where, logits=stats[1].item(), control=control,
-                             greedy_equal=stats[2].item() < 0, passed=stats[0].item() <= args.bound)
+        results[name] = {"sublayers": stats[0].item(), "worst": where, "logits": stats[1].item(), "control": control,
+                         "greedy_equal": stats[2].item() < 0, "passed": stats[0].item() <= args.bound}
         if rank == 0:
             r = results[name]
             print(f"{name:6s} sublayers {r['sublayers']:.2e} (rank 0's worst: layer {where[0]} {where[1]})  logits "

@@ -11,12 +11,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-import dsflash_compile
-from dsflash_compile import DeepseekV41ForCausalLM, preset_config
-from dsflash_compile.parallel import LAYOUT_NAMES, ParallelConfig, layout, parallelize
-from dsflash_compile.presets import preset_model
 from test_model import left_pad, prompts
+
+from dsflash_compile import DeepseekV41ForCausalLM, preset_config
+from dsflash_compile.parallel import (
+    LAYOUT_NAMES,
+    ParallelConfig,
+    all_gather,
+    all_gather_rows,
+    layout,
+    parallelize,
+)
+from dsflash_compile.presets import preset_model
 
 WORLD = 2
 MODES = {  # name -> (parallel.layout's name, expert path, max |logit - unsharded logit|)
@@ -86,6 +92,12 @@ def worker(rank, port, folder):
     with torch.no_grad():
         results["compiled"] = [(torch.compile(m, backend="eager", fullgraph=True)(t), m(t))
                                for m, t in ((dp.ffn, x), (tp.ffn, x), (tp.attn.wo_b, o))]
+    # One packed all-gather (odd widths and dtypes, a 1-D and a 3-D tensor) equals one all-gather per tensor
+    gen = torch.Generator().manual_seed(3 + rank)
+    parts = [torch.randn(3, 5, generator=gen).bfloat16(), torch.randint(-9, 9, (3, 3), generator=gen),
+             torch.rand(3, generator=gen), torch.randn(3, 2, 3, generator=gen).half()]
+    results["packed"] = ([t.clone() for t in all_gather_rows(parts, dist.group.WORLD)],  # views of one buffer
+                         [all_gather(t, dist.group.WORLD) for t in parts])
     torch.save(results, folder / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -139,6 +151,13 @@ def test_sharded_modules_compile_without_graph_breaks(sharded):
     for rank in range(WORLD):
         for compiled, eager in sharded[rank]["compiled"]:
             assert torch.equal(compiled, eager)
+
+
+def test_packed_all_gather_equals_one_per_tensor(sharded):
+    for rank in range(WORLD):
+        packed, separate = sharded[rank]["packed"]
+        for got, want in zip(packed, separate, strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want), rank
 
 
 @pytest.mark.parametrize("config, field", [

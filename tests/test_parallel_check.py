@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-
 from test_parallel import WORLD, free_port
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
