@@ -15,6 +15,7 @@ Collectives are the functional ones (torch.distributed._functional_collectives),
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -112,8 +113,10 @@ def all_gather_rows(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> li
     side by side, widest dtype first (so every piece starts aligned for its dtype; the row is padded to 8
     bytes), viewed back as the tensors after. One launch and one wait instead of one per tensor."""
     rows = tensors[0].shape[0]
+    if any(t.dim() == 0 or t.shape[0] != rows for t in tensors):
+        raise ValueError(f"all_gather_rows: every tensor needs {rows} rows, got shapes {[tuple(t.shape) for t in tensors]}")
     order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
-    pieces = [tensors[i].reshape(rows, -1).contiguous().view(torch.uint8) for i in order]
+    pieces = [_row_bytes(tensors[i]) for i in order]
     pad = -sum(piece.shape[1] for piece in pieces) % 8
     gathered = all_gather(torch.cat(pieces + [pieces[0].new_zeros(rows, pad)], 1), group)
     out, start = [None] * len(tensors), 0
@@ -122,6 +125,13 @@ def all_gather_rows(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> li
         out[i] = gathered[:, start:start + piece.shape[1]].view(t.dtype).reshape(-1, *t.shape[1:])
         start += piece.shape[1]
     return out
+
+
+def _row_bytes(t: torch.Tensor) -> torch.Tensor:
+    """t [T, ...] as [T, bytes per row] uint8; a copy only where the last dim is strided (the uint8 view needs
+    stride 1 there; .contiguous() keeps a size-1 dim's odd stride)."""
+    flat = t.reshape(t.shape[0], math.prod(t.shape[1:]))
+    return (flat if flat.stride(-1) == 1 else flat.clone(memory_format=torch.contiguous_format)).view(torch.uint8)
 
 
 def reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

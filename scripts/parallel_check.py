@@ -8,18 +8,21 @@ generate(). Under DP attention rank r runs request r of the batch (so the batch 
 Rank 0 prints per mode:
   sublayers  each attention and MoE of the sharded model fed the reference's input of the same call (teacher
              forcing, eager), against the reference's output: max |diff| / max |output| over all of them. A
-             right sharding changes only rounding (fp32 partial sums); wrong heads, experts or sums are O(1).
-             This is the verdict: above --bound the script exits 1.
-  logits     end to end. With random weights at the released dims, any rounding-level change grows through the
-             layers (one ulp on 5% of the first attention's outputs moves flash-layer's logits by ~6% of their
-             scale), so it is shown beside
-  control    the unsharded model with exactly that one-ulp change: the size of a rounding difference end to end.
+             right sharding changes only rounding (partial sums over ranks: fp32 for wo_b and the shared expert,
+             bf16 for TP-split routed experts and native weights); wrong heads, experts or sums are O(1).
+  logits     end to end (compiled with --compile). With random weights at the released dims, any rounding-level
+             change grows through the layers: 1-2 ulps (x (1 +- 2^-7) in bf16) on 5% of the first attention's
+             outputs move flash-layer's logits by 23% of their scale on an H200. So it is judged against
+  control    the unsharded model (eager) with exactly that change: the size of a rounding difference end to end.
   greedy     whether generate()'s tokens are identical (they may differ where the logits do, at small margins).
+A mode passes when sublayers <= --bound and logits <= 3 x control (the second is the only check of the compiled
+sharded model, whose graphs run no hooks); the script exits 1 if any mode fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from functools import partial
 
@@ -60,8 +63,8 @@ class Taps:
 
 @torch.no_grad()
 def logits_of(model, ids, steps, noise: bool = False):
-    """Prompt and decode logits [B, S + steps, V] with one cache. noise: one ulp (2^-7 relative, bf16) on a
-    seeded 5% of the first attention's outputs (the control)."""
+    """Prompt and decode logits [B, S + steps, V] with one cache. noise: x (1 +- 2^-7) (1-2 bf16 ulps) on a seeded
+    5% of the first attention's outputs (the control)."""
     hook = model.model.layers[0].attn.register_forward_hook(one_ulp) if noise else None
     cache = model.new_cache(ids.shape[0], ids.shape[1] + steps.shape[1])
     logits = [model(ids, cache=cache).logits]
@@ -85,7 +88,10 @@ def run(model, ids, steps, new_tokens, compile_model):
     if compile_model:
         dsflash_compile.compile(model, max_batch=ids.shape[0], max_length=ids.shape[1] + 64,
                                 batch_buckets=(ids.shape[0],), prefill_buckets=(ids.shape[1],))
-    return logits_of(model, ids, steps), model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+    # min_new_tokens: every rank generates as many tokens (under DP attention a rank that stopped at EOS would
+    # leave the others waiting in the MoE's all-gather)
+    return logits_of(model, ids, steps), model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                                        do_sample=False)
 
 
 def tapped(model, ids, steps, forced=None, rows=slice(None)) -> dict:
@@ -96,14 +102,18 @@ def tapped(model, ids, steps, forced=None, rows=slice(None)) -> dict:
     return taps.calls
 
 
-def sublayer_error(got: dict, want: dict, rows: slice) -> tuple[float, tuple]:
-    """max |got - want| / max |want| over every sublayer call, and the worst (layer, sublayer)."""
+def sublayer_error(got: dict, want: dict, rows: slice) -> tuple[float, tuple | None]:
+    """max |got - want| / max |want| over every sublayer call (NaN counts as inf), and the worst (layer,
+    sublayer), None when all are exact. Checks first that every call ran on the forced input."""
     worst, where = 0.0, None
     for key, calls in want.items():
-        for (_, w), (_, g) in zip(calls, got[key], strict=True):
+        for (w_in, w), (g_in, g) in zip(calls, got[key], strict=True):
+            if not torch.equal(g_in, w_in[rows]):
+                raise RuntimeError(f"layer {key[0]} {key[1]} did not run on the forced input")
             w = w[rows].float()
             err = ((g.float() - w).abs().max() / w.abs().max().clamp_min(1e-30)).item()
-            if err >= worst:
+            err = math.inf if math.isnan(err) else err
+            if err > worst:
                 worst, where = err, key
     return worst, where
 
@@ -144,12 +154,14 @@ def main(argv: list[str] | None = None) -> dict:
         got, tokens = run(model, ids[rows], steps[rows], args.new_tokens, args.compile)
         stats = torch.tensor([sub, (got - want[rows]).abs().max().item(), -float(torch.equal(tokens, want_tokens[rows]))],
                              device=device)
+        stats = stats.nan_to_num(nan=math.inf)  # a NaN fails, whatever MAX makes of it
         dist.all_reduce(stats, dist.ReduceOp.MAX)  # worst rank; tokens: equal only if equal on every rank
-        results[name] = {"sublayers": stats[0].item(), "worst": where, "logits": stats[1].item(), "control": control,
-                         "greedy_equal": stats[2].item() < 0, "passed": stats[0].item() <= args.bound}
+        sub, logits = stats[0].item(), stats[1].item()
+        results[name] = {"sublayers": sub, "worst": where, "logits": logits, "control": control,
+                         "greedy_equal": stats[2].item() < 0, "passed": sub <= args.bound and logits <= 3 * control}
         if rank == 0:
-            r = results[name]
-            print(f"{name:6s} sublayers {r['sublayers']:.2e} (rank 0's worst: layer {where[0]} {where[1]})  logits "
+            r, worst = results[name], f"layer {where[0]} {where[1]}" if where else "none"
+            print(f"{name:6s} sublayers {r['sublayers']:.2e} (rank 0's worst: {worst})  logits "
                   f"{r['logits']:.3e}  control {control:.3e}  (scale {want.abs().max().item():.2f})  greedy tokens "
                   f"{'equal' if r['greedy_equal'] else 'DIFFER'}  {'ok' if r['passed'] else 'FAILED'}", flush=True)
         del model

@@ -92,10 +92,11 @@ def worker(rank, port, folder):
     with torch.no_grad():
         results["compiled"] = [(torch.compile(m, backend="eager", fullgraph=True)(t), m(t))
                                for m, t in ((dp.ffn, x), (tp.ffn, x), (tp.attn.wo_b, o))]
-    # One packed all-gather (odd widths and dtypes, a 1-D and a 3-D tensor) equals one all-gather per tensor
+    # One packed all-gather (odd widths, four dtypes, 1-D, 3-D and strided tensors) equals one all-gather per tensor
     gen = torch.Generator().manual_seed(3 + rank)
     parts = [torch.randn(3, 5, generator=gen).bfloat16(), torch.randint(-9, 9, (3, 3), generator=gen),
-             torch.rand(3, generator=gen), torch.randn(3, 2, 3, generator=gen).half()]
+             torch.rand(3, generator=gen), torch.randn(3, 2, 3, generator=gen).half(),
+             torch.randint(0, 9, (2, 3), generator=gen).t()[:, :1]]  # a strided last dim
     results["packed"] = ([t.clone() for t in all_gather_rows(parts, dist.group.WORLD)],  # views of one buffer
                          [all_gather(t, dist.group.WORLD) for t in parts])
     torch.save(results, folder / f"rank{rank}.pt")
@@ -158,6 +159,11 @@ def test_packed_all_gather_equals_one_per_tensor(sharded):
         packed, separate = sharded[rank]["packed"]
         for got, want in zip(packed, separate, strict=True):
             assert got.dtype == want.dtype and torch.equal(got, want), rank
+
+
+def test_packed_all_gather_names_a_row_count_mismatch():
+    with pytest.raises(ValueError, match="every tensor needs 2 rows"):
+        all_gather_rows([torch.zeros(2, 3), torch.zeros(4, 3)], None)  # checked before any collective
 
 
 @pytest.mark.parametrize("config, field", [

@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from test_parallel import WORLD, free_port
@@ -40,3 +41,17 @@ def test_sublayer_check_passes_right_shardings_and_fails_a_wrong_one(tmp_path):
     assert ep["sublayers"] == 0 and ep["logits"] == 0 and ep["greedy_equal"], ep
     wrong = results["wrong"]["tp"]
     assert not wrong["passed"] and wrong["sublayers"] > 0.1 and wrong["worst"][1] == "attn", wrong
+
+
+def test_sublayer_error_counts_nan_as_inf_and_refuses_unforced_inputs():
+    sys.path.insert(0, str(SCRIPTS))
+    import parallel_check
+
+    x, y = torch.ones(2, 3, 4), torch.full((2, 3, 4), 2.0)
+    want = {(0, "attn"): [(x, y)], (0, "ffn"): [(x, y)]}
+    assert parallel_check.sublayer_error(want, want, slice(None)) == (0.0, None)
+    got = {(0, "attn"): [(x, y)], (0, "ffn"): [(x, y.clone().fill_(float("nan")))]}
+    assert parallel_check.sublayer_error(got, want, slice(None)) == (float("inf"), (0, "ffn"))
+    assert parallel_check.sublayer_error({k: [(x[1:], y[1:])] for k in want}, want, slice(1, 2)) == (0.0, None)
+    with pytest.raises(RuntimeError, match="layer 0 attn did not run on the forced input"):
+        parallel_check.sublayer_error({k: [(x + 1, y)] for k in want}, want, slice(None))
