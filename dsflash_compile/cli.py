@@ -88,6 +88,8 @@ BENCH_SCRIPTS = {
     "mhc": ("bench_mhc.py", "fused mHC seam vs eager and plain torch.compile"),
     "router": ("bench_router.py", "fused router vs eager and plain torch.compile"),
     "native": ("bench_native.py", "FP8 / MXFP4 native-weight kernels vs bf16 projections and grouped GEMMs"),
+    "parallel": ("bench_parallel.py", "each parallel layout vs one GPU, with the NCCL share; one process per GPU: "
+                 "torchrun --nproc-per-node N --no-python dsflash bench parallel ..."),
 }
 
 
@@ -97,12 +99,13 @@ def run_script(name: str, args: list[str]) -> int:
     if not script.is_file():
         raise SystemExit(f"dsflash bench {name}: {script} is not there; the benchmark scripts ship with the source "
                          "checkout, not the installed package (clone the repository and `pip install -e .`)")
-    saved = sys.argv
+    saved = sys.argv, list(sys.path)
     sys.argv = [str(script), *args]  # the script's argparse reads sys.argv
+    sys.path.insert(0, str(script.parent))  # its imports of sibling scripts (python puts the script's folder first)
     try:
         runpy.run_path(str(script), run_name="__main__")
     finally:
-        sys.argv = saved
+        sys.argv, sys.path[:] = saved
     return 0
 
 

@@ -118,6 +118,9 @@ def test_cli_parses_bench_commands_and_names_bad_input(capsys, monkeypatch):
     with pytest.raises(SystemExit) as done:  # the script's own --help, passed through
         cli.main(["bench", "attention", "--help"])
     assert done.value.code == 0 and "--quick" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:  # distributed: each torchrun process runs `dsflash bench parallel`
+        cli.main(["bench", "parallel", "--help"])
+    assert done.value.code == 0 and "--baseline" in capsys.readouterr().out
     with pytest.raises(SystemExit) as done:
         cli.main(["bench", "serve", "--concurrency", "1", "4", "--sessions", "2"])
     assert done.value.code == 2 and "--concurrency 4 is more than --sessions 2" in capsys.readouterr().err
