@@ -88,8 +88,8 @@ BENCH_SCRIPTS = {
     "mhc": ("bench_mhc.py", "fused mHC seam vs eager and plain torch.compile"),
     "router": ("bench_router.py", "fused router vs eager and plain torch.compile"),
     "native": ("bench_native.py", "FP8 / MXFP4 native-weight kernels vs bf16 projections and grouped GEMMs"),
-    "parallel": ("bench_parallel.py", "each parallel layout vs one GPU, with the NCCL share; one process per GPU: "
-                 "torchrun --nproc-per-node N --no-python dsflash bench parallel ..."),
+    "parallel": ("bench_parallel.py", ("each parallel layout vs one GPU, with the NCCL share; one process per GPU: "
+                                       "torchrun --nproc-per-node N --no-python dsflash bench parallel ...")),
 }
 
 
