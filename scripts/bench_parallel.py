@@ -21,7 +21,7 @@ torch.profiler per rank give comm_share: GPU time in NCCL kernels over all kerne
 the wait for the other rank); on the CPU the collectives' operators' self time over all operators'.
 --compile: dsflash_compile.compile per mode (decode as one CUDA graph per batch); a mode that fails is
 reported under its "error" and the run goes on. Rank 0 writes parallel-<preset>[-compiled]-<date>.json after
-every mode.
+every row (a run cut short keeps what it measured) and every mode.
 """
 
 from __future__ import annotations
@@ -72,8 +72,9 @@ def measure(call, repeats: int, profiled: int, device, barrier, before=lambda: N
 
 
 @torch.no_grad()
-def run_mode(model, mode: str, args, device: torch.device, barrier, gather) -> list[dict]:
-    """The mode's rows (the same on every rank): prefill, then decode at each batch."""
+def run_mode(model, mode: str, args, device: torch.device, barrier, gather, keep) -> None:
+    """The mode's rows (the same on every rank), each handed to `keep` as soon as it is measured (a run cut
+    short keeps them): prefill, then decode at each batch."""
     dp, rank = mode == "dp+ep", dist.get_rank()
     requests = dist.get_world_size() if dp else 1  # requests per row of a call, over all ranks
     gen = torch.Generator().manual_seed(1 + (rank if dp else 0))  # DP: each rank its own requests
@@ -103,8 +104,8 @@ def run_mode(model, mode: str, args, device: torch.device, barrier, gather) -> l
         return out
 
     prompt = torch.randint(3, vocab, (1, args.prefill), generator=gen).to(device)
-    rows = [row("prefill", 1, args.prefill, measure(lambda: model(prompt, cache=cache, logits_to_keep=1),
-                                                    args.repeats, 1, device, barrier, cache.reset))]
+    keep(row("prefill", 1, args.prefill, measure(lambda: model(prompt, cache=cache, logits_to_keep=1),
+                                                  args.repeats, 1, device, barrier, cache.reset)))
     for batch in args.batch:
         ids = torch.randint(3, vocab, (batch, 1), generator=gen).to(device)
         mask = torch.ones_like(ids)
@@ -112,8 +113,7 @@ def run_mode(model, mode: str, args, device: torch.device, barrier, gather) -> l
         fill_cache(cache, batch, args.context, fill_gen)
         local = measure(lambda: model(ids, mask, cache=cache, logits_to_keep=1), args.steps, args.profile_steps,
                         device, barrier)
-        rows.append(row("decode", batch, batch, local))
-    return rows
+        keep(row("decode", batch, batch, local))
 
 
 def add_ratios(rows: list[dict], baseline: list[dict]) -> None:
@@ -179,6 +179,12 @@ def main(argv: list[str] | None = None) -> None:
     result["command"] = (f"torchrun --nproc-per-node {world} scripts/bench_parallel.py "
                          + " ".join(sys.argv[1:] if argv is None else argv))
 
+    def keep(row: dict) -> None:
+        result["rows"].append(row)
+        if rank == 0:
+            add_ratios(result["rows"], baseline)
+            save_results(result, name, args.out)
+
     for mode in args.modes:
         solo = mode == "1gpu"
         info = result["modes"].setdefault(mode, {})
@@ -197,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
                 parallelize(model, config, group)
             barrier = (lambda: None) if solo else (lambda: dist.barrier(group=host))
             gather = (lambda x: [x]) if solo else (lambda x: all_gathered(x, world, host))
-            result["rows"] += run_mode(model, mode, args, device, barrier, gather)
+            run_mode(model, mode, args, device, barrier, gather, keep)
         except Exception as error:  # noqa: BLE001 - reported in the results (e.g. a compile failure), the run goes on
             info["error"] = f"{type(error).__name__}: {error}"[:2000]
             print(mode, "failed:", info["error"], flush=True)
@@ -212,8 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         if solo:
             dist.barrier(group=host)
         if rank == 0:
-            add_ratios(result["rows"], baseline)
-            save_results(result, name, args.out)  # after every mode: a run cut short keeps what it measured
+            save_results(result, name, args.out)  # the mode's info (graph breaks, errors)
 
     if rank == 0:
         save_results(result, name, args.out)
