@@ -118,7 +118,7 @@ def all_gather_rows(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> li
     order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
     pieces = [_row_bytes(tensors[i]) for i in order]
     pad = -sum(piece.shape[1] for piece in pieces) % 8
-    gathered = all_gather(torch.cat(pieces + [pieces[0].new_zeros(rows, pad)], 1), group)
+    gathered = all_gather(torch.cat(pieces + ([pieces[0].new_zeros(rows, pad)] if pad else []), 1), group)
     out, start = [None] * len(tensors), 0
     for i, piece in zip(order, pieces):
         t = tensors[i]

@@ -2,25 +2,19 @@
 at tiny sizes; the JSON has every mode's rows with positive times and communication shares in [0, 1]."""
 
 import json
-import os
 import sys
-from pathlib import Path
 
-import torch
 import torch.multiprocessing as mp
+from script_module import SCRIPTS
+from test_parallel import WORLD, as_torchrun_rank, free_port
 
-from test_parallel import WORLD, free_port
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 MODES = ["1gpu", "tp+ep", "dp+ep"]  # the baseline and both dispatches (all-reduce; all-gather + reduce-scatter)
 PREFILL, BATCH = 16, 2
 
 
 def worker(rank, port, out):
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    sys.path.insert(0, str(SCRIPTS))
+    as_torchrun_rank(rank, port)
+    sys.path.insert(0, str(SCRIPTS))  # (not load_script: bench_parallel imports its sibling compile_and_profile)
     import bench_parallel
 
     bench_parallel.main(["--preset", "tiny", "--modes", *MODES, "--batch", str(BATCH), "--prefill", str(PREFILL),

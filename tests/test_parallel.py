@@ -5,6 +5,7 @@ One spawn for the module: the workers run every mode and send their results back
 with the unsharded model run here.
 """
 
+import os
 import socket
 
 import pytest
@@ -101,6 +102,13 @@ def worker(rank, port, folder):
                          [all_gather(t, dist.group.WORLD) for t in parts])
     torch.save(results, folder / f"rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def as_torchrun_rank(rank: int, port: int) -> None:
+    """The environment torchrun gives a rank (init_distributed reads it), in a spawned test process."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
 
 
 def free_port() -> int:

@@ -2,27 +2,22 @@
 shardings pass the teacher-forced sublayer check; one whose ranks all keep rank 0's attention heads fails it,
 worst at an attention."""
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_parallel import WORLD, free_port
+from script_module import load_script
+from test_parallel import WORLD, as_torchrun_rank, free_port
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+from dsflash_compile import parallel
+
 ARGS = ["--preset", "tiny", "--prompt", "12", "--steps", "2", "--new-tokens", "2"]
 
 
 def worker(rank, port, folder):
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    sys.path.insert(0, str(SCRIPTS))
-    import parallel_check
-
-    from dsflash_compile import parallel
+    as_torchrun_rank(rank, port)
+    parallel_check = load_script("parallel_check")
 
     results = {"right": parallel_check.main([*ARGS, "--modes", "tp", "ep", "dp+ep"])}
     shard = parallel.shard_attention
@@ -44,9 +39,7 @@ def test_sublayer_check_passes_right_shardings_and_fails_a_wrong_one(tmp_path):
 
 
 def test_sublayer_error_counts_nan_as_inf_and_refuses_unforced_inputs():
-    sys.path.insert(0, str(SCRIPTS))
-    import parallel_check
-
+    parallel_check = load_script("parallel_check")
     x, y = torch.ones(2, 3, 4), torch.full((2, 3, 4), 2.0)
     want = {(0, "attn"): [(x, y)], (0, "ffn"): [(x, y)]}
     assert parallel_check.sublayer_error(want, want, slice(None)) == (0.0, None)
