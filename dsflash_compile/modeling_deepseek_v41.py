@@ -10,6 +10,7 @@ Module and parameter names follow the release checkpoint under `model.` (the hea
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 
@@ -364,7 +365,11 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
             hidden = None
         else:
             needed = None if output_hidden_states or not logits_to_keep else logits_to_keep
-            hidden = self.model(input_ids, attention_mask, cache, keep=needed, replay_from=replay_from)
+            # a compiled model's blocks are specialised to its runner's cache: another cache runs them eager
+            # (recompiling each block for it would soon stop at Dynamo's recompile limit)
+            foreign = runner is not None and cache is not runner.cache
+            with torch.compiler.set_stance("force_eager") if foreign else contextlib.nullcontext():
+                hidden = self.model(input_ids, attention_mask, cache, keep=needed, replay_from=replay_from)
             logits = self.logits(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         if prompts is not None:
             prefix_cache.keep_prefixes(store, cache, prompts)

@@ -4,7 +4,8 @@
 model first. All parallel dimensions span the same group (a 2-D mesh is later work):
   - TP: attention heads split (wq_b's rows, the sinks, wo_a's groups; the MQA KV, compressor and indexer
     replicated), wo_b row-parallel with an all-reduce after it; every expert's intermediate dim split
-    (w1 / w3 column-, w2 row-parallel), summed by the MoE's one all-reduce.
+    (w1 / w3 column-, w2 row-parallel): the routed and the shared expert's partial sums share the MoE's one
+    all-reduce.
   - EP: each rank keeps n_routed_experts / ep consecutive routed experts; router and shared expert are
     replicated (the shared expert is TP-split when tp > 1). Every rank runs its experts on the tokens it
     sees and the MoE's one collective sums the ranks' partial outputs.
@@ -198,9 +199,11 @@ def shard_moe(moe: MoE, config: ParallelConfig, rank: int, group: dist.ProcessGr
         moe.first_expert = 0
         for expert in moe.experts:
             shard_expert(expert, rank, config.tp)
-    if config.tp > 1:
+    if config.tp > 1:  # its partial sum joins the routed experts' all-reduce (ParallelMoE.forward)
         shard_expert(moe.shared_experts, rank, config.tp)
-        row_parallel(moe.shared_experts.w2, group)
+        if not isinstance(moe.shared_experts.w2, NativeQuantLinear):
+            moe.shared_experts.w2.__class__ = PartialSumLinear
+    moe.shared_partial = config.tp > 1
     if moe.grouped:
         moe.stack_experts()  # restack this rank's tensors only (the old stacks are freed)
     moe.group, moe.dp_attention = group, config.dp_attention
@@ -219,15 +222,22 @@ def row_parallel(linear: QuantLinear, group: dist.ProcessGroup) -> None:
         linear.__class__ = RowParallelLinear
 
 
-class RowParallelLinear(QuantLinear):
-    """A bf16-weight QuantLinear holding a slice of the inputs (see row_parallel)."""
+class PartialSumLinear(QuantLinear):
+    """A bf16-weight QuantLinear holding a slice of the inputs that returns its fp32 partial product, for the
+    caller to sum over ranks (ParallelMoE.forward's one all-reduce)."""
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         x, weight = x.to(self.weight.dtype), self.weight
         # the head's fp32-output GEMM (DeepseekV41ForCausalLM.logits): one bf16 GEMM on CUDA
-        partial = torch.mm(x.flatten(0, -2), weight.t(), out_dtype=torch.float32).unflatten(0, x.shape[:-1]) \
+        return torch.mm(x.flatten(0, -2), weight.t(), out_dtype=torch.float32).unflatten(0, x.shape[:-1]) \
             if x.is_cuda else F.linear(x.float(), weight.float())
-        return all_reduce(partial, self.group).to(weight.dtype)
+
+
+class RowParallelLinear(PartialSumLinear):
+    """A bf16-weight QuantLinear holding a slice of the inputs (see row_parallel)."""
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(super().product(x), self.group).to(self.weight.dtype)
 
 
 def _shard(linear: nn.Module, dim: int, rank: int, parts: int) -> None:
@@ -262,9 +272,20 @@ class ParallelMoE(MoE):
     def can_stack_shared(self) -> bool:
         return False  # the routed part is reduced over ranks, the shared expert is not (or is TP-split)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.shared_partial:  # the shared expert replicated: MoE.forward (routed() reduces)
+            return super().forward(x)
+        # TP: the shared expert's partial sum rides in the routed experts' all-reduce, one collective per MoE
+        # instead of two. Stacked, each is still summed on its own and rounded where the unsharded model rounds.
+        shape, x = x.shape, x.reshape(-1, x.shape[-1])
+        weights, ids = self.gate(x)
+        partials = torch.stack([self._routed_here(x, weights, ids), self.shared_experts(x).float()])
+        routed, shared = all_reduce(partials, self.group)
+        return (routed + shared.to(x.dtype)).to(x.dtype).view(shape)
+
     def routed(self, x, weights, ids) -> torch.Tensor:
-        """This rank's tokens' routed output, summed over every rank's experts (the shared expert, added by
-        MoE.forward, is replicated or TP-split with its own all-reduce: row_parallel)."""
+        """This rank's tokens' routed output, summed over every rank's experts (used when the shared expert,
+        added by MoE.forward, is replicated; TP-split, it shares the all-reduce in forward)."""
         if self.dp_attention:  # every rank's tokens meet every rank's experts
             x, weights, ids = all_gather_rows([x, weights, ids], self.group)
         y = self._routed_here(x, weights, ids)

@@ -1,6 +1,8 @@
 """Sharded vs unsharded model on GPUs (issue 10's check), one process per GPU:
 
     torchrun --nproc-per-node 2 scripts/parallel_check.py --preset flash-layer [--compile] [--weights bf16]
+    torchrun --nproc-per-node 4 scripts/parallel_check.py --preset flash-layer --set hidden_size=1024 ...
+        (CPU ranks over gloo, at smaller dims)
 
 Every rank builds the same seeded preset and runs it unsharded (the reference), then once per mode sharded
 (parallel.py's layout over all the ranks: 2 or more): a prompt batch, decode steps with the cache and greedy
@@ -66,7 +68,8 @@ def logits_of(model, ids, steps, noise: bool = False):
     """Prompt and decode logits [B, S + steps, V] with one cache. noise: x (1 +- 2^-7) (1-2 bf16 ulps) on a seeded
     5% of the first attention's outputs (the control)."""
     hook = model.model.layers[0].attn.register_forward_hook(one_ulp) if noise else None
-    cache = model.new_cache(ids.shape[0], ids.shape[1] + steps.shape[1])
+    runner = getattr(model, "compiled_runner", None)  # compiled: its graphs run on the runner's own cache
+    cache = (runner.fresh_cache if runner is not None else model.new_cache)(ids.shape[0], ids.shape[1] + steps.shape[1])
     logits = [model(ids, cache=cache).logits]
     logits += [model(steps[:, i:i + 1], cache=cache).logits for i in range(steps.shape[1])]
     if hook is not None:
@@ -86,8 +89,10 @@ def one_ulp(_module, _args, out):
 def run(model, ids, steps, new_tokens, compile_model):
     """End-to-end logits and greedy tokens."""
     if compile_model:
-        dsflash_compile.compile(model, max_batch=ids.shape[0], max_length=ids.shape[1] + 64,
-                                batch_buckets=(ids.shape[0],), prefill_buckets=(ids.shape[1],))
+        # one prefill bucket, at least the window (bounded replay's trimmed layers take the last window of it)
+        bucket = max(ids.shape[1], model.model.text_config.sliding_window)
+        dsflash_compile.compile(model, max_batch=ids.shape[0], max_length=bucket + 64,
+                                batch_buckets=(ids.shape[0],), prefill_buckets=(bucket,))
     # min_new_tokens: every rank generates as many tokens (under DP attention a rank that stopped at EOS would
     # leave the others waiting in the MoE's all-gather)
     return logits_of(model, ids, steps), model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -118,6 +123,13 @@ def sublayer_error(got: dict, want: dict, rows: slice) -> tuple[float, tuple | N
     return worst, where
 
 
+def text_override(text: str) -> tuple[str, int]:
+    field, sep, value = text.partition("=")
+    if not sep or not value.lstrip("-").isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected FIELD=INT, e.g. hidden_size=1024")
+    return field, int(value)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="flash-layer")
@@ -129,6 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compile", action="store_true", help="dsflash_compile.compile each model (Inductor) for "
                         "the logits and greedy tokens (the sublayer check stays eager: hooks)")
     parser.add_argument("--bound", type=float, default=0.02, help="largest sublayer error that passes")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=INT", type=text_override,
+                        help="override an integer text-config field (repeatable), e.g. smaller dims for CPU ranks")
     args = parser.parse_args(argv)
 
     group = init_distributed()
@@ -136,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     configs = {name: layout(name, world) for name in args.modes}  # a world no mode can use fails here, first;
     # what does not divide by it (experts, heads) fails in parallelize
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    overrides = {"weights": args.weights} if args.weights else {}
+    overrides = dict(args.set, **({"weights": args.weights} if args.weights else {}))
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 500, (world, args.prompt), generator=gen).to(device)
     steps = torch.randint(3, 500, (world, args.steps), generator=gen).to(device)

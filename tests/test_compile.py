@@ -80,6 +80,23 @@ def test_compiled_generate_equals_eager_and_never_recompiles(fresh_dynamo):
 
 
 @torch.no_grad()
+def test_a_cache_of_its_own_runs_the_blocks_eager(fresh_dynamo):
+    """The graphs belong to the runner's cache: calls with other caches (any batch, length) give the
+    uncompiled model's logits and compile nothing (before, each recompiled every block, up to Dynamo's limit)."""
+    model = tiny_model()
+    shapes = [(2, 20), (3, 9), (1, 30), (4, 17)] * 3
+
+    def logits():
+        return [model(prompts(b, s), cache=model.new_cache(b, s + 4)).logits for b, s in shapes]
+    want = logits()
+    dsflash_compile.compile(model, max_batch=4, max_length=64, batch_buckets=(4,), prefill_buckets=(32,),
+                            backend="eager", passes=False)
+    for got, expected in zip(logits(), want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 0
+
+
+@torch.no_grad()
 def test_dynamic_shapes_reuse_one_graph_from_the_second_batch_bucket_on(fresh_dynamo):
     """dynamic_shapes: the first batch bucket compiles static graphs, the second symbolic ones that the third
     reuses (decode steps; graphs counted), and the numbers stay the eager model's. The MoE's few-rows cutoff
