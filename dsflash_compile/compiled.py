@@ -178,10 +178,10 @@ class CompiledRunner:
                              "of tokens through the trimmed layers (or pass swa_bounded_replay=False)")
         # every block shares one code object: its cache holds (roles ~6) x (shapes) graphs; per batch bucket
         # the shapes are each prefill bucket at full depth and trimmed (bounded replay), the window-long tail
-        # and the decode step
+        # and the decode step. Every compiled model of the process shares it, so each compile() adds its room.
         graphs = 8 * len(self.batch_buckets) * (2 * len(self.prefill_buckets) + 2)
         for limit in ("cache_size_limit", "accumulated_cache_size_limit"):
-            setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), graphs))
+            setattr(torch._dynamo.config, limit, getattr(torch._dynamo.config, limit) + graphs)
         compile_kwargs = dict(backend=options.backend, fullgraph=True,
                               dynamic=None if options.dynamic_shapes else False)
         if options.dynamic_shapes and options.backend == "inductor":

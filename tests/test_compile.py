@@ -96,6 +96,20 @@ def test_a_cache_of_its_own_runs_the_blocks_eager(fresh_dynamo):
     assert counters["stats"]["unique_graphs"] == 0
 
 
+def test_each_compiled_model_gets_room_for_its_graphs(fresh_dynamo):
+    """All models' blocks share one code object and so one Dynamo cache: each compile() adds room for its own
+    graphs. A limit sized for one model stopped the third model of other shapes in parallel_check (a reference
+    and two sharded copies); warming up three tiny models of batch 1, 2, 3 fails the same way (43 graphs
+    against 32), but takes 80 s, so this checks the room."""
+    with torch._dynamo.config.patch(cache_size_limit=8, accumulated_cache_size_limit=256):  # torch's defaults
+        for batch in (1, 2, 3):
+            dsflash_compile.compile(tiny_model(), max_batch=batch, max_length=64, batch_buckets=(batch,),
+                                    prefill_buckets=(32,), backend="eager", passes=False)
+        room = 8 * 1 * (2 * 1 + 2)  # compile()'s bound per model: 8 roles x batch buckets x (2 x prefill + 2)
+        assert torch._dynamo.config.cache_size_limit == 8 + 3 * room
+        assert torch._dynamo.config.accumulated_cache_size_limit == 256 + 3 * room
+
+
 @torch.no_grad()
 def test_dynamic_shapes_reuse_one_graph_from_the_second_batch_bucket_on(fresh_dynamo):
     """dynamic_shapes: the first batch bucket compiles static graphs, the second symbolic ones that the third
