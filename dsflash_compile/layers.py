@@ -22,6 +22,14 @@ class RMSNorm(nn.Module):
         return (self.weight.float() * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
 
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] times bf16 weight [N, K]^T in fp32. On CUDA one bf16 GEMM with fp32 output: the same
+    products (bf16 x bf16 is exact in fp32), without an fp32 copy of the weight."""
+    if x.is_cuda:
+        return torch.mm(x.flatten(0, -2), weight.t(), out_dtype=torch.float32).unflatten(0, x.shape[:-1])
+    return F.linear(x.float(), weight.float())
+
+
 def block_diagonal_linear(x: torch.Tensor, weight: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """x [..., groups * K] times weight [N, K]^T, group g's N / groups outputs reading only group g's inputs
     (the attention's grouped `wo_a`, hence an einsum); groups = 1 is F.linear."""

@@ -15,7 +15,6 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
@@ -26,7 +25,7 @@ from .cache import DeepseekV41Cache, LayerCache
 from .configuration_deepseek_v41 import DeepseekV41Config, DeepseekV41TextConfig, LayerRole
 from .context import ForwardContext, build_context, check_left_padding, tail_context
 from .engram import Engram
-from .layers import RMSNorm
+from .layers import RMSNorm, fp32_linear
 from .mhc import hc_mixes, hc_post, hc_pre
 from .moe import MoE
 from .rope import inverse_frequencies, rotation
@@ -365,10 +364,11 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
             hidden = None
         else:
             needed = None if output_hidden_states or not logits_to_keep else logits_to_keep
-            # a compiled model's blocks are specialised to its runner's cache: another cache runs them eager
-            # (recompiling each block for it would soon stop at Dynamo's recompile limit)
-            foreign = runner is not None and cache is not runner.cache
-            with torch.compiler.set_stance("force_eager") if foreign else contextlib.nullcontext():
+            # A compiled model's graphs are its runner's: outside it (another cache, or hidden states asked for)
+            # the blocks run eager, since recompiling them for each new shape would soon stop at Dynamo's
+            # recompile limit. The stance is process-wide (restored on exit, errors included).
+            eager = runner is not None
+            with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
                 hidden = self.model(input_ids, attention_mask, cache, keep=needed, replay_from=replay_from)
             logits = self.logits(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         if prompts is not None:
@@ -378,12 +378,8 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
                                          **{CACHE_KWARG: cache if keep else None})
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of bf16 hidden states (the reference's fp32 head). On CUDA one bf16 GEMM with fp32
-        output: the same products (bf16 x bf16 is exact in fp32), without an fp32 copy of the head."""
-        if hidden.is_cuda:
-            return torch.mm(hidden.flatten(0, -2), self.head.weight.t(), out_dtype=torch.float32).unflatten(
-                0, hidden.shape[:-1])
-        return F.linear(hidden.float(), self.head.weight.float())
+        """fp32 logits of bf16 hidden states (the reference's fp32 head)."""
+        return fp32_linear(hidden, self.head.weight)
 
     # -- generate() glue ---------------------------------------------------------------------------
     @classmethod

@@ -24,11 +24,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from torch import nn
 
 from .configuration_deepseek_v41 import DeepseekV41TextConfig
-from .layers import NativeQuantLinear, QuantLinear
+from .layers import NativeQuantLinear, QuantLinear, fp32_linear
 from .moe import MoE
 
 QUANT_BLOCK = 32  # FP8 weight tiles and activation groups: a shard boundary must not cut one
@@ -227,10 +226,7 @@ class PartialSumLinear(QuantLinear):
     caller to sum over ranks (ParallelMoE.forward's one all-reduce)."""
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        x, weight = x.to(self.weight.dtype), self.weight
-        # the head's fp32-output GEMM (DeepseekV41ForCausalLM.logits): one bf16 GEMM on CUDA
-        return torch.mm(x.flatten(0, -2), weight.t(), out_dtype=torch.float32).unflatten(0, x.shape[:-1]) \
-            if x.is_cuda else F.linear(x.float(), weight.float())
+        return fp32_linear(x.to(self.weight.dtype), self.weight)
 
 
 class RowParallelLinear(PartialSumLinear):
@@ -260,7 +256,8 @@ def _shard(linear: nn.Module, dim: int, rank: int, parts: int) -> None:
 
 class ParallelMoE(MoE):
     """MoE whose routed experts are this rank's share (see shard_moe): MoE's forward, with the dispatch /
-    combine around the routed experts.
+    combine around the routed experts; under TP its own forward, which sums the shared expert's partial in
+    the same all-reduce.
 
     The simplest dispatch, for small batches: every rank sees every token (replicated under TP / EP,
     all-gathered with its routing under DP attention) and the combine sums the ranks' outputs (all-reduce,
@@ -276,7 +273,9 @@ class ParallelMoE(MoE):
         if not self.shared_partial:  # the shared expert replicated: MoE.forward (routed() reduces)
             return super().forward(x)
         # TP: the shared expert's partial sum rides in the routed experts' all-reduce, one collective per MoE
-        # instead of two. Stacked, each is still summed on its own and rounded where the unsharded model rounds.
+        # instead of two. Stacked, each is still summed on its own, then rounded where the two separate
+        # all-reduces rounded: the same bits with 2 ranks (a + b = b + a); with more, the ring's order of
+        # addition per element may differ. Native weights' bf16 shared partial is now summed in fp32.
         shape, x = x.shape, x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(x)
         partials = torch.stack([self._routed_here(x, weights, ids), self.shared_experts(x).float()])

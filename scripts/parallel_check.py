@@ -11,7 +11,8 @@ Rank 0 prints per mode:
   sublayers  each attention and MoE of the sharded model fed the reference's input of the same call (teacher
              forcing, eager), against the reference's output: max |diff| / max |output| over all of them. A
              right sharding changes only rounding (partial sums over ranks: fp32 for wo_b and the shared expert,
-             bf16 for TP-split routed experts and native weights); wrong heads, experts or sums are O(1).
+             of partials rounded to bf16 for TP-split routed experts and native weights, whose wo_b sums in
+             bf16); wrong heads, experts or sums are O(1).
   logits     end to end (compiled with --compile). With random weights at the released dims, any rounding-level
              change grows through the layers: 1-2 ulps (x (1 +- 2^-7) in bf16) on 5% of the first attention's
              outputs move flash-layer's logits by 23% of their scale on an H200. So it is judged against
@@ -33,7 +34,7 @@ import torch.distributed as dist
 
 import dsflash_compile
 from dsflash_compile.parallel import LAYOUT_NAMES, init_distributed, layout, parallelize
-from dsflash_compile.presets import preset_model
+from dsflash_compile.presets import preset_config, preset_model
 
 MODES = tuple(name for name in LAYOUT_NAMES if name != "1gpu")  # each checked against the unsharded model
 
@@ -91,7 +92,7 @@ def run(model, ids, steps, new_tokens, compile_model):
     if compile_model:
         # one prefill bucket, at least the window (bounded replay's trimmed layers take the last window of it)
         bucket = max(ids.shape[1], model.model.text_config.sliding_window)
-        dsflash_compile.compile(model, max_batch=ids.shape[0], max_length=bucket + 64,
+        dsflash_compile.compile(model, max_batch=ids.shape[0], max_length=bucket + max(steps.shape[1], new_tokens),
                                 batch_buckets=(ids.shape[0],), prefill_buckets=(bucket,))
     # min_new_tokens: every rank generates as many tokens (under DP attention a rank that stopped at EOS would
     # leave the others waiting in the MoE's all-gather)
@@ -124,8 +125,9 @@ def sublayer_error(got: dict, want: dict, rows: slice) -> tuple[float, tuple | N
 
 
 def text_override(text: str) -> tuple[str, int]:
+    """--set's FIELD=INT as (field, value); whether the field exists is checked against the preset's config."""
     field, sep, value = text.partition("=")
-    if not sep or not value.lstrip("-").isdigit():
+    if not sep or not value.removeprefix("-").isdigit():
         raise argparse.ArgumentTypeError(f"{text!r}: expected FIELD=INT, e.g. hidden_size=1024")
     return field, int(value)
 
@@ -144,6 +146,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=INT", type=text_override,
                         help="override an integer text-config field (repeatable), e.g. smaller dims for CPU ranks")
     args = parser.parse_args(argv)
+    fields = vars(preset_config(args.preset).text_config)
+    unknown = [field for field, _ in args.set if field not in fields]
+    if unknown:
+        parser.error(f"--set: {', '.join(unknown)} not a text-config field of preset {args.preset!r}")
 
     group = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -17,12 +17,15 @@ from dsflash_compile.cache import CacheCapacityError
 
 @pytest.fixture
 def fresh_dynamo():
-    """Inductor settings compile() changes are restored afterwards."""
+    """Inductor settings and Dynamo cache limits compile() changes are restored afterwards."""
     torch._dynamo.reset()
     counters.clear()
+    limits = torch._dynamo.config
     with inductor_config.patch(post_grad_custom_post_pass=inductor_config.post_grad_custom_post_pass,
                                online_softmax=inductor_config.online_softmax,
-                               emulate_precision_casts=inductor_config.emulate_precision_casts):
+                               emulate_precision_casts=inductor_config.emulate_precision_casts), \
+            limits.patch(cache_size_limit=limits.cache_size_limit,
+                         accumulated_cache_size_limit=limits.accumulated_cache_size_limit):
         yield
     torch._dynamo.reset()
 
@@ -82,9 +85,10 @@ def test_compiled_generate_equals_eager_and_never_recompiles(fresh_dynamo):
 @torch.no_grad()
 def test_a_cache_of_its_own_runs_the_blocks_eager(fresh_dynamo):
     """The graphs belong to the runner's cache: calls with other caches (any batch, length) give the
-    uncompiled model's logits and compile nothing (before, each recompiled every block, up to Dynamo's limit)."""
+    uncompiled model's logits and compile nothing (before, each recompiled every block, up to Dynamo's limit).
+    The eager stance ends with the call."""
     model = tiny_model()
-    shapes = [(2, 20), (3, 9), (1, 30), (4, 17)] * 3
+    shapes = [(2, 20), (3, 9), (1, 30), (4, 17)]
 
     def logits():
         return [model(prompts(b, s), cache=model.new_cache(b, s + 4)).logits for b, s in shapes]
@@ -94,20 +98,23 @@ def test_a_cache_of_its_own_runs_the_blocks_eager(fresh_dynamo):
     for got, expected in zip(logits(), want, strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
     assert counters["stats"]["unique_graphs"] == 0
+    model(prompts(4, 1), cache=model.compiled_runner.fresh_cache(4, 8))  # the runner's cache: its graphs
+    assert counters["stats"]["unique_graphs"] > 0
 
 
 def test_each_compiled_model_gets_room_for_its_graphs(fresh_dynamo):
     """All models' blocks share one code object and so one Dynamo cache: each compile() adds room for its own
     graphs. A limit sized for one model stopped the third model of other shapes in parallel_check (a reference
-    and two sharded copies); warming up three tiny models of batch 1, 2, 3 fails the same way (43 graphs
+    and two sharded copies); warming up three tiny models of batch 1, 2, 3 failed the same way (43 graphs
     against 32), but takes 80 s, so this checks the room."""
-    with torch._dynamo.config.patch(cache_size_limit=8, accumulated_cache_size_limit=256):  # torch's defaults
-        for batch in (1, 2, 3):
-            dsflash_compile.compile(tiny_model(), max_batch=batch, max_length=64, batch_buckets=(batch,),
-                                    prefill_buckets=(32,), backend="eager", passes=False)
-        room = 8 * 1 * (2 * 1 + 2)  # compile()'s bound per model: 8 roles x batch buckets x (2 x prefill + 2)
-        assert torch._dynamo.config.cache_size_limit == 8 + 3 * room
-        assert torch._dynamo.config.accumulated_cache_size_limit == 256 + 3 * room
+    torch._dynamo.config.cache_size_limit, torch._dynamo.config.accumulated_cache_size_limit = 8, 256  # defaults
+    limits = []
+    for batch in (1, 2, 3):  # the same buckets, so the same room each
+        dsflash_compile.compile(tiny_model(), max_batch=batch, max_length=64, batch_buckets=(batch,),
+                                prefill_buckets=(32,), backend="eager", passes=False)
+        limits.append((torch._dynamo.config.cache_size_limit, torch._dynamo.config.accumulated_cache_size_limit))
+    room = limits[0][0] - 8
+    assert room > 0 and limits == [(8 + k * room, 256 + k * room) for k in (1, 2, 3)]
 
 
 @torch.no_grad()
