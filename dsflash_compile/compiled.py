@@ -55,7 +55,7 @@ class CompileOptions:
     # the next sublayer (passes/mhc_overlap.py), joined before the next seam; same bits as one launch per seam.
     # Off: on the H200 it paid at no decode batch measured. flash-40l-e8, fused / overlap step time 0.992, 0.988,
     # 0.982, 0.981, 0.978 at batch 1, 4, 8, 16, 32: split seams cost 0.2-0.7 ms a step over fused ones, and
-    # running their mixes beside the next sublayer (0.8-0.9 ms of seam kernels concurrent) wins back at most
+    # running their mixes beside the next sublayer (0.81-0.94 ms of seam kernels concurrent) wins back at most
     # 0.2 ms (overlap-flash-40l-e8-b*-2026-11-30*.json, scripts/bench_overlap.py)
     mhc_overlap: bool = False
     mhc_overlap_max_tokens: int = 16  # below custom_ops.mhc.ROWS_MIN_TOKENS (checked)
