@@ -333,6 +333,12 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         cache.set_engram_pad_id(self.model.engram_pad_id())
         return cache
 
+    def empty_cache(self, max_batch: int, max_length: int) -> DeepseekV41Cache:
+        """An empty cache for a call: compiled, the runner's own (emptied; its graphs run only on it), else a
+        new one."""
+        runner = getattr(self, "compiled_runner", None)
+        return (runner.fresh_cache if runner is not None else self.new_cache)(max_batch, max_length)
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: DeepseekV41Cache | None = None, past_key_values: DeepseekV41Cache | None = None,
                 use_cache: bool | None = None, logits_to_keep: int = 0, output_hidden_states: bool | None = None,
@@ -390,9 +396,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
                                       max_cache_length, *args, **kwargs):
         if model_kwargs.get(CACHE_KWARG) is not None or generation_config.use_cache is False:
             return
-        runner = getattr(self, "compiled_runner", None)
-        model_kwargs[CACHE_KWARG] = runner.fresh_cache(batch_size, max_cache_length) if runner is not None \
-            else self.new_cache(batch_size, max_cache_length)
+        model_kwargs[CACHE_KWARG] = self.empty_cache(batch_size, max_cache_length)
 
     def _prepare_attention_mask_for_generation(self, inputs_tensor, generation_config, model_kwargs):
         """Without an explicit mask, only a leading run of pad ids is padding: the release treats the pad

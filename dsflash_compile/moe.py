@@ -104,9 +104,12 @@ class MoE(nn.Module):
             shared = torch.full_like(ids[:, :1], len(self.experts))
             y = self._routed_grouped(x, F.pad(weights, (0, 1), value=1.0), torch.cat([ids, shared], 1))
         else:
-            y = self.routed(x, weights, ids)
-            y += self.shared_experts(x)
+            y = self.routed_and_shared(x, weights, ids)
         return y.to(x.dtype).view(shape)
+
+    def routed_and_shared(self, x, weights, ids) -> torch.Tensor:
+        """The routed experts' weighted sum (fp32) plus the shared expert's output (bf16), in fp32."""
+        return self.routed(x, weights, ids) + self.shared_experts(x)
 
     def routed(self, x, weights, ids) -> torch.Tensor:
         """The routed experts' weighted sum per token, fp32 (parallel.py's ParallelMoE adds its collectives)."""

@@ -198,7 +198,7 @@ def shard_moe(moe: MoE, config: ParallelConfig, rank: int, group: dist.ProcessGr
         moe.first_expert = 0
         for expert in moe.experts:
             shard_expert(expert, rank, config.tp)
-    if config.tp > 1:  # its partial sum joins the routed experts' all-reduce (ParallelMoE.forward)
+    if config.tp > 1:  # its partial sum joins the routed experts' all-reduce (ParallelMoE.routed_and_shared)
         shard_expert(moe.shared_experts, rank, config.tp)
         if not isinstance(moe.shared_experts.w2, NativeQuantLinear):
             moe.shared_experts.w2.__class__ = PartialSumLinear
@@ -223,7 +223,7 @@ def row_parallel(linear: QuantLinear, group: dist.ProcessGroup) -> None:
 
 class PartialSumLinear(QuantLinear):
     """A bf16-weight QuantLinear holding a slice of the inputs that returns its fp32 partial product, for the
-    caller to sum over ranks (ParallelMoE.forward's one all-reduce)."""
+    caller to sum over ranks (ParallelMoE.routed_and_shared's one all-reduce)."""
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return fp32_linear(x.to(self.weight.dtype), self.weight)
@@ -256,8 +256,8 @@ def _shard(linear: nn.Module, dim: int, rank: int, parts: int) -> None:
 
 class ParallelMoE(MoE):
     """MoE whose routed experts are this rank's share (see shard_moe): MoE's forward, with the dispatch /
-    combine around the routed experts; under TP its own forward, which sums the shared expert's partial in
-    the same all-reduce.
+    combine around the routed experts; under TP the shared expert's partial joins the same all-reduce
+    (routed_and_shared).
 
     The simplest dispatch, for small batches: every rank sees every token (replicated under TP / EP,
     all-gathered with its routing under DP attention) and the combine sums the ranks' outputs (all-reduce,
@@ -269,22 +269,20 @@ class ParallelMoE(MoE):
     def can_stack_shared(self) -> bool:
         return False  # the routed part is reduced over ranks, the shared expert is not (or is TP-split)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.shared_partial:  # the shared expert replicated: MoE.forward (routed() reduces)
-            return super().forward(x)
+    def routed_and_shared(self, x, weights, ids) -> torch.Tensor:
+        if not self.shared_partial:  # the shared expert replicated: routed() reduces
+            return super().routed_and_shared(x, weights, ids)
         # TP: the shared expert's partial sum rides in the routed experts' all-reduce, one collective per MoE
         # instead of two. Stacked, each is still summed on its own, then rounded where the two separate
         # all-reduces rounded: the same bits with 2 ranks (a + b = b + a); with more, the ring's order of
         # addition per element may differ. Native weights' bf16 shared partial is now summed in fp32.
-        shape, x = x.shape, x.reshape(-1, x.shape[-1])
-        weights, ids = self.gate(x)
         partials = torch.stack([self._routed_here(x, weights, ids), self.shared_experts(x).float()])
         routed, shared = all_reduce(partials, self.group)
-        return (routed + shared.to(x.dtype)).to(x.dtype).view(shape)
+        return routed + shared.to(x.dtype)
 
     def routed(self, x, weights, ids) -> torch.Tensor:
         """This rank's tokens' routed output, summed over every rank's experts (used when the shared expert,
-        added by MoE.forward, is replicated; TP-split, it shares the all-reduce in forward)."""
+        added by MoE.routed_and_shared, is replicated; TP-split, it shares the all-reduce there)."""
         if self.dp_attention:  # every rank's tokens meet every rank's experts
             x, weights, ids = all_gather_rows([x, weights, ids], self.group)
         y = self._routed_here(x, weights, ids)

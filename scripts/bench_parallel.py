@@ -85,12 +85,11 @@ def run_mode(model, mode: str, args, device: torch.device, barrier, gather, keep
         dsflash_compile.compile(model, max_batch=max(args.batch), max_length=max_length, backend=args.backend,
                                 batch_buckets=tuple(sorted({1, *args.batch})), prefill_buckets=(args.prefill,))
         # (bucket 1 for the one-prompt prefill: another bucket would pad it with inert rows)
-        cache = model.compiled_runner.cache
     else:
         for block in model.model.layers:
             if not block.ffn.grouped:
                 block.ffn.stack_experts()
-        cache = model.new_cache(max(args.batch), max_length)
+    cache = model.empty_cache(max(args.batch), max_length)
 
     def row(phase: str, batch: int, tokens: int, local: dict) -> dict:
         ranks = gather(local)

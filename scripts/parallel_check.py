@@ -69,8 +69,7 @@ def logits_of(model, ids, steps, noise: bool = False):
     """Prompt and decode logits [B, S + steps, V] with one cache. noise: x (1 +- 2^-7) (1-2 bf16 ulps) on a seeded
     5% of the first attention's outputs (the control)."""
     hook = model.model.layers[0].attn.register_forward_hook(one_ulp) if noise else None
-    runner = getattr(model, "compiled_runner", None)  # compiled: its graphs run on the runner's own cache
-    cache = (runner.fresh_cache if runner is not None else model.new_cache)(ids.shape[0], ids.shape[1] + steps.shape[1])
+    cache = model.empty_cache(ids.shape[0], ids.shape[1] + steps.shape[1])  # compiled: the runner's
     logits = [model(ids, cache=cache).logits]
     logits += [model(steps[:, i:i + 1], cache=cache).logits for i in range(steps.shape[1])]
     if hook is not None:
