@@ -21,6 +21,7 @@ prompt extends it by --agentic-new tokens. Full recompute (replay on, no prefix 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -79,6 +80,23 @@ def spread(row: dict) -> float:
                if key.endswith("_spread_s"))
 
 
+def compile_options(pairs: list[str]) -> dict:
+    """{field: value} of --option NAME=VALUE pairs: CompileOptions fields, booleans or integers."""
+    fields = {f.name: f.type for f in dataclasses.fields(dsflash_compile.CompileOptions)}
+    options = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        if name not in fields or name in ("max_batch", "max_length", "batch_buckets", "backend", "dynamic_shapes"):
+            raise SystemExit(f"--option {pair}: {name!r} is not a CompileOptions field this script lets you set")
+        if value.lower() in ("true", "false"):
+            options[name] = value.lower() == "true"
+        elif value.lstrip("-").isdigit():
+            options[name] = int(value)
+        else:
+            raise SystemExit(f"--option {pair}: expected true, false or an integer after '='")
+    return options
+
+
 COLUMNS = [("prompt", "prompt", "d"), ("replay off s", "ttft_replay_off_s", ".4f"),
            ("on, blocks s", "ttft_replay_on_blocks_s", ".4f"), ("on, graphs s", "ttft_replay_on_graphs_s", ".4f"),
            ("reduction %", "ttft_reduction", ".1f", 100), ("graphs x", "graphs_vs_blocks", ".2f"),
@@ -103,11 +121,15 @@ def main() -> None:
                         help="CompileOptions.dynamic_shapes: one symbolic graph per role for the prefill lengths")
     parser.add_argument("--no-agentic", action="store_true", help="time the prompt lengths only")
     parser.add_argument("--profile", type=int, nargs="*", default=[],
-                        help="prompt lengths (of --lengths) whose replay-on prefill is also profiled: kernels, "
-                             "kernel vs wall time, top kernels, a Chrome trace next to the JSON")
+                        help="prompt lengths (of --lengths) whose prefill is also profiled, each variant: kernels, "
+                             "kernel vs wall time, top kernels, a Chrome trace per variant next to the JSON")
+    parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                        help="a CompileOptions field for compile() (true/false or an integer), e.g. "
+                             "compile_engram=true; repeatable")
     parser.add_argument("--name", default="prefill", help="results file: <out>/<name>-<date>.json")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
+    options = compile_options(args.option)  # before the minutes of building the model
 
     device = torch.device(args.device)
     model = preset_model(args.preset, device)
@@ -115,10 +137,10 @@ def main() -> None:
     longest = max(*args.lengths, args.agentic_prefix + args.agentic_new)
     build = time.perf_counter()
     dsflash_compile.compile(model, max_batch=1, max_length=longest + 1, batch_buckets=(1,), backend=args.backend,
-                            dynamic_shapes=args.dynamic_shapes)
+                            dynamic_shapes=args.dynamic_shapes, **options)
     result = run_metadata()
     result.update(preset=args.preset, window=text.sliding_window, backend=args.backend,
-                  dynamic_shapes=args.dynamic_shapes, rows=[])
+                  dynamic_shapes=args.dynamic_shapes, options=options, rows=[])
     gen = torch.Generator().manual_seed(1)
 
     def prompt(length: int) -> torch.Tensor:
@@ -152,8 +174,13 @@ def main() -> None:
             row["graphs_equal"] = torch.equal(logits["on_blocks"], logits["on_graphs"])
             row["graphs_vs_blocks"] = row["ttft_replay_on_blocks_s"] / row["ttft_replay_on_graphs_s"]
         if length in args.profile:
-            trace = str(Path(args.out) / f"prefill-trace-{length}.json")
-            row["profile"] = profile_summary(lambda: prefill(model, ids), trace, top=15)
+            row["profile"] = {}
+            Path(args.out).mkdir(parents=True, exist_ok=True)  # the profiler drops a trace quietly otherwise
+            for name in settings:
+                trace = str(Path(args.out) / f"prefill-trace-{length}-{name}.json")
+                text.swa_bounded_replay, runner.trimmed = settings[name]
+                row["profile"][name] = profile_summary(lambda: prefill(model, ids), trace, top=15)
+            runner.trimmed = graphs
         print(row, flush=True)
         result["rows"].append(row)
         save_results(result, args.name, args.out)  # after every length: a run cut short keeps what it measured
