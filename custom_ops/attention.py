@@ -78,8 +78,9 @@ def attention_reference(out: Tensor, q: Tensor, ring: Tensor, chunk_kv: Tensor, 
 def attention_(out: Tensor, q: Tensor, ring: Tensor, chunk_kv: Tensor, widx: Tensor, compressed: Tensor,
                cidx: Tensor, sink: Tensor, positions: Tensor, inv_freq: Tensor, scale: float, window_fmt: str,
                compressed_fmt: str) -> None:
-    """out, q [B, S, H, d] bf16; ring [Bmax, W, record] (window_fmt); chunk_kv [B, S, d] bf16;
-    widx [B, S, W'] int (< W ring slot, >= W chunk row + W, -1 none); compressed [Bmax, R, record]
+    """out, q [B, S, H, d] bf16; ring [Bmax, W, record] (window_fmt); chunk_kv [B, C, d] bf16, this chunk's
+    keys (C >= S: the queries may be the chunk's last S columns only); widx [B, S, W'] int (< W ring slot,
+    >= W chunk row + W, -1 none); compressed [Bmax, R, record]
     (compressed_fmt; R may be 0); cidx [B, S, K] int (-1 none); sink [H] fp32; positions [B, S];
     inv_freq [r/2] fp32 (the layer's RoPE: the output's trailing r dims are rotated back)."""
     attention_reference(out, q, ring, chunk_kv, widx, compressed, cidx, sink, positions, inv_freq, scale,

@@ -184,7 +184,7 @@ def _finish(acc, m, l, sink_ptr, heads, pos, freq_ptr, out_ptr, out_row, H: tl.c
 @triton.jit
 def _attention_kernel(q_ptr, ring_ptr, chunk_ptr, widx_ptr, comp_ptr, cidx_ptr, sink_ptr, pos_ptr, freq_ptr,
                       out_ptr, part_acc_ptr, part_ml_ptr,
-                      S, K, ring_sb, ring_sr, comp_sb, comp_sr, scale, blocks_per_split,
+                      S, K, chunk_sb, ring_sb, ring_sr, comp_sb, comp_sr, scale, blocks_per_split,
                       H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, NW: tl.constexpr,
                       HALF_ROPE: tl.constexpr, HG: tl.constexpr, BLOCK_N: tl.constexpr,
                       WIN_FMT: tl.constexpr, CMP_FMT: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
@@ -205,7 +205,7 @@ def _attention_kernel(q_ptr, ring_ptr, chunk_ptr, widx_ptr, comp_ptr, cidx_ptr, 
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, win_blocks + tl.cdiv(K, BLOCK_N))
     ring_base = ring_ptr + b.to(tl.int64) * ring_sb
-    chunk_base = chunk_ptr + (b * S).to(tl.int64) * D
+    chunk_base = chunk_ptr + b.to(tl.int64) * chunk_sb  # its own length: the queries may be its last rows only
     for blk in range(first, tl.minimum(last, win_blocks)):  # window entries: a ring slot or a chunk row
         e = blk * BLOCK_N + n
         w = tl.load(widx_ptr + tok.to(tl.int64) * NW + e, mask=e < NW, other=-1)
@@ -296,7 +296,8 @@ def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, posit
     part_ml = q.new_empty((tokens * heads * num_splits, 2) if split else (1,), dtype=torch.float32)
     _attention_kernel[(tokens, groups, num_splits)](
         q.contiguous(), ring, chunk_kv.contiguous(), widx, compressed, cidx, sink, positions, inv_freq,
-        out, part_acc, part_ml, seq, k, ring.stride(0), ring.stride(1), compressed.stride(0), compressed.stride(1),
+        out, part_acc, part_ml, seq, k, chunk_kv.shape[1] * dim, ring.stride(0), ring.stride(1), compressed.stride(0),
+        compressed.stride(1),
         scale, per, H=heads, D=dim, W=window, NW=nw, HALF_ROPE=inv_freq.shape[0], HG=head_group, BLOCK_N=block_n,
         WIN_FMT=_FMT_ID[window_fmt], CMP_FMT=_FMT_ID[compressed_fmt], SPLIT=split,
         INTERPRET=q.device.type != "cuda", num_warps=num_warps, num_stages=num_stages)

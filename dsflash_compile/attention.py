@@ -151,43 +151,53 @@ class Attention(nn.Module):
             view_outputs(self.wqkv_a, (self.wq_a, self.wkv))
         return self
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, state: LayerCache,
-                topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, state: LayerCache, topk: torch.Tensor | None,
+                queries: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """x [B, S, D] -> (output [B, S, D], the top-k it attended: its own if it is an index source,
-        else `topk`, the latest index source's of its ratio)."""
+        else `topk`, the latest index source's of its ratio). queries: only the last `queries` columns'
+        outputs are wanted (bounded replay at the last KV source): the keys and cache writes still cover
+        every column, the query side runs on those columns only and the output is [B, queries, D]; 0: the
+        cache writes alone (returns None and `topk`)."""
         batch, seq, _ = x.shape
         role, cache = self.role, ctx.cache
-        rot = ctx.rotations[role.rope_kind]
 
         if self.wqkv_a is not None:
             q_a, kv_a = self.wqkv_a(x).split([self.wq_a.out_features, self.wkv.out_features], dim=-1)
         else:
             q_a, kv_a = self.wq_a(x), self.wkv(x)
-        qr = self.q_norm(q_a)
-        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), rot)
-        kv = apply_rope(self.kv_norm(kv_a), rot)
+        kv = apply_rope(self.kv_norm(kv_a), ctx.rotations[role.rope_kind])
         if self.quantize:
             kv = fp8_qdq(kv)  # the window K=V is FP8 over all dims, RoPE tail included
         ring = state.window
+        keys = state.index_keys
+        if role.ratio and self.compressor is not None:
+            wrote = self._compress(x, ctx, state)
+            if self.emulate_stale_keys:
+                keys = cache.index_keys[self._reference_key_layer(cache, wrote)]
+        if queries == 0:
+            ops.record_write_(ring, kv, ctx.window_slots, cache.window_format)
+            return None, topk
 
+        whole = ctx  # the chunk's context (the cache writes); ctx becomes the queries'
+        if queries is not None:
+            x, q_a, ctx = x[:, -queries:], q_a[:, -queries:], ctx.last_columns(queries)
+        qr = self.q_norm(q_a)
+        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), ctx.rotations[role.rope_kind])
         if role.ratio:
-            keys = state.index_keys
-            if self.compressor is not None:
-                wrote = self._compress(x, ctx, state)
-                if self.emulate_stale_keys:
-                    keys = cache.index_keys[self._reference_key_layer(cache, wrote)]
             if self.indexer is not None:
                 topk = self.indexer(x, qr, ctx, keys)
+                if ctx is not whole:  # a candidate source publishes into the context it is given
+                    whole.candidates = ctx.candidates
             compressed, cidx = state.compressed[:batch], topk
         else:
-            compressed, cidx = ring[:batch, :0], ctx.window_idx.new_zeros(batch, seq, 0)
+            compressed, cidx = ring[:batch, :0], ctx.window_idx.new_zeros(ctx.window_idx.shape[:2] + (0,))
         # sparse attention over the ring (+ this chunk's kv) and the top-k compressed rows, read from
         # their records; the inverse RoPE of the output (V = K carries the rotation) is fused in
         o = torch.empty_like(q)
         ops.attention_(o, q, ring[:batch], kv, ctx.window_idx, compressed, cidx, self.attn_sink, ctx.positions,
                        ctx.inv_freq[role.rope_kind], self.head_dim ** -0.5, cache.window_format,
                        cache.compressed_format if role.ratio else cache.window_format)
-        ops.record_write_(ring, kv, ctx.window_slots, cache.window_format)
+        ops.record_write_(ring, kv, whole.window_slots, cache.window_format)
 
         return self.wo_b(self.wo_a(o.flatten(2))), topk
 

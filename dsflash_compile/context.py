@@ -7,6 +7,7 @@ continue from `cache.lengths[b]`. Everything here is computed once per forward, 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,19 @@ class ForwardContext:
     def num_rows(self, ratio: int) -> int:
         """Host-side width of the score rows for this ratio (>= every query's visible count)."""
         return self.columns_after // ratio
+
+    def last_columns(self, columns: int) -> ForwardContext:
+        """The context of queries at this chunk's last `columns` columns only, with the keys, window lists and
+        cache writes of the whole chunk (a window index past the ring still names a row of the whole chunk's
+        kv): what the last KV source's query side runs on under bounded replay."""
+        # contiguous: the compiled graphs then see the same strides as from a context built for those columns
+        return dataclasses.replace(
+            self, positions=self.positions[:, -columns:].contiguous(),
+            window_idx=self.window_idx[:, -columns:].contiguous(),
+            window_slots=self.window_slots[:, -columns:].contiguous(),
+            rotations={kind: rot[:, -columns:].contiguous() for kind, rot in self.rotations.items()},
+            topk={layer: topk[:, -columns:].contiguous() for layer, topk in self.topk.items()},
+            candidates=None if self.candidates is None else self.candidates[:, -columns:].contiguous())
 
 
 def check_left_padding(attention_mask: torch.Tensor) -> None:
@@ -92,9 +106,6 @@ def tail_context(ctx: ForwardContext, attention_mask: torch.Tensor, columns: int
     mask = attention_mask.to(torch.long)
     first = ctx.lengths_before + mask[:, :-columns].sum(1)  # each row's first tail position
     tail = build_context(ctx.cache, mask[:, -columns:], ctx.columns_after, window_floor=first, lengths=first)
-    tail.inv_freq = ctx.inv_freq
-    # contiguous: the trimmed layers' compiled graphs then see the same strides as from their neighbours
-    tail.rotations = {kind: rot[:, -columns:].contiguous() for kind, rot in ctx.rotations.items()}
-    tail.topk = {layer: topk[:, -columns:].contiguous() for layer, topk in ctx.topk.items()}
-    tail.candidates = None if ctx.candidates is None else ctx.candidates[:, -columns:].contiguous()
+    last = ctx.last_columns(columns)
+    tail.inv_freq, tail.rotations, tail.topk, tail.candidates = last.inv_freq, last.rotations, last.topk, last.candidates
     return tail

@@ -72,13 +72,20 @@ class DeepseekV41Block(nn.Module):
                         getattr(self, f"hc_{seam}_base"), self.norm_eps, self.hc_eps, self.iters)
 
     def forward(self, streams: torch.Tensor, pre_mix: torch.Tensor, ctx: ForwardContext, state: LayerCache,
-                topk: torch.Tensor | None = None):
+                topk: torch.Tensor | None = None, queries: int | None = None):
         """streams [B, S, hc, D]; pre_mix [B, S, hc] from the previous block; state: this layer's cache
         tensors; topk: the latest index source's top-k of this layer's ratio. Returns the new streams,
         the pre-mix for the next block (lagged: each sublayer uses the pre computed one seam earlier)
-        and the top-k this layer attended."""
+        and the top-k this layer attended. queries: only the last `queries` columns go on past the
+        attention's cache writes (bounded replay at the last KV source; see Attention.forward): the
+        streams and pre-mix returned have those columns (0: the cache writes alone, returning Nones)."""
         attn_pre, attn_post, attn_comb = self.mixes(streams, "attn")
-        out, topk = self.attn(self.attn_norm(hc_pre(streams, pre_mix)), ctx, state, topk)
+        out, topk = self.attn(self.attn_norm(hc_pre(streams, pre_mix)), ctx, state, topk, queries)
+        if queries == 0:
+            return None, None, topk
+        if queries is not None:
+            streams, attn_pre, attn_post, attn_comb = (t[:, -queries:] for t in (streams, attn_pre, attn_post,
+                                                                                 attn_comb))
         streams = hc_post(out, streams, attn_post, attn_comb)
         ffn_pre, ffn_post, ffn_comb = self.mixes(streams, "ffn")
         out = self.ffn(self.ffn_norm(hc_pre(streams, attn_pre)))
@@ -238,24 +245,30 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             hidden = self.norm(hc_pre(*self.run_layers(self.layers, ctx, cache, streams, pre_mix, hash_ids)))
         else:
             cut = self.text_config.last_kv_source_layer + 1
-            streams, pre_mix = self.run_layers(self.layers[:cut], ctx, cache, streams, pre_mix, hash_ids)
+            streams, pre_mix = self.run_layers(self.layers[:max(cut - 1, 0)], ctx, cache, streams, pre_mix, hash_ids)
+            if cut:  # the last KV source writes keys for every column; its queries and FFN need only the tail
+                streams, pre_mix = self.run_layers(self.layers[cut - 1:cut], ctx, cache, streams, pre_mix, hash_ids,
+                                                   queries=tail)
+            elif tail:
+                streams, pre_mix = streams[:, -tail:].contiguous(), pre_mix[:, -tail:].contiguous()
             hidden = None
             if tail:
                 later = {layer: ids[:, -tail:].contiguous() for layer, ids in hash_ids.items() if layer >= cut}
-                hidden = (trimmed or self.run_trimmed)(tail_context(ctx, attention_mask, tail), cache,
-                                                       streams[:, -tail:].contiguous(),
-                                                       pre_mix[:, -tail:].contiguous(), later)
+                hidden = (trimmed or self.run_trimmed)(tail_context(ctx, attention_mask, tail), cache, streams,
+                                                       pre_mix, later)
         self.advance(ctx)
         return hidden
 
     def run_layers(self, layers, ctx: ForwardContext, cache: DeepseekV41Cache, streams: torch.Tensor,
-                   pre_mix: torch.Tensor, hash_ids: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run these decoder blocks in order; an index source publishes its top-k into ctx.topk."""
+                   pre_mix: torch.Tensor, hash_ids: dict, queries: int | None = None):
+        """Run these decoder blocks in order; an index source publishes its top-k into ctx.topk. queries:
+        passed to the blocks (bounded replay's last KV source)."""
         for block in layers:
             role = block.role
             if block.engram is not None:
                 streams = block.engram(streams, hash_ids[role.layer])
-            streams, pre_mix, topk = block(streams, pre_mix, ctx, cache.layer(role), ctx.topk.get(role.topk_layer))
+            streams, pre_mix, topk = block(streams, pre_mix, ctx, cache.layer(role), ctx.topk.get(role.topk_layer),
+                                           queries)
             if role.is_index_source:
                 ctx.topk[role.layer] = topk
         return streams, pre_mix

@@ -39,11 +39,13 @@ VARIANTS = {
     "no-passes": {"passes": False},
     "argsort-moe": {"moe_count_order": 0},  # the MoE's sorts by argsort (before issue 5's counting orders)
     "torch-moe": {"moe_few_rows": 0},  # the routed experts on torch._grouped_mm at every batch (before issue 5)
-    # issue 5's decode fusions off: shared expert on its own GEMMs, wq_a and wkv apart, Engram eager
-    "unfused": {"moe_shared_stacked": False, "fuse_input_projections": False, "compile_engram": False},
+    # issue 5's decode fusions off: shared expert on its own GEMMs, wq_a and wkv apart, Engram and set-up eager
+    "unfused": {"moe_shared_stacked": False, "fuse_input_projections": False, "compile_engram": False,
+                "compile_setup": False},
     "no-shared-stack": {"moe_shared_stacked": False},
     "no-qkv-fusion": {"fuse_input_projections": False},
-    "engram-compiled": {"compile_engram": True},  # off by default until measured
+    "engram-eager": {"compile_engram": False},
+    "setup-eager": {"compile_setup": False},
     "passes": {},
     "warm": {},
 }

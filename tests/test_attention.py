@@ -48,21 +48,24 @@ def distinct_picks(g, batch, seq, n, width):
 
 def make_inputs(seed, *, batch=2, seq=5, heads=4, dim=64, window=16, nw=12, n_comp=24, k=8, rope_half=8,
                 window_fmt="bf16", compressed_fmt="bf16", bmax=None, idx_dtype=torch.int64, ratio0=False,
-                drop=(0.1, 0.4), special_queries=True):
+                drop=(0.1, 0.4), special_queries=True, chunk_rows=None):
     """Inputs of attention_ (plus the bf16 values the caches hold: ring_vals, comp_vals). Window entries pick
     ring slots (< window) and rows of this chunk (window + j) alike; rows are ragged (each row b drops its
     own share of entries to -1, from drop[0] to drop[1]); with special_queries, query (0, 0) is left padding
     (every entry -1, position -1), and with seq >= 3 and batch >= 2, query (1, 1) has only window keys and
     query (1, 2) only compressed ones. ratio0: a layer
-    without compressed keys, called as the model does (compressed = ring[:, :0], cidx [B, S, 0])."""
+    without compressed keys, called as the model does (compressed = ring[:, :0], cidx [B, S, 0]). chunk_rows:
+    the chunk's keys (default seq; more: the queries are its last columns, as at bounded replay's last KV
+    source)."""
     g = gen(seed)
     bmax = bmax or batch + 1  # caches have more batch rows than the call uses
     q = torch.randn(batch, seq, heads, dim, generator=g).bfloat16()
     ring_vals = on_grid(torch.randn(bmax, window, dim, generator=g), window_fmt, dim)
     comp_vals = on_grid(torch.randn(bmax, n_comp, dim, generator=g), compressed_fmt, dim)
-    chunk_kv = torch.randn(batch, seq, dim, generator=g).bfloat16()
-    assert nw <= window + seq and k <= n_comp
-    widx = distinct_picks(g, batch, seq, window + seq, nw)
+    chunk_rows = chunk_rows or seq
+    chunk_kv = torch.randn(batch, chunk_rows, dim, generator=g).bfloat16()
+    assert nw <= window + chunk_rows and k <= n_comp
+    widx = distinct_picks(g, batch, seq, window + chunk_rows, nw)
     cidx = distinct_picks(g, batch, seq, n_comp, k)
     drop = torch.linspace(*drop, batch).view(batch, 1, 1)  # ragged: a different share of -1 per row
     widx = widx.masked_fill(torch.rand(widx.shape, generator=g) < drop, -1)
@@ -286,6 +289,9 @@ def interpreter_cases():
     # 64-key blocks: a partly filled window block, then compressed blocks split across programs
     cases["block64-fp8-nvfp4-split2"] = dict(window_fmt="fp8", compressed_fmt="nvfp4", batch=3, seq=1, window=32,
                                              nw=32, n_comp=160, k=150, num_splits=2, block_n=64, seed=400)
+    # queries at the last 3 of 11 chunk columns: each row reads its own chunk's keys (row 1 starts 11 rows in)
+    cases["last-queries-of-a-longer-chunk"] = dict(window_fmt="fp8", compressed_fmt="nvfp4", batch=2, seq=3,
+                                                   chunk_rows=11, window=16, nw=24, seed=500)
     return cases
 
 

@@ -57,9 +57,11 @@ def compiled_modules(model, layers=slice(None)) -> int:
 def prefill_and_decode_graphs(model) -> int:
     """Graphs of one prefill bucket longer than the window and one decode batch: every layer at the bucket's
     length (prompts up to the window are not trimmed), the layers after the last KV source at the window's
-    length (longer prompts: bounded replay), every layer at one token."""
+    length and the last KV source with the window's queries only (longer prompts: bounded replay), every
+    layer at one token."""
     cut = model.model.text_config.last_kv_source_layer + 1
-    return 2 * compiled_modules(model) + compiled_modules(model, slice(cut, None))
+    setup = model.compiled_runner.options.compile_setup  # one set-up graph per shape
+    return 2 * (compiled_modules(model) + setup) + compiled_modules(model, slice(cut, None)) + 1
 
 
 @torch.no_grad()
@@ -161,7 +163,8 @@ def test_padded_batch_rows_are_inert(fresh_dynamo):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     engrams = [b.engram for b in model.model.layers if b.engram is not None]
     assert engrams and all(e._compiled_call_impl is not None for e in engrams)
-    assert counters["stats"]["unique_graphs"] == compiled_modules(model)  # one prefill shape: roles + Engrams
+    # one prefill shape: roles, Engrams and the set-up
+    assert counters["stats"]["unique_graphs"] == compiled_modules(model) + model.compiled_runner.options.compile_setup
 
 
 @torch.no_grad()

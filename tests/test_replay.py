@@ -72,6 +72,40 @@ def test_trimmed_layers_receive_exactly_the_last_window_of_each_row():
 
 
 @torch.no_grad()
+def test_last_kv_source_writes_every_column_but_runs_its_queries_and_ffn_on_the_last_window():
+    """At the last KV source (5 in tiny) bounded replay keeps the key side whole: its ring, compressed rows and
+    index keys, and every earlier layer's cache, are exactly a full prefill's, while its attention queries
+    and FFN run on the last window of columns; a chunk before the last (tail 0) writes the same and runs
+    neither."""
+    model = tiny_model()
+    inner, text = model.model, model.model.text_config
+    window, cut = text.sliding_window, text.last_kv_source_layer
+    ids, mask = ragged([50, 10])
+    block = inner.layers[cut]
+    columns = {}
+
+    def record(name):
+        return lambda module, args: columns.setdefault(name, []).append(args[0].shape[1])
+
+    hooks = [block.ffn.register_forward_pre_hook(record("ffn")), block.attn.q_norm.register_forward_pre_hook(
+        record("queries"))]
+    caches = {kind: model.new_cache(2, 64) for kind in ("full", "trimmed", "first chunk")}
+    inner(ids, mask, caches["full"])
+    inner(ids, mask, caches["trimmed"], keep=1)
+    inner.run(ids, mask, caches["first chunk"], 50, tail=0)
+    for hook in hooks:
+        hook.remove()
+    assert columns == {"ffn": [50, window], "queries": [50, window]}
+    full = caches["full"]
+    for kind in ("trimmed", "first chunk"):
+        for role in text.layer_roles[:cut + 1]:
+            want, got = full.layer(role), caches[kind].layer(role)
+            for name in ("window", "compressed", "index_keys", "pending_kv", "pending_score"):
+                if getattr(want, name) is not None:
+                    assert torch.equal(getattr(got, name), getattr(want, name)), (kind, role.layer, name)
+
+
+@torch.no_grad()
 def slow_bounded_replay(model, ids):
     """An independent implementation of the approximation for one prompt [1, S]: the layers up to the last
     KV source on the whole prompt, then each of the last W tokens alone (decode-style one-token contexts,
