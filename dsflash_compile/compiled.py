@@ -18,12 +18,13 @@ What it sets up (SYSTEM.md, the compiler):
     CUDA graph per batch bucket, so a generated token is one graph replay; rows are padded to the bucket
     with inert all-padding rows. (mode="reduce-overhead" would capture each compiled region as its own
     graph; capturing the step ourselves gives the single replay.)
-  - prefill chunks run the compiled blocks without graphs, per (batch bucket, length bucket): a chunk is
-    left-padded to its bucket (padding columns are inert); longer prompts run in chunks of the largest
-    bucket, the remainder first, split where padding would cost more than another chunk (chunk_plan), so a
-    new prompt length never compiles anew. With bounded replay the last chunk's trimmed
-    layers (after the last KV source, on [B, window] columns) replay one CUDA graph per batch bucket
-    (trimmed_graphs.py).
+  - prefill chunks run the compiled blocks per (batch bucket, length bucket): a chunk is left-padded to its
+    bucket (padding columns are inert); longer prompts run in chunks of the largest bucket, the remainder
+    first, split where padding would cost more than another chunk (chunk_plan), so a new prompt length never
+    compiles anew. A chunk of at most `prefill_graph_tokens` tokens (host-bound) replays one CUDA graph of
+    the whole chunk; in a longer one the blocks are launched one by one, and with bounded replay the last
+    chunk's trimmed layers (after the last KV source, on [B, window] columns) replay one CUDA graph per batch
+    bucket (trimmed_graphs.py).
 Inside, shapes are static: score rows span the cache's max_length (context.build_context says why that
 changes no output).
 """
@@ -89,6 +90,11 @@ class CompileOptions:
     compile_setup: bool = True
     cuda_graphs: bool = True  # decode as mode="reduce-overhead" (CUDA only)
     trimmed_graphs: bool = True  # bounded replay's trimmed layers as CUDA graphs too (with cuda_graphs)
+    # prefill chunks of at most this many tokens (rows x bucket length) replay one CUDA graph each (with
+    # cuda_graphs; 0: none): such chunks are host-bound. H200 (16-core host, 12-01, 9f67c59): a 1K prompt's
+    # prefill took 125-131 ms launched block by block for 92 ms of kernels without bounded replay, 82-86 ms for
+    # 58 with it (prefill-1k-*-2026-12-01-h.json). Longer chunks keep the GPU busy and run as blocks
+    prefill_graph_tokens: int = 1024
     swa_bounded_replay: bool | None = None  # sets the model config's switch (None: keep the config's value)
     # automatic dynamic shapes for the blocks (torch.compile(dynamic=None)): the second size seen in a dimension
     # (batch bucket, prefill length) compiles one symbolic graph per role that every later size reuses, instead
@@ -102,6 +108,9 @@ class CompileOptions:
         if self.max_batch < 1 or self.max_length < 1:
             raise ValueError(f"CompileOptions: max_batch ({self.max_batch}) and max_length ({self.max_length}) "
                              "must be >= 1")
+        if self.prefill_graph_tokens < 0:
+            raise ValueError(f"CompileOptions.prefill_graph_tokens={self.prefill_graph_tokens}: expected >= 0 (0: no "
+                             "prefill chunk graphs)")
         if self.mhc_overlap_max_tokens < 1:
             raise ValueError(f"CompileOptions.mhc_overlap_max_tokens={self.mhc_overlap_max_tokens}: expected >= 1 "
                              "(mhc_overlap=False turns the overlap off)")
@@ -207,7 +216,8 @@ class CompiledRunner:
         if options.compile_setup:
             inner.begin = torch.compile(inner.begin, **compile_kwargs)
         self.cuda_graphs = options.cuda_graphs and model.device.type == "cuda"
-        self.graphs: dict[int, tuple] = {}  # batch bucket -> (graph, static ids, static mask, static logits)
+        self.graphs: dict[int, tuple] = {}  # batch bucket -> (graph, static logits, static ids, static mask)
+        self.chunk_graphs: dict[tuple, tuple] = {}  # (ids shape, tail, replay_from given) -> (graph, inputs, out)
         self.pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.trimmed = TrimmedGraphs(model.model, self.pool) if self.cuda_graphs and options.trimmed_graphs else None
         # (runner.cuda_graphs = False later turns both kinds off: tests compare with and without graphs)
@@ -216,26 +226,50 @@ class CompiledRunner:
         hidden = self.model.model.run(input_ids, attention_mask, self.cache, self.cache.max_length)
         return self.model.logits(hidden)
 
+    def _capture(self, step) -> tuple:
+        """(CUDA graph, its output) of `step()` (a forward on static inputs). The warm-up runs (which compile
+        the blocks for these shapes) change the cache, so its tensors are saved before and restored after."""
+        saved = self.cache.save_state()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.cache.restore_state(saved)
+        del saved
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = step()
+        return graph, out
+
     def _decode_graph(self, rows: int) -> tuple:
-        """The decode step's CUDA graph for `rows` rows, captured on first use. The warm-up runs (which
-        compile the blocks) change the cache, so its tensors are saved before and restored after."""
+        """The decode step's CUDA graph for `rows` rows, captured on first use."""
         if rows not in self.graphs:
             ids = torch.zeros(rows, 1, dtype=torch.long, device=self.model.device)
             mask = torch.ones_like(ids)
-            saved = self.cache.save_state()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._decode_step(ids, mask)
-            torch.cuda.current_stream().wait_stream(side)
-            self.cache.restore_state(saved)
-            del saved
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = self._decode_step(ids, mask)
-            self.graphs[rows] = (graph, ids, mask, logits)
+            self.graphs[rows] = (*self._capture(lambda: self._decode_step(ids, mask)), ids, mask)
         return self.graphs[rows]
+
+    def _prefill_chunk(self, ids, mask, tail, replay_from) -> torch.Tensor | None:
+        """One padded prompt chunk (DeepseekV41Model.run): replayed from its own CUDA graph if it has at most
+        options.prefill_graph_tokens tokens, else its compiled blocks launched one by one (the trimmed layers
+        then replaying theirs)."""
+        model = self.model.model
+        if not self.cuda_graphs or ids.numel() > self.options.prefill_graph_tokens:
+            return model.run(ids, mask, self.cache, self.cache.max_length, tail, replay_from, self.trimmed)
+        key = (tuple(ids.shape), tail, replay_from is None)
+        if key not in self.chunk_graphs:
+            inputs = [ids.clone(), mask.clone(), None if replay_from is None else replay_from.clone()]
+            graph, out = self._capture(lambda: model.run(inputs[0], inputs[1], self.cache, self.cache.max_length,
+                                                         tail, inputs[2]))
+            self.chunk_graphs[key] = (graph, inputs, out)
+        graph, inputs, out = self.chunk_graphs[key]
+        for static, given in zip(inputs, (ids, mask, replay_from)):
+            if static is not None:
+                static.copy_(given)
+        graph.replay()
+        return None if out is None else out.clone()  # the next replay rewrites the graph's output buffer
 
     def fresh_cache(self, batch: int, max_length: int):
         """The runner's cache, emptied, for a generate() call of `batch` rows up to `max_length` columns."""
@@ -260,7 +294,7 @@ class CompiledRunner:
             input_ids, attention_mask = F.pad(input_ids, (0, 0, 0, rows)), F.pad(attention_mask, (0, 0, 0, rows))
             replay_from = None if replay_from is None else F.pad(replay_from, (0, rows))
         if seq == 1 and self.cuda_graphs:
-            graph, ids, mask, out = self._decode_graph(input_ids.shape[0])
+            graph, out, ids, mask = self._decode_graph(input_ids.shape[0])
             ids.copy_(input_ids)
             mask.copy_(attention_mask)
             graph.replay()
@@ -290,8 +324,7 @@ class CompiledRunner:
             last = end == seq
             tail = None if window is None else window if last else 0
             pad = _bucket(self.prefill_buckets, end - start) - (end - start)
-            hidden = model.run(F.pad(ids, (pad, 0)), F.pad(mask, (pad, 0)), self.cache, self.cache.max_length,
-                               tail, replay_from, self.trimmed if self.cuda_graphs else None)
+            hidden = self._prefill_chunk(F.pad(ids, (pad, 0)), F.pad(mask, (pad, 0)), tail, replay_from)
             if hidden is not None and end > seq - keep:
                 kept.append(hidden if tail else hidden[:, pad:])
         return torch.cat(kept, dim=1)[:, -keep:]

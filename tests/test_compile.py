@@ -224,19 +224,22 @@ def test_compile_refuses_what_it_cannot_capture(fresh_dynamo):
         dsflash_compile.compile(tiny_model(emulate_reference_index_key_pointer=True), backend="eager")
     with pytest.raises(ValueError, match="batch_buckets"):
         dsflash_compile.compile(tiny_model(), batch_buckets=(4, 2), backend="eager")
+    with pytest.raises(ValueError, match="prefill_graph_tokens"):
+        dsflash_compile.compile(tiny_model(), prefill_graph_tokens=-1, backend="eager")
     model = dsflash_compile.compile(tiny_model(), max_batch=2, max_length=32, backend="eager", passes=False)
     with pytest.raises(CacheCapacityError, match="max_batch=2"):
         model.generate(prompts(3, 8), max_new_tokens=2, do_sample=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="decode CUDA graphs need a GPU")
+@pytest.mark.parametrize("chunk_graph", [False, True])
 @torch.no_grad()
-def test_cuda_graph_decode_follows_eager(fresh_dynamo):
+def test_cuda_graph_decode_follows_eager(fresh_dynamo, chunk_graph):
     """On a GPU, teacher-forced prefill (20 tokens, longer than the 16-token window: bounded replay trims)
     + 8 decode steps:
-    - the captured decode graph and the trimmed layers' graph give the same bits as the same compiled
-      blocks run without graphs (capture, replay and the cache restore around the warm-up are exact), one
-      graph per batch bucket each;
+    - the captured decode graph and the prefill chunk's graph (2 x 32 tokens; or, with prefill chunk graphs
+      off, the trimmed layers' graph) give the same bits as the same compiled blocks run without graphs
+      (capture, replay and the cache restore around the warm-ups are exact), one graph per shape each;
     - compiled and eager agree within rounding: Inductor reorders fp32 sums, which can move an FP8/FP4
       quantization step, and on this random tiny model that moves logits by up to ~0.1 (the golden
       fixture's arithmetic-order probe allows 1.8); a real error (a stale row, a wrong position) is O(1)."""
@@ -248,11 +251,12 @@ def test_cuda_graph_decode_follows_eager(fresh_dynamo):
         return logits + [model(ids[:, t:t + 1], cache=cache).logits for t in range(20, 28)]
 
     want = teacher_forced(model.new_cache(2, 64))
-    dsflash_compile.compile(model, max_batch=2, max_length=64, batch_buckets=(2,), prefill_buckets=(32,))
+    dsflash_compile.compile(model, max_batch=2, max_length=64, batch_buckets=(2,), prefill_buckets=(32,),
+                            prefill_graph_tokens=64 if chunk_graph else 0)
     runner = model.compiled_runner
     got = teacher_forced(runner.fresh_cache(2, 64))
     assert list(runner.graphs) == [2]
-    assert len(runner.trimmed.graphs) == 1
+    assert (len(runner.chunk_graphs), len(runner.trimmed.graphs)) == ((1, 0) if chunk_graph else (0, 1))
     # the first pass captured the graphs; a second replays them (tiny's layer 7 is an index source after
     # the cut: its top-k must not shift the trimmed graph's static inputs)
     again = teacher_forced(runner.fresh_cache(2, 64))
