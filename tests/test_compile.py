@@ -185,6 +185,50 @@ def test_long_prompt_runs_in_chunks_of_the_largest_bucket(fresh_dynamo, replay):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
+class ReplayedStep:
+    """A CPU stand-in for a captured CUDA graph: replay() reruns the captured step on its static inputs and
+    writes into the output the capture returned (a real graph writes there too)."""
+
+    def __init__(self, step, out):
+        self.step, self.out = step, out
+
+    def replay(self):
+        out = self.step()
+        if self.out is not None:
+            self.out.copy_(out)
+
+
+@torch.no_grad()
+def test_prefill_chunk_graphs_key_their_inputs_and_outputs(fresh_dynamo, monkeypatch):
+    """The prefill chunk graphs' bookkeeping, on the CPU with a stand-in for capture: 2 x 24-token prompts in
+    chunks of 8 + 16 columns, both graphs (at most 32 tokens): the first stops at the cut (tail 0), the last
+    runs the trimmed layers on the 16-column window. One graph per (shape, tail, prefix-cache hit or not); a
+    second prompt replays them with its own inputs and gets the same logits as the blocks launched one by one
+    (a stale static input or an output rewritten by the next replay would not)."""
+    model = tiny_model()
+    dsflash_compile.compile(model, max_batch=2, max_length=64, batch_buckets=(2,), prefill_buckets=(8, 16),
+                            backend="eager", passes=False, prefill_graph_tokens=32, compile_setup=False,
+                            compile_engram=False)  # fewer graphs to trace: neither changes the bookkeeping
+    runner = model.compiled_runner
+
+    def capture(step):  # a capture records without running: the cache is left as it was
+        saved = runner.cache.save_state()
+        out = step()
+        runner.cache.restore_state(saved)
+        return ReplayedStep(step, out), out
+
+    def last_logits(ids, graphs):
+        runner.cuda_graphs = graphs
+        return model(ids, cache=runner.fresh_cache(2, 64), logits_to_keep=1).logits
+
+    monkeypatch.setattr(runner, "_capture", capture)
+    for seed in (1, 2):
+        ids = prompts(2, 24, seed=seed)
+        got = last_logits(ids, True)
+        assert torch.equal(got, last_logits(ids, False)), seed
+    assert sorted(runner.chunk_graphs) == [((2, 8), 0, True), ((2, 16), 16, True)]  # (shape, tail, no hit)
+
+
 def test_chunk_plan_splits_the_remainder_where_padding_costs_more():
     from dsflash_compile.compiled import chunk_plan
 
