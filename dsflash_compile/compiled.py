@@ -126,6 +126,13 @@ class CompileOptions:
                 raise ValueError(f"CompileOptions.{name}={buckets}: expected increasing positive sizes")
 
 
+def _static(t: torch.Tensor) -> torch.Tensor:
+    """A graph's static input: a copy that is never an inference tensor, so later calls may copy into it
+    with inference mode on or off."""
+    with torch.inference_mode(False):
+        return t.clone(memory_format=torch.contiguous_format)
+
+
 def _bucket(buckets, size: int) -> int:
     return buckets[bisect.bisect_left(buckets, size)]
 
@@ -230,15 +237,16 @@ class CompiledRunner:
 
     def _capture(self, step) -> tuple:
         """(CUDA graph, its output) of `step()` (a forward on static inputs). The warm-up runs (which compile
-        the blocks for these shapes) change the cache, so its tensors are saved before and restored after."""
+        the blocks for these shapes) change the cache, so its tensors are saved (a copy the size of the
+        cache) and restored after each: a second run from where the first left off could pass max_length."""
         saved = self.cache.save_state()
         side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
+        for _ in range(2):
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
                 step()
-        torch.cuda.current_stream().wait_stream(side)
-        self.cache.restore_state(saved)
+            torch.cuda.current_stream().wait_stream(side)
+            self.cache.restore_state(saved)
         del saved
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
@@ -248,8 +256,8 @@ class CompiledRunner:
     def _decode_graph(self, rows: int) -> tuple:
         """The decode step's CUDA graph for `rows` rows, captured on first use."""
         if rows not in self.graphs:
-            ids = torch.zeros(rows, 1, dtype=torch.long, device=self.model.device)
-            mask = torch.ones_like(ids)
+            ids = _static(torch.zeros(rows, 1, dtype=torch.long, device=self.model.device))
+            mask = _static(torch.ones_like(ids))
             self.graphs[rows] = (*self._capture(lambda: self._decode_step(ids, mask)), ids, mask)
         return self.graphs[rows]
 
@@ -259,10 +267,15 @@ class CompiledRunner:
         then replaying theirs)."""
         model = self.model.model
         if not self.cuda_graphs or ids.numel() > self.options.prefill_graph_tokens:
-            return model.run(ids, mask, self.cache, self.cache.max_length, tail, replay_from, self.trimmed)
+            # fresh copies: the compiled set-up guards on strides, even a size-1 batch's (a column view's
+            # stride is the whole prompt's length)
+            ids, mask, replay_from = (None if t is None else t.clone(memory_format=torch.contiguous_format)
+                                      for t in (ids, mask, replay_from))
+            return model.run(ids, mask, self.cache, self.cache.max_length, tail, replay_from,
+                             self.trimmed if self.cuda_graphs else None)
         key = (tuple(ids.shape), tail, replay_from is None)
         if key not in self.chunk_graphs:
-            inputs = [ids.clone(), mask.clone(), None if replay_from is None else replay_from.clone()]
+            inputs = [_static(ids), _static(mask), None if replay_from is None else _static(replay_from)]
             graph, out = self._capture(lambda: model.run(inputs[0], inputs[1], self.cache, self.cache.max_length,
                                                          tail, inputs[2]))
             self.chunk_graphs[key] = (graph, inputs, out)
@@ -289,8 +302,6 @@ class CompiledRunner:
         DeepseekV41Model.run)."""
         batch, seq = input_ids.shape
         self.cache.check_fits(batch, seq)
-        # the compiled set-up guards on strides; generate() passes column views of its growing sequence
-        input_ids, attention_mask = input_ids.contiguous(), attention_mask.contiguous()
         rows = _bucket(self.batch_buckets, batch) - batch
         if rows:
             input_ids, attention_mask = F.pad(input_ids, (0, 0, 0, rows)), F.pad(attention_mask, (0, 0, 0, rows))
@@ -301,8 +312,9 @@ class CompiledRunner:
             mask.copy_(attention_mask)
             graph.replay()
             logits = out[:batch].clone()  # the graph's output buffer is rewritten by the next replay
-        elif seq == 1:
-            logits = self._decode_step(input_ids, attention_mask)[:batch]
+        elif seq == 1:  # fresh copies: see _prefill_chunk (generate() passes column views of its sequence)
+            logits = self._decode_step(*(t.clone(memory_format=torch.contiguous_format)
+                                         for t in (input_ids, attention_mask)))[:batch]
         else:
             check_left_padding(attention_mask)
             hidden = self._prefill_chunks(input_ids, attention_mask, logits_to_keep or seq, replay_from)
@@ -314,7 +326,7 @@ class CompiledRunner:
         """Run the columns in the chunks `chunk_plan` picks, each left-padded to its bucket; returns the
         hidden states of the last `keep` columns. With bounded replay only the last chunk (which holds every
         row's last window of tokens) runs the layers after the last KV source, on those tokens; the chunks
-        before it stop at the cut."""
+        before it stop at the last KV source's cache writes."""
         model, seq = self.model.model, input_ids.shape[1]
         window = model.replay_tail(seq, keep)  # None: no trimming; else the last chunk (>= window) is trimmed
         edges = [0]
@@ -332,9 +344,9 @@ class CompiledRunner:
         return torch.cat(kept, dim=1)[:, -keep:]
 
     def _warm_lengths(self) -> list[int]:
-        """Prompt lengths that compile every prefill shape: each bucket's full length and, where bounded
-        replay trims that bucket's longer prompts, also the longest untrimmed one (the window) if it lands
-        in the same bucket (then the layers after the cut run there on the whole bucket)."""
+        """Prompt lengths that compile every one-chunk prefill shape: each bucket's full length and, where
+        bounded replay trims that bucket's longer prompts, also the longest untrimmed one (the window) if it
+        lands in the same bucket (then the layers after the cut run there on the whole bucket)."""
         window = self.model.model.text_config.sliding_window
         lengths = set(self.prefill_buckets)
         if self.model.model.text_config.swa_bounded_replay and window not in lengths:
@@ -344,7 +356,8 @@ class CompiledRunner:
     @torch.no_grad()  # as generate() runs: graphs compiled with grad mode on would not serve it
     def warm_up(self, batch_sizes=None, prefill_lengths=None) -> None:
         """Compile the blocks and capture the decode graphs for these batch sizes and prompt lengths now,
-        on throwaway inputs; the cache is emptied afterwards."""
+        on throwaway inputs (with bounded replay also every bucket as a chunk before a prompt's last, which
+        stops at the last KV source's cache writes); the cache is emptied afterwards."""
         lengths = prefill_lengths or self._warm_lengths()
         for batch in batch_sizes or self.batch_buckets:
             ids = torch.zeros(batch, max(lengths), dtype=torch.long, device=self.model.device)
@@ -354,6 +367,11 @@ class CompiledRunner:
             for length in lengths:
                 self.cache.reset()
                 self(ids[:, :length], torch.ones_like(ids[:, :length]), 1, replay)
+            rows = _bucket(self.batch_buckets, batch)
+            for length in self.prefill_buckets if self.model.model.text_config.swa_bounded_replay else ():
+                self.cache.reset()
+                chunk = ids.new_zeros(rows, length)
+                self._prefill_chunk(chunk, torch.ones_like(chunk), 0, None if replay is None else ids.new_zeros(rows))
             self.cache.reset()
             self(ids[:, :1], torch.ones_like(ids[:, :1]), 1)  # one decode step: compiles / captures its graph
         self.cache.reset()

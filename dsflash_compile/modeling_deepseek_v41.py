@@ -232,8 +232,9 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         """The tensor work of a forward: no host syncs and no host-side cache state, so compiled graphs
         capture exactly this (build_context explains `columns_after`). The caller checks the input and
         advances `cache.seen_columns`. tail: run the layers after the last KV source on the last `tail`
-        columns only (bounded replay; the result then has those columns), or not at all with 0 (a prompt
-        chunk before the last: returns None); None runs every layer on every column. trimmed: what runs
+        columns only, and the last KV source itself past its cache writes (bounded replay; the result then
+        has those columns), or neither with 0 (a prompt chunk before the last: returns None); None runs
+        every layer on every column. trimmed: what runs
         those layers on the tail (same arguments as `run_trimmed`, its default; the compiled runner passes
         its CUDA graphs).
         replay_from [B]: a prefix-cache hit ending at H was restored into each row (compressed rows and

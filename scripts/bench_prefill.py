@@ -10,10 +10,11 @@ TTFT = one prefill forward of a fresh random prompt asking for the last logits (
 synchronized. The variants of a length take turns, round by round: one untimed round (compiles what they
 need), then --repeats timed rounds; each variant's median is reported with its spread (min, max), so a
 slower stretch of the machine hits every variant alike instead of one of them.
-Three variants per length: replay off (every layer on every token); replay on with the trimmed layers
-(after the last KV source, on the last window of tokens) as compiled blocks launched one by one; replay on
-with them replayed as one CUDA graph (the default on CUDA). The two replay-on variants must give the same
-logits bit for bit (checked, `graphs_equal`). Agentic turn: a prompt of --agentic-prefix tokens was answered before; the next
+Three variants per length: replay off (every layer on every token); replay on with every compiled block
+launched one by one (no CUDA graphs); replay on with the runner's CUDA graphs (the default on CUDA: the
+trimmed layers, after the last KV source on the last window of tokens, as one graph; with --option
+prefill_graph_tokens=N whole prefill chunks of up to N tokens, replay off's too). The two replay-on variants
+must give the same logits bit for bit (checked, `graphs_equal`). Agentic turn: a prompt of --agentic-prefix tokens was answered before; the next
 prompt extends it by --agentic-new tokens. Full recompute (replay on, no prefix cache) vs a prefix-cache hit
 (the previous prompt's state restored, the last window replayed). Writes prefill-<date>.json.
 """
@@ -82,18 +83,22 @@ def spread(row: dict) -> float:
 
 def compile_options(pairs: list[str]) -> dict:
     """{field: value} of --option NAME=VALUE pairs: CompileOptions fields, booleans or integers."""
-    fields = {f.name: f.type for f in dataclasses.fields(dsflash_compile.CompileOptions)}
+    # the bool and int fields (annotations are strings here), less those the script sets itself
+    fields = {f.name: f.type for f in dataclasses.fields(dsflash_compile.CompileOptions)
+              if f.type in ("bool", "int") and f.name not in ("max_batch", "max_length", "dynamic_shapes")}
     options = {}
     for pair in pairs:
         name, _, value = pair.partition("=")
-        if name not in fields or name in ("max_batch", "max_length", "batch_buckets", "backend", "dynamic_shapes"):
-            raise SystemExit(f"--option {pair}: {name!r} is not a CompileOptions field this script lets you set")
-        if value.lower() in ("true", "false"):
+        if name not in fields:
+            raise SystemExit(f"--option {pair}: {name!r} is not one of the CompileOptions fields this script lets "
+                             f"you set: {', '.join(sorted(fields))}")
+        if fields[name] == "bool" and value.lower() in ("true", "false"):
             options[name] = value.lower() == "true"
-        elif value.lstrip("-").isdigit():
+        elif fields[name] == "int" and value.lstrip("-").isdigit():
             options[name] = int(value)
         else:
-            raise SystemExit(f"--option {pair}: expected true, false or an integer after '='")
+            raise SystemExit(f"--option {pair}: CompileOptions.{name} is {fields[name]}; expected "
+                             f"{'true or false' if fields[name] == 'bool' else 'an integer'} after '='")
     return options
 
 
@@ -147,14 +152,19 @@ def main() -> None:
         return torch.randint(3, text.vocab_size, (1, length), generator=gen).to(device)
 
     runner = model.compiled_runner
-    graphs = runner.trimmed  # None off CUDA: then the graph variant is not timed
-    settings = {"off": (False, None), "on_blocks": (True, None)} | ({"on_graphs": (True, graphs)} if graphs else {})
+    graphs = runner.cuda_graphs  # False off CUDA: then the graph variant is not timed
+    # (bounded replay, the runner's CUDA graphs); without graphs every compiled block is launched one by one
+    settings = {"off": (False, graphs), "on_blocks": (True, False)} | ({"on_graphs": (True, True)} if graphs else {})
+
+    def use(name: str) -> None:
+        text.swa_bounded_replay, runner.cuda_graphs = settings[name]
+
     for length in args.lengths:
         row, ids, logits = {"prompt": length}, prompt(length), {}
 
         def variant(name: str):
             def run() -> float:
-                text.swa_bounded_replay, runner.trimmed = settings[name]
+                use(name)
                 seconds, logits[name] = prefill(model, ids)
                 return seconds
             return run
@@ -163,10 +173,10 @@ def main() -> None:
         if errors:  # the other lengths go on without the graphs
             row["graphs_error"] = errors["on_graphs"]
             settings.pop("on_graphs")
-            graphs = None
+            graphs = False
+            settings["off"] = (False, False)
         for name, seconds in times.items():
             summarize(row, f"ttft_replay_{name}_s", seconds)
-        runner.trimmed = graphs
         best = row.get("ttft_replay_on_graphs_s", row["ttft_replay_on_blocks_s"])
         row["ttft_reduction"] = 1 - best / row["ttft_replay_off_s"]
         row["spread"] = spread(row)
@@ -178,9 +188,9 @@ def main() -> None:
             Path(args.out).mkdir(parents=True, exist_ok=True)  # the profiler drops a trace quietly otherwise
             for name in settings:
                 trace = str(Path(args.out) / f"prefill-trace-{length}-{name}.json")
-                text.swa_bounded_replay, runner.trimmed = settings[name]
+                use(name)
                 row["profile"][name] = profile_summary(lambda: prefill(model, ids), trace, top=15)
-            runner.trimmed = graphs
+        runner.cuda_graphs = graphs
         print(row, flush=True)
         result["rows"].append(row)
         save_results(result, args.name, args.out)  # after every length: a run cut short keeps what it measured

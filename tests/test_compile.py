@@ -57,11 +57,11 @@ def compiled_modules(model, layers=slice(None)) -> int:
 def prefill_and_decode_graphs(model) -> int:
     """Graphs of one prefill bucket longer than the window and one decode batch: every layer at the bucket's
     length (prompts up to the window are not trimmed), the layers after the last KV source at the window's
-    length and the last KV source with the window's queries only (longer prompts: bounded replay), every
-    layer at one token."""
+    length and the last KV source with the window's queries only (longer prompts: bounded replay) or none (a
+    chunk before the last), every layer at one token."""
     cut = model.model.text_config.last_kv_source_layer + 1
     setup = model.compiled_runner.options.compile_setup  # one set-up graph per shape
-    return 2 * (compiled_modules(model) + setup) + compiled_modules(model, slice(cut, None)) + 1
+    return 2 * (compiled_modules(model) + setup) + compiled_modules(model, slice(cut, None)) + 2
 
 
 @torch.no_grad()
@@ -81,6 +81,20 @@ def test_compiled_generate_equals_eager_and_never_recompiles(fresh_dynamo):
     # A long generation, and a batch of 3 inside the bucket of 4 (padded with inert rows): no new graph.
     long = model.generate(ids[:3, :8], max_new_tokens=240, min_new_tokens=240, do_sample=False)
     assert long.shape == (3, 248)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@torch.no_grad()
+def test_one_row_generate_compiles_nothing_after_warm_up(fresh_dynamo):
+    """A one-row prompt's chunks (40 tokens: 8 + 32, the first stopping at the last KV source's cache writes)
+    and decode steps are column views of generate()'s sequence, whose stride is its length: the compiled
+    set-up guards on it, so the runner hands it fresh copies; warm_up() compiled every chunk kind."""
+    model = tiny_model()
+    dsflash_compile.compile(model, max_batch=1, max_length=64, batch_buckets=(1,), prefill_buckets=(16, 32),
+                            backend="eager", passes=False)
+    model.compiled_runner.warm_up()
+    graphs = counters["stats"]["unique_graphs"]
+    model.generate(prompts(1, 40), max_new_tokens=4, do_sample=False)
     assert counters["stats"]["unique_graphs"] == graphs
 
 
