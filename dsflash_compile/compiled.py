@@ -229,7 +229,7 @@ class CompiledRunner:
         self.chunk_graphs: dict[tuple, tuple] = {}  # (ids shape, tail, replay_from given) -> (graph, inputs, out)
         self.pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.trimmed = TrimmedGraphs(model.model, self.pool) if self.cuda_graphs and options.trimmed_graphs else None
-        # (runner.cuda_graphs = False later turns both kinds off: tests compare with and without graphs)
+        # (runner.cuda_graphs = False later turns every kind off: tests compare with and without graphs)
 
     def _decode_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.model.model.run(input_ids, attention_mask, self.cache, self.cache.max_length)
