@@ -158,7 +158,7 @@ class Attention(nn.Module):
         outputs are wanted (bounded replay at the last KV source): the keys and cache writes still cover
         every column, the query side runs on those columns only and the output is [B, queries, D]; 0: the
         cache writes alone (returns None and `topk`)."""
-        batch, seq, _ = x.shape
+        batch = x.shape[0]
         role, cache = self.role, ctx.cache
 
         if self.wqkv_a is not None:

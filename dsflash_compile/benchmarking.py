@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -14,6 +15,16 @@ import time
 from pathlib import Path
 
 import torch
+
+
+def assignment(text: str) -> tuple[str, bool | int]:
+    """A command line's NAME=VALUE (an argparse type) with VALUE true, false or an integer."""
+    name, sep, value = text.partition("=")
+    if sep and value.lower() in ("true", "false"):
+        return name, value.lower() == "true"
+    if sep and value.removeprefix("-").isdigit():
+        return name, int(value)
+    raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE with VALUE true, false or an integer")
 
 
 def sync(device: torch.device) -> None:

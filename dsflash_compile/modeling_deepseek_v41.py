@@ -83,7 +83,7 @@ class DeepseekV41Block(nn.Module):
         out, topk = self.attn(self.attn_norm(hc_pre(streams, pre_mix)), ctx, state, topk, queries)
         if queries == 0:
             return None, None, topk
-        if queries is not None:
+        if queries is not None:  # the seam above ran on every column (one fused entry seam); cut after it
             streams, attn_pre, attn_post, attn_comb = (t[:, -queries:] for t in (streams, attn_pre, attn_post,
                                                                                  attn_comb))
         streams = hc_post(out, streams, attn_post, attn_comb)

@@ -275,7 +275,7 @@ class ParallelMoE(MoE):
         # TP: the shared expert's partial sum rides in the routed experts' all-reduce, one collective per MoE
         # instead of two. Stacked, each is still summed on its own, then rounded where the two separate
         # all-reduces rounded: the same bits with 2 ranks (a + b = b + a); with more, the ring's order of
-        # addition per element may differ. Native weights' bf16 shared partial is now summed in fp32.
+        # addition per element may differ. Native weights' bf16 shared partial is summed in fp32 too.
         partials = torch.stack([self._routed_here(x, weights, ids), self.shared_experts(x).float()])
         routed, shared = all_reduce(partials, self.group)
         return routed + shared.to(x.dtype)

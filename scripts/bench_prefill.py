@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 import dsflash_compile
-from dsflash_compile.benchmarking import print_table, profile_summary, run_metadata, save_results, sync
+from dsflash_compile.benchmarking import assignment, print_table, profile_summary, run_metadata, save_results, sync
 from dsflash_compile.presets import preset_model
 
 
@@ -81,25 +81,18 @@ def spread(row: dict) -> float:
                if key.endswith("_spread_s"))
 
 
-def compile_options(pairs: list[str]) -> dict:
-    """{field: value} of --option NAME=VALUE pairs: CompileOptions fields, booleans or integers."""
+def compile_options(pairs: list[tuple[str, bool | int]]) -> dict:
+    """{field: value} of --option pairs: CompileOptions bool and int fields, each given a value of its type."""
     # the bool and int fields (annotations are strings here), less those the script sets itself
     fields = {f.name: f.type for f in dataclasses.fields(dsflash_compile.CompileOptions)
               if f.type in ("bool", "int") and f.name not in ("max_batch", "max_length", "dynamic_shapes")}
-    options = {}
-    for pair in pairs:
-        name, _, value = pair.partition("=")
+    for name, value in pairs:
         if name not in fields:
-            raise SystemExit(f"--option {pair}: {name!r} is not one of the CompileOptions fields this script lets "
-                             f"you set: {', '.join(sorted(fields))}")
-        if fields[name] == "bool" and value.lower() in ("true", "false"):
-            options[name] = value.lower() == "true"
-        elif fields[name] == "int" and value.lstrip("-").isdigit():
-            options[name] = int(value)
-        else:
-            raise SystemExit(f"--option {pair}: CompileOptions.{name} is {fields[name]}; expected "
-                             f"{'true or false' if fields[name] == 'bool' else 'an integer'} after '='")
-    return options
+            raise SystemExit(f"--option {name}: not one of the CompileOptions fields this script lets you set: "
+                             f"{', '.join(sorted(fields))}")
+        if (fields[name] == "bool") != isinstance(value, bool):
+            raise SystemExit(f"--option {name}={value}: CompileOptions.{name} is {fields[name]}")
+    return dict(pairs)
 
 
 COLUMNS = [("prompt", "prompt", "d"), ("replay off s", "ttft_replay_off_s", ".4f"),
@@ -128,7 +121,7 @@ def main() -> None:
     parser.add_argument("--profile", type=int, nargs="*", default=[],
                         help="prompt lengths (of --lengths) whose prefill is also profiled, each variant: kernels, "
                              "kernel vs wall time, top kernels, a Chrome trace per variant next to the JSON")
-    parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+    parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE", type=assignment,
                         help="a CompileOptions field for compile() (true/false or an integer), e.g. "
                              "compile_engram=true; repeatable")
     parser.add_argument("--name", default="prefill", help="results file: <out>/<name>-<date>.json")

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import dsflash_compile
+from dsflash_compile.benchmarking import assignment
 from dsflash_compile.parallel import LAYOUT_NAMES, init_distributed, layout, parallelize
 from dsflash_compile.presets import preset_config, preset_model
 
@@ -123,14 +124,6 @@ def sublayer_error(got: dict, want: dict, rows: slice) -> tuple[float, tuple | N
     return worst, where
 
 
-def text_override(text: str) -> tuple[str, int]:
-    """--set's FIELD=INT as (field, value); whether the field exists is checked against the preset's config."""
-    field, sep, value = text.partition("=")
-    if not sep or not value.removeprefix("-").isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r}: expected FIELD=INT, e.g. hidden_size=1024")
-    return field, int(value)
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="flash-layer")
@@ -142,13 +135,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compile", action="store_true", help="dsflash_compile.compile each model (Inductor) for "
                         "the logits and greedy tokens (the sublayer check stays eager: hooks)")
     parser.add_argument("--bound", type=float, default=0.02, help="largest sublayer error that passes")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=INT", type=text_override,
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=INT", type=assignment,
                         help="override an integer text-config field (repeatable), e.g. smaller dims for CPU ranks")
     args = parser.parse_args(argv)
     fields = vars(preset_config(args.preset).text_config)
-    unknown = [field for field, _ in args.set if field not in fields]
+    unknown = [field for field, value in args.set if type(fields.get(field)) is not int or isinstance(value, bool)]
     if unknown:
-        parser.error(f"--set: {', '.join(unknown)} not a text-config field of preset {args.preset!r}")
+        parser.error(f"--set: {', '.join(unknown)} not an integer text-config field of preset {args.preset!r} "
+                     "given an integer")
 
     group = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
