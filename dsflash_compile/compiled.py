@@ -21,8 +21,8 @@ What it sets up (SYSTEM.md, the compiler):
   - prefill chunks run the compiled blocks per (batch bucket, length bucket): a chunk is left-padded to its
     bucket (padding columns are inert); longer prompts run in chunks of the largest bucket, the remainder
     first, split where padding would cost more than another chunk (chunk_plan), so a new prompt length never
-    compiles anew. A chunk of at most `prefill_graph_tokens` tokens (host-bound; off by default, not yet run
-    on a GPU) replays one CUDA graph of the whole chunk; otherwise the blocks are launched one by one, and
+    compiles anew. A chunk of at most `prefill_graph_tokens` tokens (1024 by default: short chunks are
+    host-bound) replays one CUDA graph of the whole chunk; otherwise the blocks are launched one by one, and
     with bounded replay the last chunk's trimmed layers (after the last KV source, on [B, window] columns)
     replay one CUDA graph per batch bucket (trimmed_graphs.py).
 Inside, shapes are static: score rows span the cache's max_length (context.build_context says why that
@@ -91,12 +91,11 @@ class CompileOptions:
     cuda_graphs: bool = True  # decode as mode="reduce-overhead" (CUDA only)
     trimmed_graphs: bool = True  # bounded replay's trimmed layers as CUDA graphs too (with cuda_graphs)
     # prefill chunks of at most this many tokens (rows x bucket length) replay one CUDA graph each (with
-    # cuda_graphs; 0: none): such chunks are host-bound. H200 (16-core host, 12-01, 9f67c59): a 1K prompt's
-    # prefill took 125-131 ms launched block by block for 92 ms of kernels without bounded replay, 82-86 ms for
-    # 58 with it (prefill-1k-*-2026-12-01-h.json); longer chunks keep the GPU busy. Off until it has run on a
-    # GPU (test_cuda_graph_decode_follows_eager[True], then bench_prefill with --option
-    # prefill_graph_tokens=1024): the device time ran out while its first GPU run was compiling
-    prefill_graph_tokens: int = 0
+    # cuda_graphs; 0: none): such chunks are host-bound. H200 (16-core host, 12-01): a 1K prompt's prefill
+    # launched block by block took 125-131 ms for 92 ms of kernels without bounded replay, 82-86 ms for 58
+    # with it (prefill-1k-*-2026-12-01-h.json); as one graph 91.8 and 58.8 ms (prefill-1k-chunk-graphs-
+    # 2026-12-01-i.json). Longer chunks keep the GPU busy on their own
+    prefill_graph_tokens: int = 1024
     swa_bounded_replay: bool | None = None  # sets the model config's switch (None: keep the config's value)
     # automatic dynamic shapes for the blocks (torch.compile(dynamic=None)): the second size seen in a dimension
     # (batch bucket, prefill length) compiles one symbolic graph per role that every later size reuses, instead

@@ -12,8 +12,8 @@ need), then --repeats timed rounds; each variant's median is reported with its s
 slower stretch of the machine hits every variant alike instead of one of them.
 Three variants per length: replay off (every layer on every token); replay on with every compiled block
 launched one by one (no CUDA graphs); replay on with the runner's CUDA graphs (the default on CUDA: the
-trimmed layers, after the last KV source on the last window of tokens, as one graph; with --option
-prefill_graph_tokens=N whole prefill chunks of up to N tokens, replay off's too). The two replay-on variants
+trimmed layers, after the last KV source on the last window of tokens, as one graph, and whole prefill chunks
+of up to CompileOptions.prefill_graph_tokens tokens, replay off's too, as one graph each). The two replay-on variants
 must give the same logits bit for bit (checked, `graphs_equal`). Agentic turn: a prompt of --agentic-prefix tokens was answered before; the next
 prompt extends it by --agentic-new tokens. Full recompute (replay on, no prefix cache) vs a prefix-cache hit
 (the previous prompt's state restored, the last window replayed). Writes prefill-<date>.json.
