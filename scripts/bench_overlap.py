@@ -27,7 +27,7 @@ import time
 import torch
 
 import dsflash_compile
-from compile_and_profile import fill_cache, profile_step, step_time
+from compile_and_profile import decode_step, fill_cache, profile_step, step_time
 from dsflash_compile import DeepseekV41ForCausalLM, preset_config
 from dsflash_compile.benchmarking import print_table, run_metadata, save_results
 from dsflash_compile.compiled import CompileOptions
@@ -65,13 +65,7 @@ def compile_variant(model, variant: str, batches: list[int], max_length: int, co
         runner(ids, mask, 1)  # compiles the blocks and captures the decode graph
         torch.cuda.synchronize()
         print(f"{variant} batch {batch}: compile + capture {time.perf_counter() - start:.1f} s", flush=True)
-
-        def step(ids=ids, mask=mask):
-            if runner.cache.seen_columns >= runner.cache.max_length - 1:  # rewind: the step's cost stays the same
-                runner.cache.lengths[:max(batches)] = context
-                runner.cache.seen_columns = context
-            return runner(ids, mask, 1)
-        steps[batch] = step
+        steps[batch] = decode_step(runner, ids, mask, context)
     return runner, steps
 
 

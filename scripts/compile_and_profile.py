@@ -9,9 +9,11 @@ decode step (eager vs compiled, from torch.profiler); cold and warm compile time
 compile after torch._dynamo.reset(), served by Inductor's FX graph cache); graph breaks, graphs and
 recompiles (torch._dynamo counters); pattern-match counts per pass; the top kernels by time; and the
 physical floor of the step (bytes that must move over the measured copy bandwidth, or FLOPs over the
-measured bf16 matmul rate, whichever is larger). Writes a Chrome trace and a JSON summary under
-benchmarks/results/. The cache is filled with `--context` random rows per row (the step's cost does
-not depend on what the rows hold).
+measured bf16 matmul rate, whichever is larger). The compiled variants are all compiled and captured
+first, then timed in --rounds rounds whose order rotates (timed one after the other, the variant timed
+second ran 1.4-1.9 ms slower on the H200 whichever it was); day-zero is timed once, before them. Writes a
+Chrome trace and a JSON summary under benchmarks/results/. The cache is filled with `--context` random rows
+per row (the step's cost does not depend on what the rows hold).
 """
 
 from __future__ import annotations
@@ -83,6 +85,18 @@ def step_time(step, steps: int) -> float:
     return statistics.median(times)
 
 
+def decode_step(runner, ids: torch.Tensor, mask: torch.Tensor, context: int):
+    """A decode step of `runner` for these rows; the cache is rewound to `context` tokens before it fills
+    (every step then costs the same). Every row is rewound: the steps of another batch size advanced rows
+    this one does not hold."""
+    def step():
+        if runner.cache.seen_columns >= runner.cache.max_length - 1:
+            runner.cache.lengths.fill_(context)
+            runner.cache.seen_columns = context
+        return runner(ids, mask, 1)
+    return step
+
+
 def profile_step(step, trace_path: str | None = None, top: int = 0) -> dict:
     """Kernels launched by one step (after an unprofiled one) and optionally the top kernels by device time."""
     step()
@@ -121,7 +135,8 @@ def main() -> None:
     parser.add_argument("--preset", default="flash-40l-e8")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="consecutive steps per timing (their median)")
+    parser.add_argument("--rounds", type=int, default=5, help="timings per compiled variant, taken in turns")
     parser.add_argument("--variants", default="day-zero,no-passes,passes",
                         help="of day-zero, " + ", ".join(f"{k} ({v})" for k, v in VARIANTS.items() if k != "warm"))
     parser.add_argument("--layers", type=int, help="override num_hidden_layers (keeps the preset's schedule prefix)")
@@ -129,7 +144,12 @@ def main() -> None:
                         help="FP8/MXFP4 projections kept as stored (native) or dequantized to bf16")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
+    if args.rounds < 1 or args.steps < 1:
+        parser.error(f"--rounds ({args.rounds}) and --steps ({args.steps}) must be >= 1")
     variants = args.variants.split(",")
+    unknown = set(variants) - {"day-zero", *VARIANTS} | ({"warm"} & set(variants))
+    if unknown:
+        parser.error(f"--variants: unknown {sorted(unknown)} (warm runs with passes)")
 
     overrides = {"weights": args.weights}
     if args.layers:
@@ -171,6 +191,10 @@ def main() -> None:
             save_results(result, f"compile-profile-{args.preset}", args.out)
             del cache
 
+    # each variant is compiled, captured and profiled in turn, and kept: its decode graphs read the model's
+    # tensors by address, so the tensors of every layout a variant captured (the experts stacked with or
+    # without the shared one) stay alive beside the runner
+    kept = {}
     for variant in [v for v in VARIANTS if v in variants or (v == "warm" and "passes" in variants)]:
         key = variant.replace("-", "_")
         torch._dynamo.reset()
@@ -179,14 +203,12 @@ def main() -> None:
         dsflash_compile.compile(model, max_batch=max_batch, max_length=max_length, batch_buckets=tuple(args.batch),
                                 **VARIANTS[variant])
         runner = model.compiled_runner
+        steps = {}
         for batch, (ids, mask) in inputs.items():
             row = rows[batch]
             runner.cache.reset()
             fill_cache(runner.cache, batch, args.context, gen)
-
-            def compiled_step():
-                return runner(ids, mask, 1)
-
+            steps[batch] = compiled_step = decode_step(runner, ids, mask, args.context)
             start = time.perf_counter()
             for _ in range(3):  # compile, record the CUDA graph, first replay
                 compiled_step()
@@ -197,16 +219,34 @@ def main() -> None:
             if variant == "warm":
                 continue
             graphs = counters["stats"]["unique_graphs"]
-            row[f"{key}_s"] = step_time(compiled_step, args.steps)
+            step_time(compiled_step, args.steps)  # untimed here: the rounds below time it
             trace = os.path.join(args.out, f"decode-trace-{args.preset}-b{batch}.json") if variant == "passes" else None
             row[f"{key}_profile"] = profile_step(compiled_step, trace, top=15 if variant == "passes" else 0)
             row[f"{key}_recompiles_after_warmup"] = counters["stats"]["unique_graphs"] - graphs
             row[f"{key}_graph_breaks"] = sum(counters["graph_break"].values())
             if runner.pass_manager is not None:
                 row["pass_matches"] = dict(runner.pass_manager.matches)
-            print(f"{variant} batch {batch}: {row[f'{key}_s'] * 1e6:.0f} us per step, "
-                  f"{row[f'{key}_profile']['kernels']} kernels", flush=True)
+            print(f"{variant} batch {batch}: {row[f'{key}_profile']['kernels']} kernels, "
+                  f"{row[f'{key}_profile']['device_us']:.0f} us of kernel time", flush=True)
             save_results(result, f"compile-profile-{args.preset}", args.out)  # partial results survive a timeout
+        if variant != "warm":
+            kept[key] = (runner, steps, [*model.parameters(), *model.buffers()])
+
+    # step times: every variant in each of --rounds rounds, the order rotating per round, so a slower stretch
+    # of the machine (or whatever follows a compile) hits each alike; per variant the median over rounds
+    names = list(kept)
+    for round_ in range(args.rounds if names else 0):
+        order = names[round_ % len(names):] + names[:round_ % len(names)]
+        for key in order:
+            for batch, step in kept[key][1].items():
+                rows[batch].setdefault(f"{key}_s_rounds", []).append(step_time(step, args.steps))
+        print(f"round {round_ + 1}/{args.rounds} done", flush=True)
+    for batch, row in rows.items():
+        for key in names:
+            runs = row[f"{key}_s_rounds"]
+            row[f"{key}_s"] = statistics.median(runs)
+            print(f"{key} batch {batch}: {row[f'{key}_s'] * 1e6:.0f} us per step "
+                  f"({min(runs) * 1e6:.0f}-{max(runs) * 1e6:.0f} over {len(runs)} rounds)")
 
     for batch, row in rows.items():
         row["floor"] = floor(model, batch, args.context, bandwidth, rate)
