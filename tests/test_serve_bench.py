@@ -2,6 +2,7 @@
 tiny workload, both configurations (the optimized one compiled with the "eager" backend: Dynamo graphs and
 guards, no code generation), its JSON and PNG; the headline's interpolation; the CLI's errors."""
 
+import argparse
 import json
 
 import pytest
@@ -10,12 +11,13 @@ from torch._dynamo.utils import counters
 from torch._inductor import config as inductor_config
 
 from dsflash_compile import cli
-from dsflash_compile.serve_bench import ratio_bound, throughput_at
+from dsflash_compile.serve_bench import add_arguments, check_arguments, ratio_bound, throughput_at
 
 SERVE = ["bench", "serve", "--preset", "tiny", "--device", "cpu", "--concurrency", "1", "2", "--turns", "2",
          "--max-new-tokens", "4", "--scale", "1/128", "--backend", "eager", "--prefill-buckets", "32",
-         "--batch-buckets", "2", "--profile-configs", "day-zero", "optimized"]  # one batch bucket and one
-# prefill bucket: the fewest graphs to trace
+         "--batch-buckets", "2", "--profile", "2", "--profile-configs", "day-zero", "optimized"]
+# one batch bucket and one prefill bucket: the fewest graphs to trace; one profiled concurrency (listing a
+# profile's CPU operators took ~20 s each)
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +66,10 @@ def test_results_hold_both_curves_per_request_records_and_headlines(served):
                 assert point[key]["p50"] > 0 and point[key]["p90"] >= point[key]["p50"]
             for record in point["records"]:
                 assert 1 <= record["new_tokens"] <= 4 and record["ttft_s"] > 0
-            # --profile defaults to the lowest and the highest concurrency: here both
-            assert point["profile"]["kernels"] > 0 and len(point["profile"]["top"]) == 10
+            if c == "2":  # --profile 2
+                assert point["profile"]["kernels"] > 0 and len(point["profile"]["top"]) == 10
+            else:
+                assert "profile" not in point
             # a session's second prompt is its first + the answer + new text
             first, second = (r for r in point["records"] if r["session"] == 0)
             assert second["prompt_tokens"] > first["prompt_tokens"] + first["new_tokens"]
@@ -109,6 +113,17 @@ def test_the_throughput_ratio_says_which_curve_ends_still_fast_enough():
     assert says(False, False) == ""
     assert "at least" in says(False, True) and "at most" in says(True, False)
     assert "not a bound" in says(True, True)  # the 11-30 e H200 run: both still met 1.1 tokens/s per user at C=64
+
+
+def test_profile_defaults_to_the_lowest_and_highest_concurrency():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--concurrency", "4", "1", "2", "--device", "cpu"])
+    check_arguments(args)
+    assert args.profile == [1, 4]
+    args = parser.parse_args(["--concurrency", "1", "2", "--profile", "--device", "cpu"])
+    check_arguments(args)
+    assert args.profile == []
 
 
 def test_cli_parses_bench_commands_and_names_bad_input(capsys, monkeypatch):
