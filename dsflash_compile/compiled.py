@@ -88,8 +88,12 @@ class CompileOptions:
     # the per-forward set-up (DeepseekV41Model.begin: positions, window lists, RoPE, Engram hashes, embedding)
     # compiled too: eager it is ~360 host-launched ops before a prefill's first block, with the GPU waiting
     compile_setup: bool = True
-    cuda_graphs: bool = True  # decode as mode="reduce-overhead" (CUDA only)
-    trimmed_graphs: bool = True  # bounded replay's trimmed layers as CUDA graphs too (with cuda_graphs)
+    # CUDA graphs (CUDA only): the decode step as one graph per batch bucket, short prefill chunks as one each
+    # (prefill_graph_tokens), the trimmed layers of longer ones (trimmed_graphs)
+    cuda_graphs: bool = True
+    # bounded replay's trimmed layers as CUDA graphs too (with cuda_graphs), in chunks longer than
+    # prefill_graph_tokens (a shorter chunk's graph holds them)
+    trimmed_graphs: bool = True
     # prefill chunks of at most this many tokens (rows x bucket length) replay one CUDA graph each (with
     # cuda_graphs; 0: none): such chunks are host-bound. H200 (16-core host, 12-01): a 1K prompt's prefill
     # launched block by block took 125-131 ms for 92 ms of kernels without bounded replay, 82-86 ms for 58
@@ -354,9 +358,10 @@ class CompiledRunner:
 
     @torch.no_grad()  # as generate() runs: graphs compiled with grad mode on would not serve it
     def warm_up(self, batch_sizes=None, prefill_lengths=None) -> None:
-        """Compile the blocks and capture the decode graphs for these batch sizes and prompt lengths now,
-        on throwaway inputs (with bounded replay also every bucket as a chunk before a prompt's last, which
-        stops at the last KV source's cache writes); the cache is emptied afterwards."""
+        """Compile the blocks and capture the CUDA graphs (decode, prefill chunks, trimmed layers) for these
+        batch sizes and prompt lengths now, on throwaway inputs (with bounded replay also every bucket as a
+        chunk before a prompt's last, which stops at the last KV source's cache writes); the cache is emptied
+        afterwards."""
         lengths = prefill_lengths or self._warm_lengths()
         for batch in batch_sizes or self.batch_buckets:
             ids = torch.zeros(batch, max(lengths), dtype=torch.long, device=self.model.device)

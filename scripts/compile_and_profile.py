@@ -144,6 +144,7 @@ def main() -> None:
                         help="FP8/MXFP4 projections kept as stored (native) or dequantized to bf16")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
+    args.batch = sorted(set(args.batch))
     if args.rounds < 1 or args.steps < 1:
         parser.error(f"--rounds ({args.rounds}) and --steps ({args.steps}) must be >= 1")
     variants = args.variants.split(",")
@@ -193,7 +194,9 @@ def main() -> None:
 
     # each variant is compiled, captured and profiled in turn, and kept: its decode graphs read the model's
     # tensors by address, so the tensors of every layout a variant captured (the experts stacked with or
-    # without the shared one) stay alive beside the runner
+    # without the shared one) stay alive beside the runner. Each change of layout keeps one more copy of
+    # the routed experts (most of the model's bytes). The batches fill in ascending order, so every
+    # row of the largest holds --context tokens when the rounds time them all.
     kept = {}
     for variant in [v for v in VARIANTS if v in variants or (v == "warm" and "passes" in variants)]:
         key = variant.replace("-", "_")

@@ -11,7 +11,12 @@ from torch._dynamo.utils import counters
 from torch._inductor import config as inductor_config
 
 from dsflash_compile import cli
-from dsflash_compile.serve_bench import add_arguments, check_arguments, ratio_bound, throughput_at
+from dsflash_compile.serve_bench import (
+    add_arguments,
+    check_arguments,
+    ratio_bound,
+    throughput_at,
+)
 
 SERVE = ["bench", "serve", "--preset", "tiny", "--device", "cpu", "--concurrency", "1", "2", "--turns", "2",
          "--max-new-tokens", "4", "--scale", "1/128", "--backend", "eager", "--prefill-buckets", "32",
