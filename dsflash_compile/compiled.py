@@ -129,11 +129,17 @@ class CompileOptions:
                 raise ValueError(f"CompileOptions.{name}={buckets}: expected increasing positive sizes")
 
 
-def _static(t: torch.Tensor) -> torch.Tensor:
-    """A graph's static input: a copy that is never an inference tensor, so later calls may copy into it
+def _fresh(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A contiguous copy: the compiled set-up guards on strides, even a size-1 batch's (generate() passes
+    column views of its sequence, and a prompt's chunks are column slices, whose stride is the whole length)."""
+    return None if t is None else t.clone(memory_format=torch.contiguous_format)
+
+
+def _static(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A graph's static input: a fresh copy that is never an inference tensor, so later calls may copy into it
     with inference mode on or off."""
     with torch.inference_mode(False):
-        return t.clone(memory_format=torch.contiguous_format)
+        return _fresh(t)
 
 
 def _bucket(buckets, size: int) -> int:
@@ -270,15 +276,11 @@ class CompiledRunner:
         then replaying theirs)."""
         model = self.model.model
         if not self.cuda_graphs or ids.numel() > self.options.prefill_graph_tokens:
-            # fresh copies: the compiled set-up guards on strides, even a size-1 batch's (a column view's
-            # stride is the whole prompt's length)
-            ids, mask, replay_from = (None if t is None else t.clone(memory_format=torch.contiguous_format)
-                                      for t in (ids, mask, replay_from))
-            return model.run(ids, mask, self.cache, self.cache.max_length, tail, replay_from,
-                             self.trimmed if self.cuda_graphs else None)
+            return model.run(_fresh(ids), _fresh(mask), self.cache, self.cache.max_length, tail,
+                             _fresh(replay_from), self.trimmed if self.cuda_graphs else None)
         key = (tuple(ids.shape), tail, replay_from is None)
         if key not in self.chunk_graphs:
-            inputs = [_static(ids), _static(mask), None if replay_from is None else _static(replay_from)]
+            inputs = [_static(ids), _static(mask), _static(replay_from)]
             graph, out = self._capture(lambda: model.run(inputs[0], inputs[1], self.cache, self.cache.max_length,
                                                          tail, inputs[2]))
             self.chunk_graphs[key] = (graph, inputs, out)
@@ -315,9 +317,8 @@ class CompiledRunner:
             mask.copy_(attention_mask)
             graph.replay()
             logits = out[:batch].clone()  # the graph's output buffer is rewritten by the next replay
-        elif seq == 1:  # fresh copies: see _prefill_chunk (generate() passes column views of its sequence)
-            logits = self._decode_step(*(t.clone(memory_format=torch.contiguous_format)
-                                         for t in (input_ids, attention_mask)))[:batch]
+        elif seq == 1:
+            logits = self._decode_step(_fresh(input_ids), _fresh(attention_mask))[:batch]
         else:
             check_left_padding(attention_mask)
             hidden = self._prefill_chunks(input_ids, attention_mask, logits_to_keep or seq, replay_from)

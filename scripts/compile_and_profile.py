@@ -148,7 +148,7 @@ def main() -> None:
     if args.rounds < 1 or args.steps < 1:
         parser.error(f"--rounds ({args.rounds}) and --steps ({args.steps}) must be >= 1")
     variants = args.variants.split(",")
-    unknown = set(variants) - {"day-zero", *VARIANTS} | ({"warm"} & set(variants))
+    unknown = set(variants) - ({"day-zero", *VARIANTS} - {"warm"})
     if unknown:
         parser.error(f"--variants: unknown {sorted(unknown)} (warm runs with passes)")
 
@@ -197,7 +197,7 @@ def main() -> None:
     # without the shared one) stay alive beside the runner. Each change of layout keeps one more copy of
     # the routed experts (most of the model's bytes). The batches fill in ascending order, so every
     # row of the largest holds --context tokens when the rounds time them all.
-    kept = {}
+    steps, alive = {}, []  # variant -> batch -> its decode step; the tensors its graphs read
     for variant in [v for v in VARIANTS if v in variants or (v == "warm" and "passes" in variants)]:
         key = variant.replace("-", "_")
         torch._dynamo.reset()
@@ -206,12 +206,13 @@ def main() -> None:
         dsflash_compile.compile(model, max_batch=max_batch, max_length=max_length, batch_buckets=tuple(args.batch),
                                 **VARIANTS[variant])
         runner = model.compiled_runner
-        steps = {}
         for batch, (ids, mask) in inputs.items():
             row = rows[batch]
             runner.cache.reset()
             fill_cache(runner.cache, batch, args.context, gen)
-            steps[batch] = compiled_step = decode_step(runner, ids, mask, args.context)
+            compiled_step = decode_step(runner, ids, mask, args.context)
+            if variant != "warm":
+                steps.setdefault(key, {})[batch] = compiled_step
             start = time.perf_counter()
             for _ in range(3):  # compile, record the CUDA graph, first replay
                 compiled_step()
@@ -222,7 +223,7 @@ def main() -> None:
             if variant == "warm":
                 continue
             graphs = counters["stats"]["unique_graphs"]
-            step_time(compiled_step, args.steps)  # untimed here: the rounds below time it
+            step_time(compiled_step, args.steps)  # steps after warm-up for the recompile count; the rounds time them
             trace = os.path.join(args.out, f"decode-trace-{args.preset}-b{batch}.json") if variant == "passes" else None
             row[f"{key}_profile"] = profile_step(compiled_step, trace, top=15 if variant == "passes" else 0)
             row[f"{key}_recompiles_after_warmup"] = counters["stats"]["unique_graphs"] - graphs
@@ -232,16 +233,15 @@ def main() -> None:
             print(f"{variant} batch {batch}: {row[f'{key}_profile']['kernels']} kernels, "
                   f"{row[f'{key}_profile']['device_us']:.0f} us of kernel time", flush=True)
             save_results(result, f"compile-profile-{args.preset}", args.out)  # partial results survive a timeout
-        if variant != "warm":
-            kept[key] = (runner, steps, [*model.parameters(), *model.buffers()])
+        alive.append([*model.parameters(), *model.buffers()])
 
     # step times: every variant in each of --rounds rounds, the order rotating per round, so a slower stretch
     # of the machine (or whatever follows a compile) hits each alike; per variant the median over rounds
-    names = list(kept)
+    names = list(steps)
     for round_ in range(args.rounds if names else 0):
         order = names[round_ % len(names):] + names[:round_ % len(names)]
         for key in order:
-            for batch, step in kept[key][1].items():
+            for batch, step in steps[key].items():
                 rows[batch].setdefault(f"{key}_s_rounds", []).append(step_time(step, args.steps))
         print(f"round {round_ + 1}/{args.rounds} done", flush=True)
     for batch, row in rows.items():
