@@ -42,6 +42,7 @@ from . import passes
 from .cache import CacheCapacityError
 from .context import check_left_padding
 from .custom_ops.mhc import ROWS_MIN_TOKENS
+from .custom_ops.routed_experts import MAX_TOKENS as ROUTED_MAX_TOKENS
 from .moe import COUNT_ORDER_BOUND
 from .trimmed_graphs import TrimmedGraphs
 
@@ -67,6 +68,11 @@ class CompileOptions:
     # picked experts, 142 MB). 112 rows = batch 16 at top-6 + the shared expert's row; not yet measured on the
     # H200 (scripts/sweep_experts.py)
     moe_few_rows: int = 112
+    # issue 5: bf16 routed experts of at most this many tokens run dsflash::routed_experts: no sort of the pairs,
+    # gate/up/SwiGLU/weights/FP8 of h in one launch and the down projection with each token's ordered sum in
+    # another, where the sorted path took ~15 small kernels around its three grouped GEMMs per layer. A shape
+    # test: with dynamic shapes it guards a graph on its token count. At most the kernels' MAX_TOKENS (64)
+    moe_few_tokens: int = 64
     # issue 5: the routed pairs sorted by expert by counting (MoE._expert_order) where pairs x (groups + 1) is
     # at most this (any decode batch up to 64 and 1.5K-token prefill chunks of the release), and each token's
     # slots by counting at every size (MoE._slot_order); 0: both argsort. Same bits. Inductor turned the pairs'
@@ -116,6 +122,9 @@ class CompileOptions:
         if self.prefill_graph_tokens < 0:
             raise ValueError(f"CompileOptions.prefill_graph_tokens={self.prefill_graph_tokens}: expected >= 0 (0: no "
                              "prefill chunk graphs)")
+        if not 0 <= self.moe_few_tokens <= ROUTED_MAX_TOKENS:
+            raise ValueError(f"CompileOptions.moe_few_tokens={self.moe_few_tokens}: expected 0 ... {ROUTED_MAX_TOKENS} "
+                             "(dsflash::routed_experts' kernels take at most that many tokens)")
         if self.mhc_overlap_max_tokens < 1:
             raise ValueError(f"CompileOptions.mhc_overlap_max_tokens={self.mhc_overlap_max_tokens}: expected >= 1 "
                              "(mhc_overlap=False turns the overlap off)")
@@ -198,6 +207,7 @@ class CompiledRunner:
         for layer in model.model.layers:
             layer.ffn.ensure_grouped(options.moe_shared_stacked and layer.ffn.can_stack_shared())
             layer.ffn.few_rows = options.moe_few_rows
+            layer.ffn.few_tokens = options.moe_few_tokens
             layer.ffn.count_order = options.moe_count_order
             layer.attn.fuse_input_projections(options.fuse_input_projections)
         if options.swa_bounded_replay is not None:

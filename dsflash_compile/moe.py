@@ -13,7 +13,9 @@ Two ways to run the routed experts, with the same math and the same summation or
     from_pretrained assigns the loaded tensors), so it runs grouped unless told otherwise. With bf16 weights,
     up to `few_rows` (token, slot) pairs (compile() sets it: the decode step) run `dsflash::grouped_mm`,
     else torch._grouped_mm (`dsflash::grouped_mm_by_rows` picks when it runs); with
-    `count_order` set, the sorts are counts (see _expert_order, _slot_order).
+    `count_order` set, the sorts are counts (see _expert_order, _slot_order). Up to `few_tokens` tokens
+    (compile() sets it: decode) skip the sort: `dsflash::routed_experts` runs the three projections per picked
+    expert and sums each token's terms in ascending id, in two launches on CUDA.
     With bf16 weights the shared expert can be stacked too (`stack_experts(shared=True)`):
     it is then every token's last pair, with weight 1 (exact), and added last as before, so the same bits
     with three projections fewer per layer.
@@ -94,6 +96,7 @@ class MoE(nn.Module):
         self.shared_stacked = False  # the shared expert is the stacks' last slice (stack_experts(shared=True))
         self.few_rows = 0  # bf16 grouped GEMMs of at most this many rows run dsflash::grouped_mm (see _grouped_mm)
         self.count_order = 0  # pairs x (groups + 1) up to this: sorts by counting (see _expert_order); 0: argsort
+        self.few_tokens = 0  # bf16 grouped: up to this many tokens run dsflash::routed_experts (compile() sets it)
         if self.native:
             self.stack_experts()
 
@@ -223,6 +226,11 @@ class MoE(nn.Module):
         -1 (a pair another rank's experts take: ParallelMoE); such a pair sorts after every expert's pairs,
         past the last offset, so no GEMM computes it (shapes stay static), and it adds zero."""
         tokens, k = ids.shape
+        first = self.experts[0]
+        if not self.native and tokens <= self.few_tokens:  # no sort: two launches on CUDA
+            return torch.ops.dsflash.routed_experts(
+                fp8_qdq(x) if first.w1.quantize_input else x, weights, ids, self.w1_weight_stacked,
+                self.w3_weight_stacked, self.w2_weight_stacked, first.limit, first.w2.quantize_input)
         expert = ids.flatten()
         here = expert >= 0
         groups = len(self.experts) + self.shared_stacked
@@ -230,7 +238,6 @@ class MoE(nn.Module):
         counts = torch.zeros(groups, dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, expert.clamp(min=0), here.to(torch.int32))
         offsets = counts.cumsum(0, dtype=torch.int32)
-        first = self.experts[0]
         xs = (fp8_qdq(x) if first.w1.quantize_input else x)[order // k]
         gate = self._grouped_mm(xs, "w1", offsets).float()
         up = self._grouped_mm(xs, "w3", offsets).float()

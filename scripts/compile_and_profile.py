@@ -40,7 +40,8 @@ from dsflash_compile.custom_ops.dispatch import reference_kernels
 VARIANTS = {
     "no-passes": {"passes": False},
     "argsort-moe": {"moe_count_order": 0},  # the MoE's sorts by argsort (before issue 5's counting orders)
-    "torch-moe": {"moe_few_rows": 0},  # the routed experts on torch._grouped_mm at every batch (before issue 5)
+    "torch-moe": {"moe_few_rows": 0, "moe_few_tokens": 0},  # torch._grouped_mm at every batch (before issue 5)
+    "sorted-moe": {"moe_few_tokens": 0},  # decode's routed experts sorted and grouped (before dsflash::routed_experts)
     # issue 5's decode fusions off: shared expert on its own GEMMs, wq_a and wkv apart, Engram and set-up eager
     "unfused": {"moe_shared_stacked": False, "fuse_input_projections": False, "compile_engram": False,
                 "compile_setup": False},

@@ -1,0 +1,86 @@
+"""`dsflash::routed_experts`: the routed experts' weighted sum for a few tokens (decode), as one op.
+
+    for each expert e in ascending id, for each token t routed to e (slot s, weight w = weights[t, s]):
+        gate, up = bf16(x_t @ W1[e]^T), bf16(x_t @ W3[e]^T)       (fp32 products, rounded as the GEMMs round)
+        gate, up = min(gate, limit), clamp(up, -limit, limit)    (limit > 0 only)
+        h = bf16(w * silu(gate) * up), then FP8 quantize-dequantized in groups of 32 (quantize_h)
+        y_t += fp32(bf16(h @ W2[e]^T))
+
+x is the experts' input as their GEMMs take it (FP8 quantize-dequantized by the caller, like a QuantLinear's);
+ids [tokens, k] may hold -1 (a pair another rank's experts take: it adds nothing). The per-token sum runs in
+ascending expert id, the order of MoE's loop and grouped paths, so only the GEMMs' fp32 summation order
+differs from them. The stacks are the bf16 weights MoE.stack_experts() holds ([G, I, D], [G, I, D], [G, D, I]).
+
+Why an op: MoE's grouped path sorts the (token, slot) pairs by expert, runs one grouped GEMM per projection
+and gathers the outputs back: at decode batch 1 that is ~15 small kernels around the three GEMMs per layer
+(H200, flash-40l-e8: ~20 us of launches and gaps per layer). On CUDA this op is two launches that need no
+sorting (routed_experts_triton.py). The reference below runs every expert over every token (static shapes,
+no host sync), for CPU and for inputs the kernels do not take.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dsflash_compile.quant import fp8_qdq
+
+MAX_TOKENS = 64  # the kernels' tile of token rows (more would spill registers on sm_90); above, the reference
+
+
+@torch.library.custom_op("dsflash::routed_experts", mutates_args=())
+def routed_experts(x: Tensor, weights: Tensor, ids: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, limit: float,
+                   quantize_h: bool) -> Tensor:
+    """x bf16 [T, D]; weights fp32 [T, k]; ids int64 [T, k] (-1: not here); w1, w3 bf16 [G, I, D]; w2 bf16
+    [G, D, I]. Returns fp32 [T, D]: each token's routed experts' weighted SwiGLU outputs, summed in ascending id."""
+    return routed_experts_reference(x, weights, ids, w1, w3, w2, limit, quantize_h)
+
+
+def check_inputs(x, weights, ids, w1, w3, w2, quantize_h) -> None:
+    if x.dim() != 2 or weights.dim() != 2 or tuple(ids.shape) != tuple(weights.shape) or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"routed_experts: x [T, D], weights and ids [T, k] expected, got {tuple(x.shape)}, "
+                         f"{tuple(weights.shape)} and {tuple(ids.shape)}")
+    if ids.dtype != torch.int64 or weights.dtype != torch.float32:
+        raise TypeError(f"routed_experts: ids must be int64 and weights fp32, got {ids.dtype} and {weights.dtype}")
+    if w1.dim() != 3 or w1.shape != w3.shape or tuple(w2.shape) != (w1.shape[0], w1.shape[2], w1.shape[1]):
+        raise ValueError(f"routed_experts: w1, w3 [G, I, D] and w2 [G, D, I] expected, got {tuple(w1.shape)}, "
+                         f"{tuple(w3.shape)} and {tuple(w2.shape)}")
+    if w1.shape[2] != x.shape[1]:
+        raise ValueError(f"routed_experts: x {tuple(x.shape)} and w1 {tuple(w1.shape)} differ in D")
+    if quantize_h and w1.shape[1] % 32:
+        raise ValueError(f"routed_experts: quantize_h needs the intermediate size ({w1.shape[1]}) to be a multiple "
+                         "of the FP8 group (32)")
+
+
+def routed_experts_reference(x, weights, ids, w1, w3, w2, limit, quantize_h):
+    check_inputs(x, weights, ids, w1, w3, w2, quantize_h)
+    y = x.new_zeros(x.shape, dtype=torch.float32)
+    for e in range(w1.shape[0]):
+        hit = ids == e
+        w = (weights * hit).sum(1, keepdim=True)  # the token's weight for e (0 where not routed), exact
+        gate, up = F.linear(x, w1[e]).float(), F.linear(x, w3[e]).float()
+        if limit > 0:
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        h = (w * (F.silu(gate) * up)).to(x.dtype)
+        out = F.linear(fp8_qdq(h) if quantize_h else h, w2[e]).float()
+        y = y + torch.where(hit.any(1, keepdim=True), out, 0.0)
+    return y
+
+
+@routed_experts.register_fake
+def _(x, weights, ids, w1, w3, w2, limit, quantize_h):
+    check_inputs(x, weights, ids, w1, w3, w2, quantize_h)
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+try:  # Triton is optional on CPU machines
+    from . import routed_experts_triton
+except ImportError:  # pragma: no cover - CPU machines without triton
+    routed_experts_triton = None
+
+if routed_experts_triton is not None:
+    @routed_experts.register_kernel("cuda")
+    def _(x, weights, ids, w1, w3, w2, limit, quantize_h):
+        check_inputs(x, weights, ids, w1, w3, w2, quantize_h)
+        if not routed_experts_triton.kernel_fits(x, w1, w3, w2):
+            return routed_experts_reference(x, weights, ids, w1, w3, w2, limit, quantize_h)
+        return routed_experts_triton.routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_h)

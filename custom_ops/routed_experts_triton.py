@@ -1,0 +1,160 @@
+"""Triton kernels of `dsflash::routed_experts` (see routed_experts.py for the math): two launches, no sort.
+
+_up_kernel, grid (pairs, I / BLOCK_N): the program of pair p takes p's expert e if p is e's first pair (in
+token-major order; later pairs of e exit after reading the ids) and computes, for every token routed to e at
+once (rows of a BLOCK_M tile, the others masked), its BLOCK_N columns of gate and up, the clamps, SwiGLU, the
+routing weight and the FP8 quantize-dequantize of h (a 32-column group lies inside a block), storing h at the
+token's slot. Each picked expert's W1 and W3 are read once, over many programs.
+
+_down_kernel, grid (D / BLOCK_N): a program walks the picked experts in ascending id (the next one is the
+smallest id above the last, over all tokens' ids), multiplies each one's routed rows of h by its W2 block,
+rounds to bf16 and adds into the tokens' fp32 sums: each token's terms arrive in ascending id, the order of
+MoE's paths, and each picked W2 is read once. No atomics, so the result is deterministic.
+
+The FP8 rounding is done in fp32 arithmetic (quant.fp8_qdq's values bit for bit: power-of-two scale from
+the exponent bits, round-to-nearest-even at E4M3's precision by adding and removing 2^(e+20)), so the
+interpreter runs the code the GPU does.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_triton import _dot
+from .routed_experts import MAX_TOKENS
+
+UP_BLOCK_N = 32  # one FP8 group of h per row and program; 72 column blocks at I = 2304
+DOWN_BLOCK_N = 16  # 320 programs at D = 5120 (a program walks every picked expert)
+BLOCK_K = 128  # 64 above 32 tokens: the 64-row tiles spill at 128 (ptxas, sm_90)
+
+
+@triton.jit
+def _round_bf16(v):
+    """fp32 -> the nearest bf16 value (ties to even), in fp32: integer arithmetic on the bits, since the
+    interpreter's cast truncates (records.py's notes); on the GPU the same values as the cast."""
+    bits = v.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_qdq_groups(v, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """fp32 [ROWS, COLS] -> quant.fp8_qdq's values (fp32) over groups of 32 columns."""
+    g = tl.reshape(v, (ROWS, COLS // 32, 32))
+    amax = tl.maximum(tl.max(tl.abs(g), 2), 1e-4)
+    bits = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # 2^ceil(log2(amax / 448))
+    scale = (exponent << 23).to(tl.float32, bitcast=True)
+    inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)  # exact: scale is a power of two
+    q = tl.minimum(tl.maximum(g * inverse[:, :, None], -448.0), 448.0)
+    # E4M3: 3 mantissa bits from 2^-6 up, steps of 2^-9 below; x + 2^(e+20) keeps exactly those bits (RNE)
+    a = tl.abs(q)
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    big = ((e + 147) << 23).to(tl.float32, bitcast=True)
+    r = (a + big) - big
+    r = tl.where(q < 0, -r, r)
+    return tl.reshape(r * scale[:, :, None], (ROWS, COLS))
+
+
+@triton.jit
+def _routes(ids_ptr, weights_ptr, e, T, KK, BLOCK_M: tl.constexpr, KK_PAD: tl.constexpr):
+    """For expert e, per token row of the tile: routed to e?, its slot, its routing weight (0 if not)."""
+    t = tl.arange(0, BLOCK_M)
+    s = tl.arange(0, KK_PAD)
+    live = (t < T)[:, None] & (s < KK)[None, :]
+    hit = tl.load(ids_ptr + t[:, None] * KK + s[None, :], mask=live, other=-1) == e
+    weight = tl.sum(tl.where(hit, tl.load(weights_ptr + t[:, None] * KK + s[None, :], mask=live, other=0.0), 0.0), 1)
+    return tl.max(hit.to(tl.int32), 1) > 0, tl.sum(tl.where(hit, s[None, :], 0), 1), weight
+
+
+@triton.jit
+def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, I, D, limit, QUANT_H: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr,
+               P_PAD: tl.constexpr, FP32_DOT: tl.constexpr):
+    pair, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(ids_ptr + pair)
+    pp = tl.arange(0, P_PAD)
+    earlier = tl.sum(((tl.load(ids_ptr + pp, mask=pp < pair, other=-1) == e) & (pp < pair)).to(tl.int32), 0)
+    mine = (e >= 0) & (earlier == 0)  # the expert's first pair computes it for all its tokens
+    routed, slot, weight = _routes(ids_ptr, weights_ptr, e, T, KK, BLOCK_M, KK_PAD)
+    t = tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = n < I
+    rows = (tl.maximum(e, 0).to(tl.int64) * I + n[:, None]) * D
+    x_rows = x_ptr + t[:, None].to(tl.int64) * D
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(tl.where(mine, tl.cdiv(D, BLOCK_K), 0)):
+        k = i * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + k[None, :], mask=routed[:, None] & (k < D)[None, :], other=0.0)
+        w_mask = n_in[:, None] & (k < D)[None, :]
+        gate += _dot(x, tl.trans(tl.load(w1_ptr + rows + k[None, :], mask=w_mask, other=0.0)), FP32_DOT)
+        up += _dot(x, tl.trans(tl.load(w3_ptr + rows + k[None, :], mask=w_mask, other=0.0)), FP32_DOT)
+    gate = _round_bf16(gate)  # the GEMMs' bf16 outputs
+    up = _round_bf16(up)
+    if limit > 0:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = _round_bf16(weight[:, None] * (gate / (1.0 + tl.exp(-gate)) * up))
+    if QUANT_H:
+        h = _fp8_qdq_groups(h, BLOCK_M, BLOCK_N)  # E4M3 values times a power of two: exact in bf16
+    out = h_ptr + (t * KK + slot).to(tl.int64)[:, None] * I + n[None, :]
+    tl.store(out, h.to(tl.bfloat16), mask=(mine & routed)[:, None] & n_in[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, ids_ptr, w2_ptr, y_ptr, T, KK, G, I, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr, FP32_DOT: tl.constexpr):
+    t = tl.arange(0, BLOCK_M)
+    s = tl.arange(0, KK_PAD)
+    ids = tl.load(ids_ptr + t[:, None] * KK + s[None, :], mask=(t < T)[:, None] & (s < KK)[None, :], other=-1)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = n < D
+    y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    e = tl.min(tl.min(tl.where(ids >= 0, ids, G), 1), 0)  # ids < G: G means none left
+    while e < G:
+        hit = ids == e
+        routed = tl.max(hit.to(tl.int32), 1) > 0
+        h_rows = h_ptr + (t * KK + tl.sum(tl.where(hit, s[None, :], 0), 1)).to(tl.int64)[:, None] * I
+        w_rows = w2_ptr + (e.to(tl.int64) * D + n[:, None]) * I
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for i in range(tl.cdiv(I, BLOCK_K)):
+            k = i * BLOCK_K + tl.arange(0, BLOCK_K)
+            h = tl.load(h_rows + k[None, :], mask=routed[:, None] & (k < I)[None, :], other=0.0)
+            w = tl.load(w_rows + k[None, :], mask=n_in[:, None] & (k < I)[None, :], other=0.0)
+            acc += _dot(h, tl.trans(w), FP32_DOT)
+        y += tl.where(routed[:, None], _round_bf16(acc), 0.0)
+        e = tl.min(tl.min(tl.where(ids > e, ids, G), 1), 0)
+    tl.store(y_ptr + t[:, None] * D + n[None, :], y, mask=(t < T)[:, None] & n_in[None, :])
+
+
+def kernel_fits(x, w1, w3, w2) -> bool:
+    """What the kernels take (else the op runs its reference): bf16 activations and stacks, at most MAX_TOKENS
+    tokens."""
+    return x.shape[0] <= MAX_TOKENS and all(t.dtype == torch.bfloat16 for t in (x, w1, w3, w2))
+
+
+def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_h, up_block_n=UP_BLOCK_N,
+                          down_block_n=DOWN_BLOCK_N, block_k=None, num_warps=4, num_stages=3):
+    """fp32 [T, D] as the reference. Block sizes, warps and pipeline stages override the launches (sweeps);
+    up_block_n must be a multiple of 32 (the FP8 groups of h)."""
+    tokens, dim = x.shape
+    k = ids.shape[1]
+    experts, inter, _ = w1.shape
+    y = x.new_empty(tokens, dim, dtype=torch.float32)
+    if tokens * k == 0:
+        return y.zero_()
+    h = x.new_empty(tokens, k, inter)  # a pair's row is written by its expert's programs, read only if routed
+    x, weights, ids = x.contiguous(), weights.contiguous(), ids.contiguous()
+    w1, w3, w2 = w1.contiguous(), w3.contiguous(), w2.contiguous()
+    block_m = max(16, triton.next_power_of_2(tokens))
+    block_k = block_k or (BLOCK_K if block_m <= 32 else BLOCK_K // 2)
+    kk_pad = triton.next_power_of_2(k)
+    fp32_dot = x.device.type != "cuda"
+    _up_kernel[(tokens * k, triton.cdiv(inter, up_block_n))](
+        x, weights, ids, w1, w3, h, tokens, k, inter, dim, float(limit), QUANT_H=quantize_h, BLOCK_M=block_m,
+        BLOCK_N=up_block_n, BLOCK_K=block_k, KK_PAD=kk_pad, P_PAD=triton.next_power_of_2(tokens * k),
+        FP32_DOT=fp32_dot, num_warps=num_warps, num_stages=num_stages)
+    _down_kernel[(triton.cdiv(dim, down_block_n),)](
+        h, ids, w2, y, tokens, k, experts, inter, dim, BLOCK_M=block_m, BLOCK_N=down_block_n, BLOCK_K=block_k,
+        KK_PAD=kk_pad, FP32_DOT=fp32_dot, num_warps=num_warps, num_stages=num_stages)
+    return y

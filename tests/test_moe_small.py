@@ -1,0 +1,158 @@
+"""`dsflash::routed_experts` (custom_ops/routed_experts.py): the few-token routed experts as one op.
+
+Its reference against MoE's own paths (the loop and the sorted grouped GEMMs); its Triton kernels under the
+interpreter against the reference (bit for bit on data whose GEMMs are exact in fp32, so that only the
+kernels' rounding points are tested; within the GEMMs' summation order on random data); compiled for sm_90
+without spills; opcheck; its errors; and on a GPU at the release's sizes and inside a CUDA graph."""
+
+import pytest
+import torch
+from dsflash_compile.custom_ops.routed_experts import routed_experts_reference
+from hopper import check_compiles_for_hopper
+from interp import report, requires_interpreter, run_interpreted
+
+import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
+from dsflash_compile.compiled import CompileOptions
+from dsflash_compile.moe import MoE
+from dsflash_compile.presets import preset_config
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# name: (tokens, slots, experts, D, I, limit, quantize_h, exact data); the last slot is the shared expert
+# (id G - 1, weight 1) as MoE stacks it
+CASES = {
+    "one_token": (1, 7, 9, 64, 64, 10.0, True, True),
+    "elsewhere_pairs": (3, 4, 5, 96, 96, 0.5, True, True),  # ids -1 (another rank's experts) add nothing
+    "no_clamp_no_fp8": (5, 3, 6, 64, 32, 0.0, False, True),
+    "ragged_blocks": (17, 4, 9, 72, 160, 10.0, True, True),  # 32-row tile; D, I not multiples of the blocks
+    "most_tokens": (40, 3, 9, 64, 64, 10.0, True, True),  # 64-row tile, BLOCK_K 64
+    "random_data": (6, 7, 9, 256, 128, 10.0, True, False),
+}
+
+
+def case_inputs(tokens, slots, experts, dim, inter, exact, seed=0, device="cpu"):
+    """Routing: distinct experts per token, the shared one last. Exact data: values on a coarse grid, so that
+    every GEMM sum is exact in fp32 and the kernels round where the reference does."""
+    g = torch.Generator().manual_seed(seed)
+
+    def values(*shape, div):
+        if exact:
+            return (torch.randint(-3, 4, shape, generator=g) / div).bfloat16()
+        return (torch.randn(shape, generator=g) / div).bfloat16()
+
+    ids = torch.stack([torch.randperm(experts - 1, generator=g)[:slots - 1] for _ in range(tokens)])
+    ids = torch.cat([ids, torch.full((tokens, 1), experts - 1)], 1)
+    if tokens > 2:
+        ids[1, 0] = ids[2, 1] = -1
+    weights = torch.cat([torch.rand(tokens, slots - 1, generator=g), torch.ones(tokens, 1)], 1)
+    x = values(tokens, dim, div=2)
+    w1, w3 = values(experts, inter, dim, div=16), values(experts, inter, dim, div=16)
+    w2 = values(experts, dim, inter, div=16)
+    return tuple(t.to(device) for t in (x, weights, ids, w1, w3, w2))
+
+
+def interpreter_checks():
+    """Entry point of the subprocess: every case's kernels against the reference."""
+    from dsflash_compile.custom_ops.routed_experts_triton import routed_experts_triton
+
+    for name, (tokens, slots, experts, dim, inter, limit, quantize_h, exact) in CASES.items():
+        args = case_inputs(tokens, slots, experts, dim, inter, exact)
+        got = routed_experts_triton(*args, limit, quantize_h)
+        want = routed_experts_reference(*args, limit, quantize_h)
+        report(dict(name=name, same=torch.equal(got, want), err=((got - want).abs().max() / want.abs().max()).item()))
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted("test_moe_small", "interpreter_checks")
+
+
+@requires_interpreter
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernels_match_reference(interpreted, name):
+    result = interpreted[name]
+    if CASES[name][-1]:
+        assert result["same"], result
+    else:  # a GEMM's other summation order can move a bf16 rounding, and an FP8 one after it
+        assert result["err"] <= 2e-2, result
+
+
+def tiny_moe(seed=0):
+    config = preset_config("tiny").text_config
+    torch.manual_seed(seed)
+    moe = MoE(config)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    return moe, config
+
+
+@pytest.mark.parametrize("shared_stacked", [True, False])
+@torch.no_grad()
+def test_moe_few_tokens_equals_the_sorted_and_loop_paths(shared_stacked):
+    """The MoE with few_tokens set (the op's reference on CPU) against its sorted grouped path and its loop:
+    the same per-token order of terms, so only the GEMMs' rows differ (CPU bf16 GEMMs round alike here)."""
+    moe, config = tiny_moe()
+    x = torch.randn(5, 3, config.hidden_size).bfloat16()
+    loop = moe(x)
+    moe.ensure_grouped(shared_stacked)
+    grouped = moe(x)
+    moe.few_tokens = 15
+    fused = moe(x)
+    torch.testing.assert_close(fused, grouped, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(fused, loop, rtol=2e-2, atol=2e-3)
+    moe.few_tokens = 14  # one token more than this: the sorted path
+    assert torch.equal(moe(x), grouped)
+
+
+def test_opcheck_and_errors():
+    args = case_inputs(3, 4, 5, 64, 64, True)
+    torch.library.opcheck(torch.ops.dsflash.routed_experts.default, (*args, 10.0, True))
+    x, weights, ids, w1, w3, w2 = args
+    with pytest.raises(TypeError, match="ids must be int64"):
+        torch.ops.dsflash.routed_experts(x, weights, ids.int(), w1, w3, w2, 10.0, True)
+    with pytest.raises(ValueError, match=r"w2 \[G, D, I\]"):
+        torch.ops.dsflash.routed_experts(x, weights, ids, w1, w3, w2[:, :32], 10.0, True)
+    with pytest.raises(ValueError, match="multiple of the FP8 group"):
+        torch.ops.dsflash.routed_experts(x, weights, ids, w1[:, :48], w3[:, :48], w2[:, :, :48], 10.0, True)
+    with pytest.raises(ValueError, match="moe_few_tokens=65"):
+        CompileOptions(moe_few_tokens=65)
+
+
+_UP = dict(x_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i64", w1_ptr="*bf16", w3_ptr="*bf16", h_ptr="*bf16",
+           T="i32", KK="i32", I="i32", D="i32", limit="fp32")
+_DOWN = dict(h_ptr="*bf16", ids_ptr="*i64", w2_ptr="*bf16", y_ptr="*fp32", T="i32", KK="i32", G="i32", I="i32",
+             D="i32")
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_kernels_compile_for_hopper_without_spills(block_m):
+    """Each token tile the launch picks (with its BLOCK_K) at top-6 + shared, with the release's FP8 of h."""
+    from dsflash_compile.custom_ops import routed_experts_triton as module
+
+    common = dict(BLOCK_M=block_m, BLOCK_K=module.BLOCK_K if block_m <= 32 else module.BLOCK_K // 2, KK_PAD=8,
+                  FP32_DOT=False)
+    check_compiles_for_hopper(module, ("_up_kernel", _UP, dict(common, QUANT_H=True, BLOCK_N=module.UP_BLOCK_N,
+                                                             P_PAD=8 * block_m), 4))
+    check_compiles_for_hopper(module, ("_down_kernel", _DOWN, dict(common, BLOCK_N=module.DOWN_BLOCK_N), 4))
+
+
+# ----------------------------------------------------------------------------------------------- CUDA
+
+
+@requires_cuda
+@pytest.mark.parametrize("tokens", [1, 4, 16, 33, 64])
+def test_release_sizes_on_cuda(tokens):
+    """D = 5120, I = 2304, 8 routed experts + the shared one, top-6: the kernels against the reference on the
+    GPU (cuBLAS there: other GEMM summation orders), replayed in a CUDA graph on new routing, and opcheck."""
+    args = case_inputs(tokens, 7, 9, 5120, 2304, False, device="cuda")
+    got = torch.ops.dsflash.routed_experts(*args, 10.0, True)
+    want = routed_experts_reference(*args, 10.0, True)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 2e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.ops.dsflash.routed_experts(*args, 10.0, True)
+    args[2].copy_(case_inputs(tokens, 7, 9, 5120, 2304, False, seed=1, device="cuda")[2])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, torch.ops.dsflash.routed_experts(*args, 10.0, True))
+    torch.library.opcheck(torch.ops.dsflash.routed_experts.default, (*args, 10.0, True))
