@@ -13,8 +13,8 @@ differs from them. The stacks are the bf16 weights MoE.stack_experts() holds ([G
 
 Why an op: MoE's grouped path sorts the (token, slot) pairs by expert, runs one grouped GEMM per projection
 and gathers the outputs back: at decode batch 1 that is ~15 small kernels around the three GEMMs per layer
-(H200, flash-40l-e8: ~20 us of launches and gaps per layer). On CUDA this op is two launches that need no
-sorting (routed_experts_triton.py). The reference below runs every expert over every token (static shapes,
+(H200, flash-40l-e8: ~20 us of launches and gaps per layer). On CUDA this op is three launches that need
+no sorting (routed_experts_triton.py). The reference below runs every expert over every token (static shapes,
 no host sync), for CPU and for inputs the kernels do not take.
 """
 

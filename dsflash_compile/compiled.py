@@ -69,8 +69,8 @@ class CompileOptions:
     # H200 (scripts/sweep_experts.py)
     moe_few_rows: int = 112
     # issue 5: bf16 routed experts of at most this many tokens run dsflash::routed_experts: no sort of the pairs,
-    # gate/up/SwiGLU/weights/FP8 of h in one launch and the down projection with each token's ordered sum in
-    # another, where the sorted path took ~15 small kernels around its three grouped GEMMs per layer. A shape
+    # gate/up/SwiGLU/weights/FP8 of h in one launch, the down projection in another, each token's ordered sum
+    # in a third, where the sorted path took ~15 small kernels around its three grouped GEMMs per layer. A shape
     # test: with dynamic shapes it guards a graph on its token count. At most the kernels' MAX_TOKENS (64)
     moe_few_tokens: int = 64
     # issue 5: the routed pairs sorted by expert by counting (MoE._expert_order) where pairs x (groups + 1) is

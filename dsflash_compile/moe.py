@@ -15,7 +15,7 @@ Two ways to run the routed experts, with the same math and the same summation or
     else torch._grouped_mm (`dsflash::grouped_mm_by_rows` picks when it runs); with
     `count_order` set, the sorts are counts (see _expert_order, _slot_order). Up to `few_tokens` tokens
     (compile() sets it: decode) skip the sort: `dsflash::routed_experts` runs the three projections per picked
-    expert and sums each token's terms in ascending id, in two launches on CUDA.
+    expert and sums each token's terms in ascending id, in three launches on CUDA.
     With bf16 weights the shared expert can be stacked too (`stack_experts(shared=True)`):
     it is then every token's last pair, with weight 1 (exact), and added last as before, so the same bits
     with three projections fewer per layer.
@@ -227,7 +227,7 @@ class MoE(nn.Module):
         past the last offset, so no GEMM computes it (shapes stay static), and it adds zero."""
         tokens, k = ids.shape
         first = self.experts[0]
-        if not self.native and tokens <= self.few_tokens:  # no sort: two launches on CUDA
+        if not self.native and tokens <= self.few_tokens:  # no sort: three launches on CUDA
             return torch.ops.dsflash.routed_experts(
                 fp8_qdq(x) if first.w1.quantize_input else x, weights, ids, self.w1_weight_stacked,
                 self.w3_weight_stacked, self.w2_weight_stacked, first.limit, first.w2.quantize_input)

@@ -120,8 +120,8 @@ def test_opcheck_and_errors():
 
 _UP = dict(x_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i64", w1_ptr="*bf16", w3_ptr="*bf16", h_ptr="*bf16",
            T="i32", KK="i32", I="i32", D="i32", limit="fp32")
-_DOWN = dict(h_ptr="*bf16", ids_ptr="*i64", w2_ptr="*bf16", y_ptr="*fp32", T="i32", KK="i32", G="i32", I="i32",
-             D="i32")
+_DOWN = dict(h_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i64", w2_ptr="*bf16", out_ptr="*bf16", T="i32",
+             KK="i32", I="i32", D="i32")
 
 
 @pytest.mark.parametrize("block_m", [16, 32, 64])
@@ -133,7 +133,7 @@ def test_kernels_compile_for_hopper_without_spills(block_m):
                   FP32_DOT=False)
     check_compiles_for_hopper(module, ("_up_kernel", _UP, dict(common, QUANT_H=True, BLOCK_N=module.UP_BLOCK_N,
                                                              P_PAD=8 * block_m), 4))
-    check_compiles_for_hopper(module, ("_down_kernel", _DOWN, dict(common, BLOCK_N=module.DOWN_BLOCK_N), 4))
+    check_compiles_for_hopper(module, ("_down_kernel", _DOWN, dict(common, BLOCK_N=module.DOWN_BLOCK_N, P_PAD=8 * block_m), 4))
 
 
 # ----------------------------------------------------------------------------------------------- CUDA
