@@ -59,11 +59,10 @@ def _fp8_qdq_groups(v, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _pair_expert(ids_ptr, weights_ptr, pair, T, KK, BLOCK_M: tl.constexpr, KK_PAD: tl.constexpr,
-                 P_PAD: tl.constexpr):
+def _pair_expert(ids_ptr, pair, T, KK, BLOCK_M: tl.constexpr, KK_PAD: tl.constexpr, P_PAD: tl.constexpr):
     """Pair `pair`'s expert e; whether this pair is e's first (in token-major order: it then computes e for all
-    of e's tokens, and later pairs of e do nothing); per token row of the tile, whether it is routed to e, its
-    slot and its routing weight (0 if not)."""
+    of e's tokens, and later pairs of e do nothing); the tile's [token, slot] hits of e (live: in bounds); per
+    token row, whether it is routed to e and its slot."""
     e = tl.load(ids_ptr + pair)
     pp = tl.arange(0, P_PAD)
     earlier = tl.sum(((tl.load(ids_ptr + pp, mask=pp < pair, other=-1) == e) & (pp < pair)).to(tl.int32), 0)
@@ -71,9 +70,8 @@ def _pair_expert(ids_ptr, weights_ptr, pair, T, KK, BLOCK_M: tl.constexpr, KK_PA
     s = tl.arange(0, KK_PAD)
     live = (t < T)[:, None] & (s < KK)[None, :]
     hit = tl.load(ids_ptr + t[:, None] * KK + s[None, :], mask=live, other=-1) == e
-    weight = tl.sum(tl.where(hit, tl.load(weights_ptr + t[:, None] * KK + s[None, :], mask=live, other=0.0), 0.0), 1)
     routed = tl.max(hit.to(tl.int32), 1) > 0
-    return e, (e >= 0) & (earlier == 0), routed, tl.sum(tl.where(hit, s[None, :], 0), 1), weight
+    return e, (e >= 0) & (earlier == 0), hit, live, routed, tl.sum(tl.where(hit, s[None, :], 0), 1)
 
 
 @triton.jit
@@ -81,8 +79,10 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, I, D, 
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr,
                P_PAD: tl.constexpr, FP32_DOT: tl.constexpr):
     pair, pid_n = tl.program_id(0), tl.program_id(1)
-    e, mine, routed, slot, weight = _pair_expert(ids_ptr, weights_ptr, pair, T, KK, BLOCK_M, KK_PAD, P_PAD)
+    e, mine, hit, live, routed, slot = _pair_expert(ids_ptr, pair, T, KK, BLOCK_M, KK_PAD, P_PAD)
     t = tl.arange(0, BLOCK_M)
+    s = tl.arange(0, KK_PAD)
+    weight = tl.sum(tl.where(hit, tl.load(weights_ptr + t[:, None] * KK + s[None, :], mask=live, other=0.0), 0.0), 1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = n < I
     rows = (tl.maximum(e, 0).to(tl.int64) * I + n[:, None]) * D
@@ -108,12 +108,12 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, I, D, 
 
 
 @triton.jit
-def _down_kernel(h_ptr, weights_ptr, ids_ptr, w2_ptr, out_ptr, T, KK, I, D, BLOCK_M: tl.constexpr,
+def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, T, KK, I, D, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr, P_PAD: tl.constexpr,
                  FP32_DOT: tl.constexpr):
     """out[t, slot] = bf16(h[t, slot] @ W2[e]^T) for the tokens routed to e, over the programs of e's first pair."""
     pair, pid_n = tl.program_id(0), tl.program_id(1)
-    e, mine, routed, slot, _ = _pair_expert(ids_ptr, weights_ptr, pair, T, KK, BLOCK_M, KK_PAD, P_PAD)
+    e, mine, _, _, routed, slot = _pair_expert(ids_ptr, pair, T, KK, BLOCK_M, KK_PAD, P_PAD)
     t = tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = n < D
@@ -177,7 +177,7 @@ def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_h, up_blo
         BLOCK_N=up_block_n, BLOCK_K=block_k, KK_PAD=kk_pad, P_PAD=p_pad,
         FP32_DOT=fp32_dot, num_warps=num_warps, num_stages=num_stages)
     _down_kernel[(tokens * k, triton.cdiv(dim, down_block_n))](
-        h, weights, ids, w2, out, tokens, k, inter, dim, BLOCK_M=block_m, BLOCK_N=down_block_n, BLOCK_K=block_k,
+        h, ids, w2, out, tokens, k, inter, dim, BLOCK_M=block_m, BLOCK_N=down_block_n, BLOCK_K=block_k,
         KK_PAD=kk_pad, P_PAD=p_pad, FP32_DOT=fp32_dot, num_warps=num_warps,
         num_stages=num_stages)
     _sum_kernel[(tokens, triton.cdiv(dim, SUM_BLOCK_N))](out, ids, y, k, experts, dim, BLOCK_N=SUM_BLOCK_N,

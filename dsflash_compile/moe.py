@@ -224,7 +224,8 @@ class MoE(nn.Module):
     def _routed_grouped(self, x, weights, ids, elsewhere: bool = False) -> torch.Tensor:
         """The routed experts as grouped GEMMs over (token, slot) pairs sorted by expert. elsewhere: ids may be
         -1 (a pair another rank's experts take: ParallelMoE); such a pair sorts after every expert's pairs,
-        past the last offset, so no GEMM computes it (shapes stay static), and it adds zero."""
+        past the last offset, so no GEMM computes it (shapes stay static), and it adds zero. Up to few_tokens
+        tokens, dsflash::routed_experts instead (no sort; it skips ids -1 itself)."""
         tokens, k = ids.shape
         first = self.experts[0]
         if not self.native and tokens <= self.few_tokens:  # no sort: three launches on CUDA
