@@ -6,8 +6,10 @@ tile once and, for each of its tokens: expands the streams (hc_post, stored bf16
 24 mix dot products and of the two sums of squares (all hc D values for the mixes' RMS, the collapse for
 the RMSNorm), and collapses with the lagged pre-mix (stored bf16, not yet normalised). Each program writes
 its partials and bumps a per-block counter; the last program of a block adds the partials in chunk order
-(deterministic), runs the sigmoids and the 20 Sinkhorn rounds in registers, stores (pre, post, comb),
-normalises the block's collapsed rows in place and resets the counter for the next launch.
+(deterministic), runs the sigmoids and the 20 Sinkhorn rounds in registers and stores (pre, post, comb), while
+the one before it waits for those partials, normalises the block's collapsed rows in place and resets the
+counter for the next launch (H200, 12-01, sweep_mhc.py --parts: 8.3 us at one token, 16.0 at 16, against
+10.4 and 18.0 when one program ran the mixes and then the RMSNorm).
 
 Rounding points are the reference's: fp32 math, bf16 casts of the new streams and of the collapse.
 One token per program by default (block_t > 1 reuses the fn tile over a serial token loop, which the H200
@@ -37,10 +39,10 @@ from .mhc_finish_triton import _mixes, _rms_norm
 # apart): the one launch and both split launches then run one binary, so their reductions add in the same order.
 # As constexprs each variant was compiled on its own, and on the H200 (11-30) the split seam's bits differed
 # from the fused one's (the sm_90 code gave some reductions other layouts, hence other summation orders).
-@triton.jit(do_not_specialize=["has_post", "mixes", "collapse"])
+@triton.jit(do_not_specialize=["has_post", "mixes", "collapse", "share_finish"])
 def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, scale_ptr, base_ptr, weight_ptr,
                  new_streams_ptr, normed_ptr, pre_out_ptr, post_out_ptr, comb_out_ptr, partial_ptr, counter_ptr,
-                 N, norm_eps, hc_eps, iters, has_post, mixes, collapse,
+                 N, norm_eps, hc_eps, iters, has_post, mixes, collapse, share_finish,
                  HC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
                  PART: tl.constexpr, CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr):
     block = tl.program_id(0)
@@ -83,14 +85,39 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
             tl.store(partial_ptr + (row * chunks + chunk) * PART + col, part)
 
     tl.debug_barrier()  # every thread's stores are issued before the release below
-    if tl.atomic_add(counter_ptr + block, 1, sem="acq_rel") == chunks - 1:
-        for t in range(BLOCK_T):
-            row = (block * BLOCK_T + t).to(tl.int64)
-            if row < N:
-                _finish_token(row, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr, pre_out_ptr,
-                              post_out_ptr, comb_out_ptr, norm_eps, hc_eps, iters, HC, D, PART, CHUNKS_PAD,
-                              NORM_BLOCK, mixes, collapse)
-        tl.atomic_xchg(counter_ptr + block, 0)
+    ticket = tl.atomic_add(counter_ptr + block, 1, sem="acq_rel")
+    # Both halves on: the block's last two programs share the finish, so that the RMSNorm runs beside the mixes'
+    # Sinkhorn instead of after it. The last one runs the mixes; the one before waits for the last's partials
+    # and runs the RMSNorm. Only one program a block waits, for a program that all but it have passed, so the
+    # wait cannot starve it of a slot. Either half computes what the one finishing program would: same bits.
+    # share_finish is off under the interpreter, which runs the programs one after another.
+    shared = (share_finish != 0) & (mixes != 0) & (collapse != 0) & (chunks > 1)
+    if ticket == chunks - 1:
+        _finish_block(block, N, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr, pre_out_ptr,
+                      post_out_ptr, comb_out_ptr, norm_eps, hc_eps, iters, HC, D, PART, CHUNKS_PAD, NORM_BLOCK,
+                      BLOCK_T, mixes, tl.where(shared, 0, collapse))
+        if not shared:
+            tl.atomic_xchg(counter_ptr + block, 0)
+    elif shared & (ticket == chunks - 2):
+        while tl.atomic_add(counter_ptr + block, 0, sem="acquire") < chunks:
+            pass
+        _finish_block(block, N, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr, pre_out_ptr,
+                      post_out_ptr, comb_out_ptr, norm_eps, hc_eps, iters, HC, D, PART, CHUNKS_PAD, NORM_BLOCK,
+                      BLOCK_T, 0, collapse)
+        tl.atomic_xchg(counter_ptr + block, 0)  # after the last program's increment, which it waited for
+
+
+@triton.jit
+def _finish_block(block, N, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr, pre_out_ptr,
+                  post_out_ptr, comb_out_ptr, norm_eps, hc_eps, iters, HC: tl.constexpr, D: tl.constexpr,
+                  PART: tl.constexpr, CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
+                  mixes, collapse):
+    for t in range(BLOCK_T):
+        row = (block * BLOCK_T + t).to(tl.int64)
+        if row < N:
+            _finish_token(row, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr, pre_out_ptr,
+                          post_out_ptr, comb_out_ptr, norm_eps, hc_eps, iters, HC, D, PART, CHUNKS_PAD,
+                          NORM_BLOCK, mixes, collapse)
 
 
 @triton.jit
@@ -140,7 +167,7 @@ def kernel_fits(streams, fn=None) -> bool:
 
 
 def _columns_per_program(tokens: int) -> int:
-    """BLOCK_D up to 16 tokens (10.5 us for one token on the H200), WIDE_BLOCK_D above: scripts/sweep_mhc.py
+    """BLOCK_D up to 16 tokens (H200 12-01: 8.3 us for one token, 9.6 with 128 columns), WIDE_BLOCK_D above: scripts/sweep_mhc.py
     (H200, 11-30) gave 33 us at 64 tokens and 366 us at 1024 with one token and 128 columns per program,
     against 84 and 771 us for 16 tokens x 64 columns (the fn tile's reuse does not pay for the serial token
     loop and the serial finish of a block)."""
@@ -154,10 +181,12 @@ def takes_rows(tokens: int, mixes: bool, collapse: bool) -> bool:
 
 
 def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters,
-                    block_t=1, block_d=None, num_warps=4, mixes=True, collapse=True, rows=None, rows_launch=None):
+                    block_t=1, block_d=None, num_warps=4, norm_block=None, share_finish=None, mixes=True,
+                    collapse=True, rows=None, rows_launch=None):
     """Both ops: with out/post/comb None (the entry seam) returns (normed, pre, post, comb), else
     (new streams, normed, pre, post, comb); shapes as the ops' references. block_t (tokens per program),
-    block_d (columns per program) and num_warps override _seam_kernel's launch (scripts/sweep_mhc.py).
+    block_d (columns per program), num_warps, norm_block (the finish's RMSNorm tile) and share_finish (two
+    programs finish a block; default: on CUDA) override _seam_kernel's launch (scripts/sweep_mhc.py).
     rows: None takes mhc_rows_triton.py's kernel where `takes_rows` says, True or False forces it or not (full
     seams only); rows_launch overrides its launch (keys of mhc_rows_triton.LAUNCH).
     The split seam (custom_ops/mhc_split.py) launches _seam_kernel twice: mixes=False (fn, scale, base
@@ -195,9 +224,10 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
         partial = flat.new_empty(tokens, chunks, part, dtype=torch.float32)
         _seam_kernel[(blocks, chunks)](
             *tensors, partial, block_counters(flat.device, blocks, "main" if collapse else "side"), tokens,
-            norm_eps, hc_eps, iters, int(has_post), int(mixes), int(collapse), HC=hc, D=dim, BLOCK_D=block_d,
-            BLOCK_T=block_t, PART=part, CHUNKS_PAD=triton.next_power_of_2(chunks),
-            NORM_BLOCK=min(NORM_BLOCK, triton.next_power_of_2(dim)), num_warps=num_warps)
+            norm_eps, hc_eps, iters, int(has_post), int(mixes), int(collapse),
+            int(flat.device.type == "cuda" if share_finish is None else share_finish),
+            HC=hc, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, PART=part, CHUNKS_PAD=triton.next_power_of_2(chunks),
+            NORM_BLOCK=min(norm_block or NORM_BLOCK, triton.next_power_of_2(dim)), num_warps=num_warps)
     lead = tuple(lead)
     outputs = [new_streams.view(lead + (hc, dim))] if has_post else []
     if collapse:

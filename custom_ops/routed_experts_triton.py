@@ -152,16 +152,31 @@ def kernel_fits(x, w1, w3, w2) -> bool:
     return x.shape[0] <= MAX_TOKENS and all(t.dtype == torch.bfloat16 for t in (x, w1, w3, w2))
 
 
-def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_h, up_block_n=UP_BLOCK_N,
-                          down_block_n=DOWN_BLOCK_N, block_k=None, num_warps=4, num_stages=3):
-    """fp32 [T, D] as the reference. Block sizes, warps and pipeline stages override the launches (sweeps);
-    up_block_n must be a multiple of 32 (the FP8 groups of h)."""
+def launches(tokens: int, up: dict | None = None, down: dict | None = None) -> tuple[dict, dict]:
+    """Each kernel's launch at this token count (block_n, block_k, num_warps, num_stages), with overrides (sweeps:
+    scripts/sweep_routed.py); the up kernel's block_n must be a multiple of 32 (the FP8 groups of h).
+    Up to 32 tokens the down kernel runs 2 warps, 2 stages (H200 12-01: the op took 123.2 / 166.4 / 181.1 us at
+    batch 1 / 8 / 16 against 130.5 / 168.8 / 189.3 with 4 warps, 3 stages; 64 columns were as fast but spill
+    at 32 tokens, and at 64 tokens 2 warps spill)."""
+    few = tokens <= 32
+    block_k = BLOCK_K if few else BLOCK_K // 2
+    up_launch = {"block_n": UP_BLOCK_N, "block_k": block_k, "num_warps": 4, "num_stages": 3, **(up or {})}
+    down_launch = {"block_n": DOWN_BLOCK_N, "block_k": block_k, "num_warps": 2 if few else 4,
+                   "num_stages": 2 if few else 3, **(down or {})}
+    return up_launch, down_launch
+
+
+def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_h, up=None, down=None):
+    """fp32 [T, D] as the reference. up / down override the two projections' launches (see `launches`)."""
     tokens, dim = x.shape
     k = ids.shape[1]
     experts, inter, _ = w1.shape
     y = x.new_empty(tokens, dim, dtype=torch.float32)
     if tokens * k == 0:
         return y.zero_()
+    up, down = launches(tokens, up, down)
+    if up["block_n"] % 32:
+        raise ValueError(f"routed_experts: the up kernel's block_n ({up['block_n']}) must be a multiple of 32")
     # a pair's rows are written by its expert's programs and read only if routed (-1: never)
     h = x.new_empty(tokens, k, inter)
     out = x.new_empty(tokens, k, dim)
@@ -169,17 +184,16 @@ def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_h, up_blo
     w1, w3, w2 = w1.contiguous(), w3.contiguous(), w2.contiguous()
     p_pad = triton.next_power_of_2(tokens * k)
     block_m = max(16, triton.next_power_of_2(tokens))
-    block_k = block_k or (BLOCK_K if block_m <= 32 else BLOCK_K // 2)
     kk_pad = triton.next_power_of_2(k)
     fp32_dot = x.device.type != "cuda"
-    _up_kernel[(tokens * k, triton.cdiv(inter, up_block_n))](
+    _up_kernel[(tokens * k, triton.cdiv(inter, up["block_n"]))](
         x, weights, ids, w1, w3, h, tokens, k, inter, dim, float(limit), QUANT_H=quantize_h, BLOCK_M=block_m,
-        BLOCK_N=up_block_n, BLOCK_K=block_k, KK_PAD=kk_pad, P_PAD=p_pad,
-        FP32_DOT=fp32_dot, num_warps=num_warps, num_stages=num_stages)
-    _down_kernel[(tokens * k, triton.cdiv(dim, down_block_n))](
-        h, ids, w2, out, tokens, k, inter, dim, BLOCK_M=block_m, BLOCK_N=down_block_n, BLOCK_K=block_k,
-        KK_PAD=kk_pad, P_PAD=p_pad, FP32_DOT=fp32_dot, num_warps=num_warps,
-        num_stages=num_stages)
+        BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], KK_PAD=kk_pad, P_PAD=p_pad, FP32_DOT=fp32_dot,
+        num_warps=up["num_warps"], num_stages=up["num_stages"])
+    _down_kernel[(tokens * k, triton.cdiv(dim, down["block_n"]))](
+        h, ids, w2, out, tokens, k, inter, dim, BLOCK_M=block_m, BLOCK_N=down["block_n"], BLOCK_K=down["block_k"],
+        KK_PAD=kk_pad, P_PAD=p_pad, FP32_DOT=fp32_dot, num_warps=down["num_warps"],
+        num_stages=down["num_stages"])
     _sum_kernel[(tokens, triton.cdiv(dim, SUM_BLOCK_N))](out, ids, y, k, experts, dim, BLOCK_N=SUM_BLOCK_N,
                                                          KK_PAD=kk_pad)
     return y

@@ -21,6 +21,13 @@ slower, larger ones spilled), TF32x3 dots only ("ieee" was 2.7-3.5x slower at ev
 compiles (two variants per tile: one split or several) and some 30 s of runs (each a check and 221 calls;
 11-30 on the H200, mhc-rows-sweep-2026-11-30-d.json: the rows kernel took 28-98 us from 64 to 1024 tokens
 with the default splits, 362 us at 4096).
+
+--parts: where one seam's time goes, at 1 and 16 tokens: the whole seam at the default launch and a few others
+(one program finishing a block, the RMSNorm after the Sinkhorn; norm_block: the finish's RMSNorm in one tile),
+and the kernel with its runtime flags off (mixes only: GEMV + Sinkhorn finish, also with 1 Sinkhorn round
+instead of 20; collapse only: expansion + RMSNorm finish; neither: launch, expansion and the counter), each
+with `fn` hot in L2 (one copy) and cold (COLD_COPIES copies of fn in turn, as in a decode step, where the 80
+seams' 2 MB each do not stay in the 50 MB L2).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_mhc import HC_EPS, ITERS, NORM_EPS, errors, make_case  # noqa: E402
 
-from dsflash_compile.benchmarking import print_table, run_metadata, save_results, sweep_variant  # noqa: E402
+from dsflash_compile.benchmarking import print_table, run_metadata, save_results, sweep_variant, time_graph  # noqa: E402
 from dsflash_compile.custom_ops import mhc_rows_triton, mhc_triton  # noqa: E402
 from dsflash_compile.custom_ops.mhc import entry_seam_reference, seam_reference  # noqa: E402
 
@@ -45,6 +52,9 @@ ROWS_COLUMNS = [("tokens", "tokens", "d"), ("kernel", "kernel", ""), ("tokens/pr
                 ("columns/chunk", "block_d", "d"), ("warps", "num_warps", "d"), ("dot", "precision", ""),
                 ("D splits", "splits", "d"), ("us", "s", ".2f", 1e6), ("agrees", "agrees", "")]
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
+COLD_COPIES = 48
+PARTS_COLUMNS = [("tokens", "tokens", "d"), ("part", "part", ""), ("fn", "fn", ""), ("us", "s", ".2f", 1e6),
+                 ("agrees", "agrees", "")]
 
 
 def case(tokens: int):
@@ -105,6 +115,36 @@ def sweep_rows(tokens: int) -> list[dict]:
     return rows
 
 
+def sweep_parts(tokens: int) -> list[dict]:
+    """The seam's parts (module docstring), fn hot and cold; whole seams are checked against the reference."""
+    args, agrees = case(tokens)
+    out, streams, post, comb, pre_lagged, fn, scale, base, weight, *consts = args
+    fns = [fn] + [fn.clone() for _ in range(COLD_COPIES - 1)]
+    whole = {"default": {}, "one finishing program": {"share_finish": False}, "norm_block 8192": {"norm_block": 8192},
+             "warps 2": {"num_warps": 2}, "block_d 128": {"block_d": 128}}
+    parts = {f"seam, {name}": (lambda f, launch=launch: mhc_triton.mhc_seam_triton(
+        out, streams, post, comb, pre_lagged, f, scale, base, weight, *consts, rows=False, **launch))
+        for name, launch in whole.items()}
+    parts["mixes only"] = lambda f: mhc_triton.mhc_seam_triton(None, streams, None, None, None, f, scale, base, None,
+                                                               *consts, collapse=False)
+    parts["mixes only, 1 Sinkhorn round"] = lambda f: mhc_triton.mhc_seam_triton(
+        None, streams, None, None, None, f, scale, base, None, *consts[:2], 1, collapse=False)
+    parts["collapse only"] = lambda f: mhc_triton.mhc_seam_triton(out, streams, post, comb, pre_lagged, None, None,
+                                                                  None, weight, *consts, mixes=False)
+    parts["neither"] = lambda f: mhc_triton.mhc_seam_triton(out, streams, post, comb, None, None, None, None, None,
+                                                            *consts, mixes=False, collapse=False)
+    rows = []
+    for name, call in parts.items():
+        check = agrees(call(fn)) if name.startswith("seam") else "part"
+        turn = iter(range(1 << 30))
+        for label, pool in (("hot", fns[:1]), ("cold", fns)):
+            row = {"tokens": tokens, "part": name, "fn": label, "agrees": check,
+                   "s": time_graph(lambda: call(pool[next(turn) % len(pool)]), calls=len(fns))}
+            print(row, flush=True)
+            rows.append(row)
+    return rows
+
+
 def print_rows_summary(rows: list[dict], tokens: list[int]) -> None:
     """The fastest agreeing launch per token count against the one-token kernel, and the smallest swept count
     from which the rows kernel is faster at it and at every larger swept count."""
@@ -125,11 +165,18 @@ def print_rows_summary(rows: list[dict], tokens: list[int]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", action="store_true", help="sweep mhc_rows_triton.py's kernel instead")
-    parser.add_argument("--tokens", type=int, nargs="+", help="default: 1 16 64 256, with --rows 64 ... 4096")
+    parser.add_argument("--parts", action="store_true", help="where one seam's time goes (module docstring)")
+    parser.add_argument("--tokens", type=int, nargs="+",
+                        help="default: 1 16 64 256, with --rows 64 ... 4096, with --parts 1 16")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sweep_mhc.py needs a CUDA device")
+    if args.parts:
+        rows = [row for n in args.tokens or [1, 16] for row in sweep_parts(n)]
+        save_results({**run_metadata(), "rows": rows}, "mhc-parts", args.out)
+        print_table(rows, PARTS_COLUMNS)
+        return
     tokens = args.tokens or ([64, 128, 256, 1024, 4096] if args.rows else [1, 16, 64, 256])
     rows = [row for n in tokens for row in (sweep_rows(n) if args.rows else sweep(n))]
     # saved first: a launch that failed has no time, and the summaries below must not lose the run

@@ -136,7 +136,28 @@ KERNEL_ARGS = dict(out_ptr="*bf16", streams_ptr="*bf16", post_ptr="*fp32", comb_
                    fn_ptr="*fp32", scale_ptr="*fp32", base_ptr="*fp32", weight_ptr="*bf16", new_streams_ptr="*bf16",
                    normed_ptr="*bf16", pre_out_ptr="*fp32", post_out_ptr="*fp32", comb_out_ptr="*fp32",
                    partial_ptr="*fp32", counter_ptr="*i32", N="i32", norm_eps="fp32", hc_eps="fp32", iters="i32",
-                   has_post="i32", mixes="i32", collapse="i32")
+                   has_post="i32", mixes="i32", collapse="i32", share_finish="i32")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+def test_seam_kernel_on_cuda_two_finishing_programs_give_one_programs_bits(tokens):
+    """On CUDA two programs finish a block (the Sinkhorn and the RMSNorm side by side; the interpreter runs one):
+    the same bits as one finishing program, again on a second call (the counters reset), and the reference's
+    values (bf16 outputs within the interpreter test's 3 ulps; the mixes within bench_mhc's 1e-5, the sums of
+    the release's 20480 products running in another order)."""
+    from dsflash_compile.custom_ops.mhc_triton import mhc_seam_triton
+
+    out, streams, post, comb, pre_lagged, *params = (t.cuda() for t in seam_args((tokens,), dim=5120))
+    args = (out, streams, post, comb, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)
+    shared = [mhc_seam_triton(*args, share_finish=True) for _ in range(2)]
+    single = mhc_seam_triton(*args, share_finish=False)
+    for got in (shared[1], single):
+        assert all(torch.equal(a, b) for a, b in zip(shared[0], got, strict=True))
+    want_new = seam_reference(*args)[0]
+    want = entry_seam_reference(shared[0][0], pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)
+    assert max(bf16_ulps(shared[0][0], want_new), bf16_ulps(shared[0][1], want[0])) <= 3
+    assert max((g - w).abs().max().item() for g, w in zip(shared[0][2:], want[1:])) <= 1e-5
 
 
 @pytest.mark.parametrize("block_t, block_d", [(1, 64), (1, 128), (16, 64)])

@@ -126,14 +126,14 @@ _DOWN = dict(h_ptr="*bf16", ids_ptr="*i64", w2_ptr="*bf16", out_ptr="*bf16", T="
 
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 def test_kernels_compile_for_hopper_without_spills(block_m):
-    """Each token tile the launch picks (with its BLOCK_K) at top-6 + shared, with the release's FP8 of h."""
+    """Each token tile's launches (routed_experts_triton.launches) at top-6 + shared, with the release's FP8 of h."""
     from dsflash_compile.custom_ops import routed_experts_triton as module
 
-    common = dict(BLOCK_M=block_m, BLOCK_K=module.BLOCK_K if block_m <= 32 else module.BLOCK_K // 2, KK_PAD=8,
-                  FP32_DOT=False)
-    check_compiles_for_hopper(module, ("_up_kernel", _UP, dict(common, QUANT_H=True, BLOCK_N=module.UP_BLOCK_N,
-                                                             P_PAD=8 * block_m), 4))
-    check_compiles_for_hopper(module, ("_down_kernel", _DOWN, dict(common, BLOCK_N=module.DOWN_BLOCK_N, P_PAD=8 * block_m), 4))
+    up, down = module.launches(block_m)
+    for name, arg_types, launch, extra in (("_up_kernel", _UP, up, dict(QUANT_H=True)), ("_down_kernel", _DOWN, down, {})):
+        constexprs = dict(BLOCK_M=block_m, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"], KK_PAD=8,
+                          P_PAD=8 * block_m, FP32_DOT=False, **extra)
+        check_compiles_for_hopper(module, (name, arg_types, constexprs, launch["num_warps"]))
 
 
 # ----------------------------------------------------------------------------------------------- CUDA
