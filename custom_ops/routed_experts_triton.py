@@ -1,10 +1,15 @@
 """Triton kernels of `dsflash::routed_experts` (see routed_experts.py for the math): three launches, no sort.
 
+A token's pairs are its k stored (id, weight) slots and, with a shared expert, one more slot (that id, weight
+1) that no tensor holds: _slot_ids makes it up.
+
 _up_kernel, grid (pairs, I / BLOCK_N): the program of pair p takes p's expert e if p is e's first pair (in
 token-major order; later pairs of e exit after reading the ids) and computes, for every token routed to e at
 once (rows of a BLOCK_M tile, the others masked), its BLOCK_N columns of gate and up, the clamps, SwiGLU, the
 routing weight and the FP8 quantize-dequantize of h (a 32-column group lies inside a block), storing h at the
-token's slot. Each picked expert's W1 and W3 are read once, over many programs.
+token's slot. Each picked expert's W1 and W3 are read once, over many programs. With QUANT_X each program
+quantize-dequantizes the x tiles it loads (BLOCK_K holds whole groups of 32): the same values as a separate
+FP8 kernel before the op, one launch fewer.
 
 _down_kernel, grid (pairs, D / BLOCK_N): the same split for W2, storing each pair's bf16 output row.
 _sum_kernel, grid (tokens, D / BLOCK_N): each token's pair outputs added in ascending expert id (the next one
@@ -59,30 +64,41 @@ def _fp8_qdq_groups(v, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _pair_expert(ids_ptr, pair, T, KK, BLOCK_M: tl.constexpr, KK_PAD: tl.constexpr, P_PAD: tl.constexpr):
-    """Pair `pair`'s expert e; whether this pair is e's first (in token-major order: it then computes e for all
-    of e's tokens, and later pairs of e do nothing); the tile's [token, slot] hits of e (live: in bounds); per
-    token row, whether it is routed to e and its slot."""
-    e = tl.load(ids_ptr + pair)
-    pp = tl.arange(0, P_PAD)
-    earlier = tl.sum(((tl.load(ids_ptr + pp, mask=pp < pair, other=-1) == e) & (pp < pair)).to(tl.int32), 0)
-    t = tl.arange(0, BLOCK_M)
-    s = tl.arange(0, KK_PAD)
-    live = (t < T)[:, None] & (s < KK)[None, :]
-    hit = tl.load(ids_ptr + t[:, None] * KK + s[None, :], mask=live, other=-1) == e
-    routed = tl.max(hit.to(tl.int32), 1) > 0
-    return e, (e >= 0) & (earlier == 0), hit, live, routed, tl.sum(tl.where(hit, s[None, :], 0), 1)
+def _slot_ids(ids_ptr, t, s, T, KK, shared):
+    """Expert ids of (token t, slot s) (broadcast tensors or scalars): the stored ids in slots < KK, the shared
+    expert (`shared`; -1: none) in slot KK, -1 beyond them and for tokens past T."""
+    stored = tl.load(ids_ptr + t * KK + s, mask=(t < T) & (s < KK), other=-1)
+    return tl.where((s == KK) & (t < T), shared, stored)
 
 
 @triton.jit
-def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, I, D, limit, QUANT_H: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr,
-               P_PAD: tl.constexpr, FP32_DOT: tl.constexpr):
-    pair, pid_n = tl.program_id(0), tl.program_id(1)
-    e, mine, hit, live, routed, slot = _pair_expert(ids_ptr, pair, T, KK, BLOCK_M, KK_PAD, P_PAD)
+def _pair_expert(ids_ptr, pair, T, KK, SLOTS, shared, BLOCK_M: tl.constexpr, KK_PAD: tl.constexpr,
+                 P_PAD: tl.constexpr):
+    """Pair `pair`'s expert e; whether this pair is e's first (in token-major order: it then computes e for all
+    of e's tokens, and later pairs of e do nothing); the tile's [token, slot] hits of e; per token row, whether
+    it is routed to e and its slot."""
+    e = _slot_ids(ids_ptr, pair // SLOTS, pair % SLOTS, T, KK, shared)
+    pp = tl.arange(0, P_PAD)
+    same = _slot_ids(ids_ptr, pp // SLOTS, pp % SLOTS, T, KK, shared) == e
+    earlier = tl.sum((same & (pp < pair)).to(tl.int32), 0)
     t = tl.arange(0, BLOCK_M)
     s = tl.arange(0, KK_PAD)
-    weight = tl.sum(tl.where(hit, tl.load(weights_ptr + t[:, None] * KK + s[None, :], mask=live, other=0.0), 0.0), 1)
+    hit = _slot_ids(ids_ptr, t[:, None], s[None, :], T, KK, shared) == e  # (-1 past the slots: never e >= 0)
+    routed = tl.max(hit.to(tl.int32), 1) > 0
+    return e, (e >= 0) & (earlier == 0), hit, routed, tl.sum(tl.where(hit, s[None, :], 0), 1)
+
+
+@triton.jit
+def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS, shared, I, D, limit,
+               QUANT_X: tl.constexpr, QUANT_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr, P_PAD: tl.constexpr, FP32_DOT: tl.constexpr):
+    pair, pid_n = tl.program_id(0), tl.program_id(1)
+    e, mine, hit, routed, slot = _pair_expert(ids_ptr, pair, T, KK, SLOTS, shared, BLOCK_M, KK_PAD, P_PAD)
+    t = tl.arange(0, BLOCK_M)
+    s = tl.arange(0, KK_PAD)
+    stored = tl.load(weights_ptr + t[:, None] * KK + s[None, :], mask=(t < T)[:, None] & (s < KK)[None, :],
+                     other=0.0)
+    weight = tl.sum(tl.where(hit, tl.where((s == KK)[None, :], 1.0, stored), 0.0), 1)  # the shared slot's: 1
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = n < I
     rows = (tl.maximum(e, 0).to(tl.int64) * I + n[:, None]) * D
@@ -92,6 +108,8 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, I, D, 
     for i in range(tl.where(mine, tl.cdiv(D, BLOCK_K), 0)):
         k = i * BLOCK_K + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + k[None, :], mask=routed[:, None] & (k < D)[None, :], other=0.0)
+        if QUANT_X:  # E4M3 values times a power of two: exact in bf16
+            x = _fp8_qdq_groups(x.to(tl.float32), BLOCK_M, BLOCK_K).to(tl.bfloat16)
         w_mask = n_in[:, None] & (k < D)[None, :]
         gate += _dot(x, tl.trans(tl.load(w1_ptr + rows + k[None, :], mask=w_mask, other=0.0)), FP32_DOT)
         up += _dot(x, tl.trans(tl.load(w3_ptr + rows + k[None, :], mask=w_mask, other=0.0)), FP32_DOT)
@@ -103,21 +121,21 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, I, D, 
     h = _round_bf16(weight[:, None] * (gate / (1.0 + tl.exp(-gate)) * up))
     if QUANT_H:
         h = _fp8_qdq_groups(h, BLOCK_M, BLOCK_N)  # E4M3 values times a power of two: exact in bf16
-    out = h_ptr + (t * KK + slot).to(tl.int64)[:, None] * I + n[None, :]
+    out = h_ptr + (t * SLOTS + slot).to(tl.int64)[:, None] * I + n[None, :]
     tl.store(out, h.to(tl.bfloat16), mask=(mine & routed)[:, None] & n_in[None, :])
 
 
 @triton.jit
-def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, T, KK, I, D, BLOCK_M: tl.constexpr,
+def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, T, KK, SLOTS, shared, I, D, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr, P_PAD: tl.constexpr,
                  FP32_DOT: tl.constexpr):
     """out[t, slot] = bf16(h[t, slot] @ W2[e]^T) for the tokens routed to e, over the programs of e's first pair."""
     pair, pid_n = tl.program_id(0), tl.program_id(1)
-    e, mine, _, _, routed, slot = _pair_expert(ids_ptr, pair, T, KK, BLOCK_M, KK_PAD, P_PAD)
+    e, mine, _, routed, slot = _pair_expert(ids_ptr, pair, T, KK, SLOTS, shared, BLOCK_M, KK_PAD, P_PAD)
     t = tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = n < D
-    rows = (t * KK + slot).to(tl.int64)[:, None]
+    rows = (t * SLOTS + slot).to(tl.int64)[:, None]
     w_rows = w2_ptr + (tl.maximum(e, 0).to(tl.int64) * D + n[:, None]) * I
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(tl.where(mine, tl.cdiv(I, BLOCK_K), 0)):
@@ -130,18 +148,18 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, T, KK, I, D, BLOCK_M: tl.const
 
 
 @triton.jit
-def _sum_kernel(out_ptr, ids_ptr, y_ptr, KK, G, D, BLOCK_N: tl.constexpr, KK_PAD: tl.constexpr):
+def _sum_kernel(out_ptr, ids_ptr, y_ptr, T, KK, SLOTS, shared, G, D, BLOCK_N: tl.constexpr, KK_PAD: tl.constexpr):
     """y[t] = the token's pair outputs in fp32, added in ascending expert id (the next id: the smallest above the
     last; ids -1 are skipped)."""
     t, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     s = tl.arange(0, KK_PAD)
-    ids = tl.load(ids_ptr + t * KK + s, mask=s < KK, other=-1)
+    ids = _slot_ids(ids_ptr, t, s, T, KK, shared)  # -1 past the token's slots
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     y = tl.zeros((BLOCK_N,), dtype=tl.float32)
     e = tl.min(tl.where(ids >= 0, ids, G), 0)  # ids < G: G means none left
     while e < G:
         slot = tl.sum(tl.where(ids == e, s, 0), 0)
-        y += tl.load(out_ptr + (t * KK + slot) * D + n, mask=n < D, other=0.0).to(tl.float32)
+        y += tl.load(out_ptr + (t * SLOTS + slot) * D + n, mask=n < D, other=0.0).to(tl.float32)
         e = tl.min(tl.where(ids > e, ids, G), 0)
     tl.store(y_ptr + t * D + n, y, mask=n < D)
 
@@ -166,34 +184,37 @@ def launches(tokens: int, up: dict | None = None, down: dict | None = None) -> t
     return up_launch, down_launch
 
 
-def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_h, up=None, down=None):
+def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_x, quantize_h, shared_expert, up=None,
+                          down=None):
     """fp32 [T, D] as the reference. up / down override the two projections' launches (see `launches`)."""
     tokens, dim = x.shape
     k = ids.shape[1]
+    slots = k + (shared_expert >= 0)
     experts, inter, _ = w1.shape
     y = x.new_empty(tokens, dim, dtype=torch.float32)
-    if tokens * k == 0:
+    if tokens * slots == 0:
         return y.zero_()
     up, down = launches(tokens, up, down)
-    if up["block_n"] % 32:
-        raise ValueError(f"routed_experts: the up kernel's block_n ({up['block_n']}) must be a multiple of 32")
+    if up["block_n"] % 32 or (quantize_x and up["block_k"] % 32):
+        raise ValueError(f"routed_experts: the up kernel's block_n ({up['block_n']}) and, with quantize_x, block_k "
+                         f"({up['block_k']}) must be multiples of 32 (the FP8 groups)")
     # a pair's rows are written by its expert's programs and read only if routed (-1: never)
-    h = x.new_empty(tokens, k, inter)
-    out = x.new_empty(tokens, k, dim)
+    h = x.new_empty(tokens, slots, inter)
+    out = x.new_empty(tokens, slots, dim)
     x, weights, ids = x.contiguous(), weights.contiguous(), ids.contiguous()
     w1, w3, w2 = w1.contiguous(), w3.contiguous(), w2.contiguous()
-    p_pad = triton.next_power_of_2(tokens * k)
+    p_pad = triton.next_power_of_2(tokens * slots)
     block_m = max(16, triton.next_power_of_2(tokens))
-    kk_pad = triton.next_power_of_2(k)
+    kk_pad = triton.next_power_of_2(slots)
     fp32_dot = x.device.type != "cuda"
-    _up_kernel[(tokens * k, triton.cdiv(inter, up["block_n"]))](
-        x, weights, ids, w1, w3, h, tokens, k, inter, dim, float(limit), QUANT_H=quantize_h, BLOCK_M=block_m,
-        BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], KK_PAD=kk_pad, P_PAD=p_pad, FP32_DOT=fp32_dot,
-        num_warps=up["num_warps"], num_stages=up["num_stages"])
-    _down_kernel[(tokens * k, triton.cdiv(dim, down["block_n"]))](
-        h, ids, w2, out, tokens, k, inter, dim, BLOCK_M=block_m, BLOCK_N=down["block_n"], BLOCK_K=down["block_k"],
-        KK_PAD=kk_pad, P_PAD=p_pad, FP32_DOT=fp32_dot, num_warps=down["num_warps"],
+    _up_kernel[(tokens * slots, triton.cdiv(inter, up["block_n"]))](
+        x, weights, ids, w1, w3, h, tokens, k, slots, shared_expert, inter, dim, float(limit), QUANT_X=quantize_x,
+        QUANT_H=quantize_h, BLOCK_M=block_m, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], KK_PAD=kk_pad,
+        P_PAD=p_pad, FP32_DOT=fp32_dot, num_warps=up["num_warps"], num_stages=up["num_stages"])
+    _down_kernel[(tokens * slots, triton.cdiv(dim, down["block_n"]))](
+        h, ids, w2, out, tokens, k, slots, shared_expert, inter, dim, BLOCK_M=block_m, BLOCK_N=down["block_n"],
+        BLOCK_K=down["block_k"], KK_PAD=kk_pad, P_PAD=p_pad, FP32_DOT=fp32_dot, num_warps=down["num_warps"],
         num_stages=down["num_stages"])
-    _sum_kernel[(tokens, triton.cdiv(dim, SUM_BLOCK_N))](out, ids, y, k, experts, dim, BLOCK_N=SUM_BLOCK_N,
-                                                         KK_PAD=kk_pad)
+    _sum_kernel[(tokens, triton.cdiv(dim, SUM_BLOCK_N))](out, ids, y, tokens, k, slots, shared_expert, experts, dim,
+                                                         BLOCK_N=SUM_BLOCK_N, KK_PAD=kk_pad)
     return y

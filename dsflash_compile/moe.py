@@ -15,7 +15,8 @@ Two ways to run the routed experts, with the same math and the same summation or
     else torch._grouped_mm (`dsflash::grouped_mm_by_rows` picks when it runs); with
     `count_order` set, the sorts are counts (see _expert_order, _slot_order). Up to `few_tokens` tokens
     (compile() sets it: decode) skip the sort: `dsflash::routed_experts` runs the three projections per picked
-    expert and sums each token's terms in ascending id, in three launches on CUDA.
+    expert and sums each token's terms in ascending id, in three launches on CUDA (the FP8 of x and the shared
+    expert's pair inside them).
     With bf16 weights the shared expert can be stacked too (`stack_experts(shared=True)`):
     it is then every token's last pair, with weight 1 (exact), and added last as before, so the same bits
     with three projections fewer per layer.
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_deepseek_v41 import DeepseekV41TextConfig
+from .custom_ops.routed_experts import with_shared_expert
 from .layers import hold, quant_linear, same_storage
 from .quant import fp8_qdq
 
@@ -104,8 +106,7 @@ class MoE(nn.Module):
         shape, x = x.shape, x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(x)
         if self.grouped and self.shared_stacked:  # the shared expert: one more pair per token (id E, weight 1)
-            shared = torch.full_like(ids[:, :1], len(self.experts))
-            y = self._routed_grouped(x, F.pad(weights, (0, 1), value=1.0), torch.cat([ids, shared], 1))
+            y = self._routed_grouped(x, weights, ids, shared=True)
         else:
             y = self.routed_and_shared(x, weights, ids)
         return y.to(x.dtype).view(shape)
@@ -221,17 +222,20 @@ class MoE(nn.Module):
         place = ((other < mine) | ((other == mine) & (slots < slots.unsqueeze(1)))).sum(2)
         return torch.empty_like(place).scatter_(1, place, slots.expand_as(place))  # int64 like argsort's
 
-    def _routed_grouped(self, x, weights, ids, elsewhere: bool = False) -> torch.Tensor:
+    def _routed_grouped(self, x, weights, ids, elsewhere: bool = False, shared: bool = False) -> torch.Tensor:
         """The routed experts as grouped GEMMs over (token, slot) pairs sorted by expert. elsewhere: ids may be
         -1 (a pair another rank's experts take: ParallelMoE); such a pair sorts after every expert's pairs,
-        past the last offset, so no GEMM computes it (shapes stay static), and it adds zero. Up to few_tokens
-        tokens, dsflash::routed_experts instead (no sort; it skips ids -1 itself)."""
-        tokens, k = ids.shape
+        past the last offset, so no GEMM computes it (shapes stay static), and it adds zero. shared: the stacked
+        shared expert is one more pair per token (id E, weight 1). Up to few_tokens tokens,
+        dsflash::routed_experts instead (no sort; it skips ids -1, adds the shared pair and quantizes x itself)."""
         first = self.experts[0]
-        if not self.native and tokens <= self.few_tokens:  # no sort: three launches on CUDA
+        if not self.native and ids.shape[0] <= self.few_tokens:  # no sort: three launches on CUDA
             return torch.ops.dsflash.routed_experts(
-                fp8_qdq(x) if first.w1.quantize_input else x, weights, ids, self.w1_weight_stacked,
-                self.w3_weight_stacked, self.w2_weight_stacked, first.limit, first.w2.quantize_input)
+                x, weights, ids, self.w1_weight_stacked, self.w3_weight_stacked, self.w2_weight_stacked, first.limit,
+                first.w1.quantize_input, first.w2.quantize_input, len(self.experts) if shared else -1)
+        if shared:
+            weights, ids = with_shared_expert(weights, ids, len(self.experts))
+        tokens, k = ids.shape
         expert = ids.flatten()
         here = expert >= 0
         groups = len(self.experts) + self.shared_stacked

@@ -1,6 +1,6 @@
 """Sweep `dsflash::routed_experts`' launches (custom_ops/routed_experts_triton.py), one kernel at a time, on the flash-40l-e8
 shapes: 8 routed experts + the shared one stacked (9 slices), top-6 + shared (7 pairs a token), D 5120, I 2304,
-at decode batch sizes. Every variant's output is checked against the op's reference first (within the GEMMs'
+at decode batch sizes, called as MoE calls it (x quantized and the shared pair added in the op). Every variant's output is checked against the op's reference first (within the GEMMs'
 summation order: 2e-2 of the largest value, as tests/test_moe_small.py); then the whole op (up, down, sum) is
 timed as CUDA-graph replays with only the swept kernel's launch changed, so the differences are that kernel's.
 Picks UP_BLOCK_N, DOWN_BLOCK_N and the launches of `launches`.
@@ -33,20 +33,20 @@ COLUMNS = [("tokens", "tokens", "d"), ("block_n", "block_n", "d"), ("block_k", "
 
 
 def case(tokens: int, gen: torch.Generator):
-    """Random routing (distinct experts per token, the shared one last, weight 1) and random bf16 data."""
+    """The op's arguments: random routing (distinct experts per token; the shared one, the last slice, added by
+    the op) and random bf16 data."""
     kw = dict(device="cuda", generator=gen)
     ids = torch.stack([torch.randperm(EXPERTS - 1, **kw)[:SLOTS - 1] for _ in range(tokens)])
-    ids = torch.cat([ids, torch.full((tokens, 1), EXPERTS - 1, device="cuda")], 1)
-    weights = torch.cat([torch.rand(tokens, SLOTS - 1, **kw), torch.ones(tokens, 1, device="cuda")], 1)
+    weights = torch.rand(tokens, SLOTS - 1, **kw)
     x = torch.randn(tokens, DIM, **kw).bfloat16()
     w1, w3 = ((torch.randn(EXPERTS, INTER, DIM, **kw) / 64).bfloat16() for _ in range(2))
     w2 = (torch.randn(EXPERTS, DIM, INTER, **kw) / 64).bfloat16()
-    return x, weights, ids, w1, w3, w2
+    return x, weights, ids, w1, w3, w2, LIMIT, True, True, EXPERTS - 1
 
 
 def sweep(kernel: str, tokens: int, variants: list[tuple], gen: torch.Generator) -> list[dict]:
     args = case(tokens, gen)
-    want = routed_experts_reference(*args, LIMIT, True)
+    want = routed_experts_reference(*args)
     scale = want.abs().max()
 
     def agrees(got):
@@ -58,7 +58,7 @@ def sweep(kernel: str, tokens: int, variants: list[tuple], gen: torch.Generator)
         row = {"kernel": kernel, "tokens": tokens, **launch}
         try:
             rows.append(sweep_variant(
-                row, lambda: kernels.routed_experts_triton(*args, LIMIT, True, **{kernel: launch}), agrees))
+                row, lambda: kernels.routed_experts_triton(*args, **{kernel: launch}), agrees))
         except Exception as error:  # noqa: BLE001 - e.g. out of resources: reported, the sweep goes on
             rows.append({**row, "agrees": False, "error": f"{type(error).__name__}: {error}"[:300]})
             print(rows[-1], flush=True)

@@ -15,18 +15,21 @@ import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
 from dsflash_compile.compiled import CompileOptions
 from dsflash_compile.moe import MoE
 from dsflash_compile.presets import preset_config
+from dsflash_compile.quant import fp8_qdq
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-# name: (tokens, slots, experts, D, I, limit, quantize_h, exact data); the last slot is the shared expert
-# (id G - 1, weight 1) as MoE stacks it
+# name: (tokens, slots, experts, D, I, limit, quantize_x, quantize_h, shared folded, exact data); the last slot
+# is the shared expert (id G - 1, weight 1) as MoE stacks it, passed as a slot or, folded, as shared_expert (the
+# op adds its pair: MoE's call)
 CASES = {
-    "one_token": (1, 7, 9, 64, 64, 10.0, True, True),
-    "elsewhere_pairs": (3, 4, 5, 96, 96, 0.5, True, True),  # ids -1 (another rank's experts) add nothing
-    "no_clamp_no_fp8": (5, 3, 6, 64, 32, 0.0, False, True),
-    "ragged_blocks": (17, 4, 9, 72, 160, 10.0, True, True),  # 32-row tile; D, I not multiples of the blocks
-    "most_tokens": (40, 3, 9, 64, 64, 10.0, True, True),  # 64-row tile, BLOCK_K 64
-    "random_data": (6, 7, 9, 256, 128, 10.0, True, False),
+    "one_token": (1, 7, 9, 64, 64, 10.0, False, True, False, True),
+    "one_token_folded": (1, 7, 9, 64, 64, 10.0, True, True, True, True),
+    "elsewhere_pairs": (3, 4, 5, 96, 96, 0.5, True, True, True, True),  # ids -1 (another rank's experts) add nothing
+    "no_clamp_no_fp8": (5, 3, 6, 64, 32, 0.0, False, False, False, True),
+    "ragged_blocks": (17, 4, 9, 72, 160, 10.0, False, True, True, True),  # 32-row tile; D, I not multiples of the blocks
+    "most_tokens": (40, 3, 9, 64, 64, 10.0, True, True, True, True),  # 64-row tile, BLOCK_K 64
+    "random_data": (6, 7, 9, 256, 128, 10.0, True, True, True, False),
 }
 
 
@@ -51,15 +54,33 @@ def case_inputs(tokens, slots, experts, dim, inter, exact, seed=0, device="cpu")
     return tuple(t.to(device) for t in (x, weights, ids, w1, w3, w2))
 
 
+def op_args(tokens, slots, experts, dim, inter, limit, quantize_x, quantize_h, folded, exact, device="cpu", seed=0):
+    """One case's arguments of the op (kernels and reference alike)."""
+    x, weights, ids, w1, w3, w2 = case_inputs(tokens, slots, experts, dim, inter, exact, seed=seed, device=device)
+    if folded:
+        weights, ids = weights[:, :-1].contiguous(), ids[:, :-1].contiguous()
+    return x, weights, ids, w1, w3, w2, limit, quantize_x, quantize_h, experts - 1 if folded else -1
+
+
 def interpreter_checks():
-    """Entry point of the subprocess: every case's kernels against the reference."""
+    """Entry point of the subprocess: every case's kernels against the reference. On random data, also two
+    kernel runs that must agree bit for bit: x quantized in the kernel against x quantized before it, and the
+    shared expert folded against passed as a slot (with exact data the reference checks these, but the FP8 of
+    x is then a no-op)."""
     from dsflash_compile.custom_ops.routed_experts_triton import routed_experts_triton
 
-    for name, (tokens, slots, experts, dim, inter, limit, quantize_h, exact) in CASES.items():
-        args = case_inputs(tokens, slots, experts, dim, inter, exact)
-        got = routed_experts_triton(*args, limit, quantize_h)
-        want = routed_experts_reference(*args, limit, quantize_h)
+    for name, case in CASES.items():
+        args = op_args(*case)
+        got = routed_experts_triton(*args)
+        want = routed_experts_reference(*args)
         report(dict(name=name, same=torch.equal(got, want), err=((got - want).abs().max() / want.abs().max()).item()))
+    x, weights, ids, w1, w3, w2, limit, _, quantize_h, shared = op_args(*CASES["random_data"])
+    got = routed_experts_triton(x, weights, ids, w1, w3, w2, limit, True, quantize_h, shared)
+    before = routed_experts_triton(fp8_qdq(x), weights, ids, w1, w3, w2, limit, False, quantize_h, shared)
+    full = op_args(*CASES["random_data"][:8], False, False)
+    slot = routed_experts_triton(*full)
+    report(dict(name="x_quantized_in_the_kernel", same=torch.equal(got, before)))
+    report(dict(name="shared_folded_or_a_slot", same=torch.equal(got, slot)))
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +96,12 @@ def test_kernels_match_reference(interpreted, name):
         assert result["same"], result
     else:  # a GEMM's other summation order can move a bf16 rounding, and an FP8 one after it
         assert result["err"] <= 2e-2, result
+
+
+@requires_interpreter
+@pytest.mark.parametrize("name", ["x_quantized_in_the_kernel", "shared_folded_or_a_slot"])
+def test_kernel_runs_that_must_agree(interpreted, name):
+    assert interpreted[name]["same"], interpreted[name]
 
 
 def tiny_moe(seed=0):
@@ -106,31 +133,39 @@ def test_moe_few_tokens_equals_the_sorted_and_loop_paths(shared_stacked):
 
 def test_opcheck_and_errors():
     args = case_inputs(3, 4, 5, 64, 64, True)
-    torch.library.opcheck(torch.ops.dsflash.routed_experts.default, (*args, 10.0, True))
+    for flags in ((10.0, False, True, -1), (10.0, True, True, 4)):
+        torch.library.opcheck(torch.ops.dsflash.routed_experts.default, (*args, *flags))
     x, weights, ids, w1, w3, w2 = args
+    op = torch.ops.dsflash.routed_experts
     with pytest.raises(TypeError, match="ids must be int64"):
-        torch.ops.dsflash.routed_experts(x, weights, ids.int(), w1, w3, w2, 10.0, True)
+        op(x, weights, ids.int(), w1, w3, w2, 10.0, True, True, -1)
     with pytest.raises(ValueError, match=r"w2 \[G, D, I\]"):
-        torch.ops.dsflash.routed_experts(x, weights, ids, w1, w3, w2[:, :32], 10.0, True)
-    with pytest.raises(ValueError, match="multiple of the FP8 group"):
-        torch.ops.dsflash.routed_experts(x, weights, ids, w1[:, :48], w3[:, :48], w2[:, :, :48], 10.0, True)
+        op(x, weights, ids, w1, w3, w2[:, :32], 10.0, True, True, -1)
+    with pytest.raises(ValueError, match="intermediate size .* multiple of the FP8 group"):
+        op(x, weights, ids, w1[:, :48], w3[:, :48], w2[:, :, :48], 10.0, False, True, -1)
+    with pytest.raises(ValueError, match="hidden size .* multiple of the FP8 group"):
+        op(x[:, :48], weights, ids, w1[..., :48], w3[..., :48], w2[:, :48], 10.0, True, False, -1)
+    with pytest.raises(ValueError, match="shared_expert=5 is not a slice of the 5 stacked"):
+        op(x, weights, ids, w1, w3, w2, 10.0, True, True, 5)
     with pytest.raises(ValueError, match="moe_few_tokens=65"):
         CompileOptions(moe_few_tokens=65)
 
 
 _UP = dict(x_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i64", w1_ptr="*bf16", w3_ptr="*bf16", h_ptr="*bf16",
-           T="i32", KK="i32", I="i32", D="i32", limit="fp32")
+           T="i32", KK="i32", SLOTS="i32", shared="i32", I="i32", D="i32", limit="fp32")
 _DOWN = dict(h_ptr="*bf16", ids_ptr="*i64", w2_ptr="*bf16", out_ptr="*bf16", T="i32",
-             KK="i32", I="i32", D="i32")
+             KK="i32", SLOTS="i32", shared="i32", I="i32", D="i32")
 
 
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 def test_kernels_compile_for_hopper_without_spills(block_m):
-    """Each token tile's launches (routed_experts_triton.launches) at top-6 + shared, with the release's FP8 of h."""
+    """Each token tile's launches (routed_experts_triton.launches) at top-6 + shared, with the release's FP8 of x
+    and h."""
     from dsflash_compile.custom_ops import routed_experts_triton as module
 
     up, down = module.launches(block_m)
-    for name, arg_types, launch, extra in (("_up_kernel", _UP, up, dict(QUANT_H=True)), ("_down_kernel", _DOWN, down, {})):
+    for name, arg_types, launch, extra in (("_up_kernel", _UP, up, dict(QUANT_X=True, QUANT_H=True)),
+                                           ("_down_kernel", _DOWN, down, {})):
         constexprs = dict(BLOCK_M=block_m, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"], KK_PAD=8,
                           P_PAD=8 * block_m, FP32_DOT=False, **extra)
         check_compiles_for_hopper(module, (name, arg_types, constexprs, launch["num_warps"]))
@@ -142,17 +177,24 @@ def test_kernels_compile_for_hopper_without_spills(block_m):
 @requires_cuda
 @pytest.mark.parametrize("tokens", [1, 4, 16, 33, 64])
 def test_release_sizes_on_cuda(tokens):
-    """D = 5120, I = 2304, 8 routed experts + the shared one, top-6: the kernels against the reference on the
-    GPU (cuBLAS there: other GEMM summation orders), replayed in a CUDA graph on new routing, and opcheck."""
-    args = case_inputs(tokens, 7, 9, 5120, 2304, False, device="cuda")
-    got = torch.ops.dsflash.routed_experts(*args, 10.0, True)
-    want = routed_experts_reference(*args, 10.0, True)
+    """D = 5120, I = 2304, 8 routed experts + the shared one (folded, as MoE calls it), top-6, x quantized in the
+    op: the kernels against the reference on the GPU (cuBLAS there: other GEMM summation orders), replayed in a
+    CUDA graph on new routing, and opcheck; the shared expert folded or as a slot, x quantized in the op or
+    before it: the same bits."""
+    case = (tokens, 7, 9, 5120, 2304, 10.0, True, True, True, False)
+    args = op_args(*case, device="cuda")
+    got = torch.ops.dsflash.routed_experts(*args)
+    want = routed_experts_reference(*args)
     assert ((got - want).abs().max() / want.abs().max()).item() <= 2e-2
+    x, weights, ids, w1, w3, w2, limit, _, quantize_h, shared = args
+    assert torch.equal(got, torch.ops.dsflash.routed_experts(fp8_qdq(x), weights, ids, w1, w3, w2, limit, False,
+                                                             quantize_h, shared))
+    assert torch.equal(got, torch.ops.dsflash.routed_experts(*op_args(*case[:8], False, False, device="cuda")))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = torch.ops.dsflash.routed_experts(*args, 10.0, True)
-    args[2].copy_(case_inputs(tokens, 7, 9, 5120, 2304, False, seed=1, device="cuda")[2])
+        captured = torch.ops.dsflash.routed_experts(*args)
+    args[2].copy_(op_args(*case, device="cuda", seed=1)[2])
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(captured, torch.ops.dsflash.routed_experts(*args, 10.0, True))
-    torch.library.opcheck(torch.ops.dsflash.routed_experts.default, (*args, 10.0, True))
+    assert torch.equal(captured, torch.ops.dsflash.routed_experts(*args))
+    torch.library.opcheck(torch.ops.dsflash.routed_experts.default, args)
