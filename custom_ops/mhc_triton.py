@@ -167,10 +167,10 @@ def kernel_fits(streams, fn=None) -> bool:
 
 
 def _columns_per_program(tokens: int) -> int:
-    """BLOCK_D up to 16 tokens (H200 12-01: 8.3 us for one token, 9.6 with 128 columns), WIDE_BLOCK_D above: scripts/sweep_mhc.py
-    (H200, 11-30) gave 33 us at 64 tokens and 366 us at 1024 with one token and 128 columns per program,
-    against 84 and 771 us for 16 tokens x 64 columns (the fn tile's reuse does not pay for the serial token
-    loop and the serial finish of a block)."""
+    """BLOCK_D up to 16 tokens (H200 12-01: 8.3 us for one token, 9.6 with 128 columns), WIDE_BLOCK_D above:
+    scripts/sweep_mhc.py (H200, 11-30) gave 33 us at 64 tokens and 366 us at 1024 with one token and 128
+    columns per program, against 84 and 771 us for 16 tokens x 64 columns (the fn tile's reuse does not pay
+    for the serial token loop and the serial finish of a block)."""
     return BLOCK_D if tokens <= 16 else WIDE_BLOCK_D
 
 

@@ -42,7 +42,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_mhc import HC_EPS, ITERS, NORM_EPS, errors, make_case  # noqa: E402
 
-from dsflash_compile.benchmarking import print_table, run_metadata, save_results, sweep_variant, time_graph  # noqa: E402
+from dsflash_compile.benchmarking import (print_table, run_metadata, save_results, sweep_variant,  # noqa: E402
+                                          time_graph)
 from dsflash_compile.custom_ops import mhc_rows_triton, mhc_triton  # noqa: E402
 from dsflash_compile.custom_ops.mhc import entry_seam_reference, seam_reference  # noqa: E402
 

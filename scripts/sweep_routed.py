@@ -1,9 +1,10 @@
-"""Sweep `dsflash::routed_experts`' launches (custom_ops/routed_experts_triton.py), one kernel at a time, on the flash-40l-e8
-shapes: 8 routed experts + the shared one stacked (9 slices), top-6 + shared (7 pairs a token), D 5120, I 2304,
-at decode batch sizes, called as MoE calls it (x quantized and the shared pair added in the op). Every variant's output is checked against the op's reference first (within the GEMMs'
-summation order: 2e-2 of the largest value, as tests/test_moe_small.py); then the whole op (up, down, sum) is
-timed as CUDA-graph replays with only the swept kernel's launch changed, so the differences are that kernel's.
-Picks UP_BLOCK_N, DOWN_BLOCK_N and the launches of `launches`.
+"""Sweep `dsflash::routed_experts`' launches (custom_ops/routed_experts_triton.py), one kernel at a time, on the
+flash-40l-e8 shapes: 8 routed experts + the shared one stacked (9 slices), top-6 + shared (7 pairs a token),
+D 5120, I 2304, at decode batch sizes, called as MoE calls it (x quantized and the shared pair added in the op).
+Every variant's output is checked against the op's reference first (within the GEMMs' summation order: 2e-2 of
+the largest value, as tests/test_moe_small.py); then the whole op (up, down, sum) is timed as CUDA-graph replays
+with only the swept kernel's launch changed, so the differences are that kernel's. Picks UP_BLOCK_N, DOWN_BLOCK_N
+and the launches of `launches`.
 
     python scripts/sweep_routed.py --kernel down --out benchmarks/results
     python scripts/sweep_routed.py --kernel up --tokens 1 --top 6

@@ -272,6 +272,7 @@ def test_kernel_halves_run_the_one_launch_binary():
     from dsflash_compile.custom_ops import mhc_triton
 
     kernel = mhc_triton._seam_kernel
-    assert {p.name for p in kernel.params if p.do_not_specialize} == {"has_post", "mixes", "collapse", "share_finish"}
+    flags = {"has_post", "mixes", "collapse", "share_finish"}
+    assert {p.name for p in kernel.params if p.do_not_specialize} == flags
     assert {p.name for p in kernel.params if p.is_constexpr} == {"HC", "D", "BLOCK_D", "BLOCK_T", "PART",
                                                                  "CHUNKS_PAD", "NORM_BLOCK"}

@@ -27,7 +27,8 @@ CASES = {
     "one_token_folded": (1, 7, 9, 64, 64, 10.0, True, True, True, True),
     "elsewhere_pairs": (3, 4, 5, 96, 96, 0.5, True, True, True, True),  # ids -1 (another rank's experts) add nothing
     "no_clamp_no_fp8": (5, 3, 6, 64, 32, 0.0, False, False, False, True),
-    "ragged_blocks": (17, 4, 9, 72, 160, 10.0, False, True, True, True),  # 32-row tile; D, I not multiples of the blocks
+    # 32-row tile; D, I not multiples of the blocks
+    "ragged_blocks": (17, 4, 9, 72, 160, 10.0, False, True, True, True),
     "most_tokens": (40, 3, 9, 64, 64, 10.0, True, True, True, True),  # 64-row tile, BLOCK_K 64
     "random_data": (6, 7, 9, 256, 128, 10.0, True, True, True, False),
 }
