@@ -36,6 +36,10 @@ SMALL_BATCH = 32
 NUM_WARPS = 8  # two warpgroups: the [64, 512] fp32 accumulator is 128 registers per thread
 NUM_STAGES = 2  # the next block's records and indices are fetched (cp.async) while this one computes
 MAX_HEAD_GROUP = 64  # an M = 64 wgmma tile: all heads of the release shape in one program
+# One query token (decode batch 1): 16 heads a program, 4x the programs over the same key splits. H200, release
+# decode shape, split + merge (scripts/sweep_attention.py, 12-01 l): 10.1 us against 13.6 with all 64 heads a
+# program; at 8 tokens 64 heads stay the fastest (18.9 us against 25.8 at 16)
+ONE_TOKEN_HEAD_GROUP = 16
 
 
 @triton.jit
@@ -261,9 +265,10 @@ def _num_sms(device: torch.device) -> int:
 
 def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, positions, inv_freq, scale,
                      window_fmt, compressed_fmt, num_splits: int | None = None, block_n: int | None = None,
-                     num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES):
+                     num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, head_group: int | None = None):
     """Launch (the op's CUDA kernel; also callable directly, e.g. under TRITON_INTERPRET=1). num_splits,
-    block_n, num_warps and num_stages override the defaults (benchmark sweeps)."""
+    block_n, num_warps, num_stages and head_group (heads per program, a power of two >= 16) override the
+    defaults (benchmark sweeps)."""
     batch, seq, heads, dim = q.shape
     window, nw, k = ring.shape[1], widx.shape[-1], cidx.shape[-1]
     if not out.is_contiguous() or out.shape != q.shape:
@@ -277,8 +282,10 @@ def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, posit
     if nw + k == 0:  # no key at all: every output is 0, as in the reference
         out.zero_()
         return
-    head_group = max(16, min(MAX_HEAD_GROUP, triton.next_power_of_2(heads)))  # tl.dot needs M >= 16
-    tokens, groups = batch * seq, triton.cdiv(heads, head_group)
+    tokens = batch * seq
+    if head_group is None:  # tl.dot needs M >= 16
+        head_group = max(16, min(MAX_HEAD_GROUP if tokens > 1 else ONE_TOKEN_HEAD_GROUP, triton.next_power_of_2(heads)))
+    groups = triton.cdiv(heads, head_group)
     if block_n is None:  # few tokens: smaller blocks give more splits to spread over the SMs
         block_n = BLOCK_N if tokens * groups >= SMALL_BATCH else SMALL_BLOCK_N
     total_blocks = triton.cdiv(nw, block_n) + triton.cdiv(k, block_n)

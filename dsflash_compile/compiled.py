@@ -41,9 +41,12 @@ import torch.nn.functional as F
 from . import passes
 from .cache import CacheCapacityError
 from .context import check_left_padding
+from .custom_ops.bf16_linear import MAX_ROWS as LINEAR_MAX_ROWS
 from .custom_ops.mhc import ROWS_MIN_TOKENS
 from .custom_ops.routed_experts import MAX_TOKENS as ROUTED_MAX_TOKENS
+from .layers import QuantLinear
 from .moe import COUNT_ORDER_BOUND
+from .piecewise_graph import PiecewiseGraph
 from .trimmed_graphs import TrimmedGraphs
 
 
@@ -88,6 +91,12 @@ class CompileOptions:
     # issue 5: each attention's wq_a and wkv (same quantized input) as one projection: one GEMV instead of two at
     # decode (H200 B1: 5.8 + 1.7 reduce and 5.1 + 1.7 us, floor together 4.4); tensors shared, checkpoint unchanged
     fuse_input_projections: bool = True
+    # issue 5: bf16 QuantLinear inputs of at most this many rows run dsflash::bf16_linear: the FP8 of the input,
+    # the GEMV and its split-K sum in one Triton launch, where cuBLAS ran an Inductor FP8 kernel, its GEMV and a
+    # split-K reduce. At one row the kernel is as fast as cuBLAS's GEMVs on the large projections and slower on
+    # the small ones, and saves the kernels around them (H200 sweep, 12-01 l: custom_ops/bf16_linear_triton.py);
+    # at 8 rows wq_b takes 28.3 us against 23.5, so the default is batch 1 only. 0: cuBLAS. At most MAX_ROWS (64)
+    linear_few_rows: int = 1
     # issue 5: the Engram modules (outside the blocks: they run before their layer's block) compiled too; eager
     # they were ~53 small aten kernels each. H200, flash-40l-e8 bf16 (12-01, f65d7ae): 0 graph breaks; decode
     # B1 1924 kernels against 2018, 12.34 ms of kernel time against 12.48; a 1K prefill's kernel time 60.9 ms
@@ -99,6 +108,10 @@ class CompileOptions:
     # CUDA graphs (CUDA only): the decode step as one graph per batch bucket, short prefill chunks as one each
     # (prefill_graph_tokens), the trimmed layers of longer ones (trimmed_graphs)
     cuda_graphs: bool = True
+    # the decode step's graph as this many graphs replayed back to back (piecewise_graph.py): the GPU then waits
+    # only for the first piece's cudaGraphLaunch, not the whole step's. 1: one graph, as with mhc_overlap (whose
+    # side-stream forks join after the block boundaries the pieces are cut at)
+    decode_graph_pieces: int = 4
     # bounded replay's trimmed layers as CUDA graphs too (with cuda_graphs), in chunks longer than
     # prefill_graph_tokens (a shorter chunk's graph holds them)
     trimmed_graphs: bool = True
@@ -127,6 +140,11 @@ class CompileOptions:
         if not 0 <= self.moe_few_tokens <= ROUTED_MAX_TOKENS:
             raise ValueError(f"CompileOptions.moe_few_tokens={self.moe_few_tokens}: expected 0 ... {ROUTED_MAX_TOKENS} "
                              "(dsflash::routed_experts' kernels take at most that many tokens)")
+        if not 0 <= self.linear_few_rows <= LINEAR_MAX_ROWS:
+            raise ValueError(f"CompileOptions.linear_few_rows={self.linear_few_rows}: expected 0 ... {LINEAR_MAX_ROWS} "
+                             "(dsflash::bf16_linear's kernel takes at most that many rows)")
+        if self.decode_graph_pieces < 1:
+            raise ValueError(f"CompileOptions.decode_graph_pieces={self.decode_graph_pieces}: expected >= 1")
         if self.mhc_overlap_max_tokens < 1:
             raise ValueError(f"CompileOptions.mhc_overlap_max_tokens={self.mhc_overlap_max_tokens}: expected >= 1 "
                              "(mhc_overlap=False turns the overlap off)")
@@ -212,6 +230,9 @@ class CompiledRunner:
             layer.ffn.few_tokens = options.moe_few_tokens
             layer.ffn.count_order = options.moe_count_order
             layer.attn.fuse_input_projections(options.fuse_input_projections)
+        for module in model.modules():  # after the fusion above, whose projections are new modules
+            if type(module) is QuantLinear and module.weight.dtype == torch.bfloat16:
+                module.few_rows = options.linear_few_rows
         if options.swa_bounded_replay is not None:
             text.swa_bounded_replay = options.swa_bounded_replay
         self.cache = model.new_cache(options.max_batch, options.max_length)
@@ -256,10 +277,11 @@ class CompiledRunner:
         hidden = self.model.model.run(input_ids, attention_mask, self.cache, self.cache.max_length)
         return self.model.logits(hidden)
 
-    def _capture(self, step) -> tuple:
-        """(CUDA graph, its output) of `step()` (a forward on static inputs). The warm-up runs (which compile
-        the blocks for these shapes) change the cache, so its tensors are saved (a copy the size of the
-        cache) and restored after each: a second run from where the first left off could pass max_length."""
+    def _capture(self, step, pieces: int = 1) -> tuple:
+        """(CUDA graph, its output) of `step()` (a forward on static inputs), as `pieces` graphs cut before
+        evenly spaced blocks (PiecewiseGraph). The warm-up runs (which compile the blocks for these shapes)
+        change the cache, so its tensors are saved (a copy the size of the cache) and restored after each: a
+        second run from where the first left off could pass max_length."""
         saved = self.cache.save_state()
         side = torch.cuda.Stream()
         for _ in range(2):
@@ -269,9 +291,15 @@ class CompiledRunner:
             torch.cuda.current_stream().wait_stream(side)
             self.cache.restore_state(saved)
         del saved
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = step()
+        layers = self.model.model.layers
+        cuts = {layers[i * len(layers) // pieces] for i in range(1, pieces)}
+        graph = PiecewiseGraph(self.pool)
+        self.model.model.block_hook = lambda block: graph.cut() if block in cuts else None
+        try:
+            with graph.capture():
+                out = step()
+        finally:
+            self.model.model.block_hook = None
         return graph, out
 
     def _decode_graph(self, rows: int) -> tuple:
@@ -279,7 +307,9 @@ class CompiledRunner:
         if rows not in self.graphs:
             ids = _static(torch.zeros(rows, 1, dtype=torch.long, device=self.model.device))
             mask = _static(torch.ones_like(ids))
-            self.graphs[rows] = (*self._capture(lambda: self._decode_step(ids, mask)), ids, mask)
+            pieces = 1 if self.options.mhc_overlap else self.options.decode_graph_pieces
+            step = self._capture(lambda: self._decode_step(ids, mask), pieces)
+            self.graphs[rows] = (*step, ids, mask)
         return self.graphs[rows]
 
     def _prefill_chunk(self, ids, mask, tail, replay_from) -> torch.Tensor | None:

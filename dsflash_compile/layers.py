@@ -51,12 +51,15 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features, self.groups = in_features, out_features, groups
         self.quantize_input = quantize_input
         self.storage = storage  # release format of the weight: "fp8" (32x32 tiles) or "mxfp4"
+        self.few_rows = 0  # bf16 weights: inputs of at most this many rows run dsflash::bf16_linear (compile() sets it)
         self.hold_weight()
 
     def hold_weight(self) -> None:
         self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= self.few_rows * x.shape[-1] and x.dtype == torch.bfloat16:  # decode: one launch
+            return torch.ops.dsflash.bf16_linear(x, self.weight, self.groups, self.quantize_input)
         if self.quantize_input:
             x = fp8_qdq(x)
         return self.product(x)

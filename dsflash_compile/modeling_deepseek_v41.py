@@ -155,6 +155,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
                                  f"the primes of engram_vocab_size={text.engram_vocab_size} give {derived} rows")
             rows = dict(zip(text.engram_layer_ids, derived))
         self.layers = nn.ModuleList(DeepseekV41Block(text, role, rows.get(role.layer)) for role in text.layer_roles)
+        self.block_hook = None  # called with each block before it runs (the compiled runner cuts graphs there)
         self.norm = RMSNorm(text.hidden_size, text.rms_norm_eps)
         self.register_buffer("engram_token_map", torch.arange(text.vocab_size), persistent=False)
         self.engram_token_map_is_identity = True
@@ -265,6 +266,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         """Run these decoder blocks in order; an index source publishes its top-k into ctx.topk. queries:
         passed to the blocks (bounded replay's last KV source)."""
         for block in layers:
+            if self.block_hook is not None:
+                self.block_hook(block)
             role = block.role
             if block.engram is not None:
                 streams = block.engram(streams, hash_ids[role.layer])

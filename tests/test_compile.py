@@ -284,6 +284,8 @@ def test_compile_refuses_what_it_cannot_capture(fresh_dynamo):
         dsflash_compile.compile(tiny_model(), batch_buckets=(4, 2), backend="eager")
     with pytest.raises(ValueError, match="prefill_graph_tokens"):
         dsflash_compile.compile(tiny_model(), prefill_graph_tokens=-1, backend="eager")
+    with pytest.raises(ValueError, match="decode_graph_pieces=0"):
+        dsflash_compile.compile(tiny_model(), decode_graph_pieces=0, backend="eager")
     model = dsflash_compile.compile(tiny_model(), max_batch=2, max_length=32, backend="eager", passes=False)
     with pytest.raises(CacheCapacityError, match="max_batch=2"):
         model.generate(prompts(3, 8), max_new_tokens=2, do_sample=False)
@@ -295,8 +297,8 @@ def test_compile_refuses_what_it_cannot_capture(fresh_dynamo):
 def test_cuda_graph_decode_follows_eager(fresh_dynamo, chunk_graph):
     """On a GPU, teacher-forced prefill (20 tokens, longer than the 16-token window: bounded replay trims)
     + 8 decode steps:
-    - the captured decode graph and the prefill chunk's graph (2 x 32 tokens; or, with prefill chunk graphs
-      off, the trimmed layers' graph) give the same bits as the same compiled blocks run without graphs
+    - the captured decode graph (in four pieces) and the prefill chunk's graph (2 x 32 tokens; or, with prefill
+      chunk graphs off, the trimmed layers' graph) give the same bits as the same compiled blocks run without graphs
       (capture, replay and the cache restore around the warm-ups are exact), one graph per shape each;
     - compiled and eager agree within rounding: Inductor reorders fp32 sums, which can move an FP8/FP4
       quantization step, and on this random tiny model that moves logits by up to ~0.1 (the golden
@@ -314,6 +316,7 @@ def test_cuda_graph_decode_follows_eager(fresh_dynamo, chunk_graph):
     runner = model.compiled_runner
     got = teacher_forced(runner.fresh_cache(2, 64))
     assert list(runner.graphs) == [2]
+    assert len(runner.graphs[2][0].graphs) == 4  # decode_graph_pieces: four graphs replayed back to back
     assert (len(runner.chunk_graphs), len(runner.trimmed.graphs)) == ((1, 0) if chunk_graph else (0, 1))
     # the first pass captured the graphs; a second replays them (tiny's layer 7 is an index source after
     # the cut: its top-k must not shift the trimmed graph's static inputs)
@@ -326,3 +329,27 @@ def test_cuda_graph_decode_follows_eager(fresh_dynamo, chunk_graph):
         rel = ((g - w).norm() / w.norm()).item()
         print(f"step {step}: rel L2 vs eager {rel:.2e}, max abs {(g - w).abs().max().item():.3f}")
         assert rel <= 0.1, step
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="decode CUDA graphs need a GPU")
+@torch.no_grad()
+def test_decode_graph_in_pieces_gives_the_blocks_bits(fresh_dynamo):
+    """The decode step captured as 1, 3 and 9 graphs (tiny has 9 blocks: a cut before every block) replays
+    the bits of the blocks run without graphs, step after step (the pieces share one pool: replayed in
+    capture order, no piece reads memory a later one reused). Eager-backend blocks: graphs are what is tested."""
+    ids = prompts(2, 14).cuda()
+    logits = {}
+    for pieces in (1, 3, 9, 0):  # 0: no graphs
+        model = tiny_model().cuda()
+        dsflash_compile.compile(model, max_batch=2, max_length=32, batch_buckets=(2,), prefill_buckets=(16,),
+                                backend="eager", passes=False, decode_graph_pieces=max(pieces, 1))
+        runner = model.compiled_runner
+        runner.cuda_graphs = pieces > 0
+        cache = runner.fresh_cache(2, 32)
+        steps = [model(ids[:, :8], cache=cache, logits_to_keep=1).logits]
+        steps += [model(ids[:, t:t + 1], cache=cache).logits for t in range(8, 14)]
+        if pieces:
+            assert len(runner.graphs[2][0].graphs) == pieces
+        logits[pieces] = steps
+    for pieces in (1, 3, 9):
+        assert all(torch.equal(a, b) for a, b in zip(logits[pieces], logits[0])), pieces

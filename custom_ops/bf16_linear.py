@@ -1,0 +1,69 @@
+"""`dsflash::bf16_linear`: a bf16 projection of a few rows (decode), its input FP8-rounded in the same launch.
+
+    x = fp8_qdq(x) in groups of 32                          (quantize_x: as QuantLinear does before its GEMM)
+    out[..., n] = bf16(sum_k x[..., k] * weight[n, k])      (fp32 products and sum)            groups = 1
+    groups = G > 1: block-diagonal (the attention's `wo_a`): group g's N / G outputs read only its K inputs
+
+Why an op: at decode batch 1 a bf16 layer's four projections (wq_a+wkv, wq_b, wo_a, wo_b: 253 MB) ran as
+cuBLAS GEMVs at 3.3-3.7 TB/s, two of them with a split-K reduce kernel after them, and two behind an Inductor
+FP8 kernel of their input (H200 trace, 12-01 k: 75.5 us of GEMMs and 6 us of reduce/FP8 kernels a layer, the
+weights' bytes take 57.6 us at the lm_head's 4.5 TB/s). The Triton kernel (bf16_linear_triton.py) streams the
+weight over every SM, quantizes its x tiles as it loads them and finishes split-K inside the launch.
+
+The reference is QuantLinear's own math (CPU, and on CUDA for shapes the kernel does not take).
+"""
+
+import torch
+from torch import Tensor
+
+from dsflash_compile.layers import block_diagonal_linear
+from dsflash_compile.quant import fp8_qdq
+
+MAX_ROWS = 64  # the kernel's largest row tile (more would spill on sm_90); above, the reference (cuBLAS)
+
+
+@torch.library.custom_op("dsflash::bf16_linear", mutates_args=())
+def bf16_linear(x: Tensor, weight: Tensor, groups: int, quantize_x: bool) -> Tensor:
+    """x bf16 [..., groups * K]; weight bf16 [N, K]. Returns bf16 [..., N]."""
+    return bf16_linear_reference(x, weight, groups, quantize_x)
+
+
+def check_inputs(x: Tensor, weight: Tensor, groups: int, quantize_x: bool) -> None:
+    """Errors that name the problem."""
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        raise TypeError(f"bf16_linear: x and weight must be bf16, got {x.dtype} and {weight.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"bf16_linear: weight must be [N, K], got {tuple(weight.shape)}")
+    if groups < 1 or weight.shape[0] % groups:
+        raise ValueError(f"bf16_linear: {weight.shape[0]} outputs do not split into groups={groups}")
+    if x.shape[-1] != groups * weight.shape[1]:
+        raise ValueError(f"bf16_linear: x has {x.shape[-1]} inputs, weight {tuple(weight.shape)} x groups={groups} "
+                         f"takes {groups * weight.shape[1]}")
+    if quantize_x and x.shape[-1] % 32:
+        raise ValueError(f"bf16_linear: quantize_x needs the inputs ({x.shape[-1]}) to be a multiple of the FP8 "
+                         "group (32)")
+
+
+def bf16_linear_reference(x, weight, groups, quantize_x):
+    check_inputs(x, weight, groups, quantize_x)
+    return block_diagonal_linear(fp8_qdq(x) if quantize_x else x, weight, groups)
+
+
+@bf16_linear.register_fake
+def _(x, weight, groups, quantize_x):
+    check_inputs(x, weight, groups, quantize_x)
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+try:  # Triton is optional on CPU machines
+    from . import bf16_linear_triton
+except ImportError:  # pragma: no cover - CPU machines without triton
+    bf16_linear_triton = None
+
+if bf16_linear_triton is not None:
+    @bf16_linear.register_kernel("cuda")
+    def _(x, weight, groups, quantize_x):
+        check_inputs(x, weight, groups, quantize_x)
+        if not bf16_linear_triton.kernel_fits(x, weight, groups):
+            return bf16_linear_reference(x, weight, groups, quantize_x)
+        return bf16_linear_triton.bf16_linear_triton(x, weight, groups, quantize_x)

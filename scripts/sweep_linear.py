@@ -1,0 +1,107 @@
+"""Sweep `dsflash::bf16_linear`'s launches (custom_ops/bf16_linear_triton.py) against cuBLAS on the flash-40l-e8
+bf16 decode projections, side by side in one run.
+
+For each projection and row count: cuBLAS as the compiled model ran it before the op (`layers.block_diagonal_
+linear` on an input already FP8-rounded: the FP8 kernel in front of it is not timed, so the op's lead is
+understated by that kernel), then the op's default launch and a grid of (block_n, block_k, splits, warps,
+stages) with the input's FP8 in the launch. Every variant is checked against the reference first (2^-7 of the
+largest output: a GEMM's summation order); then CUDA-graph times and the bandwidth in weight bytes per second.
+
+    python scripts/sweep_linear.py --out benchmarks/results
+    python scripts/sweep_linear.py --rows 1 --only wo_b
+
+At the first row count every variant runs; at the others the default and the `--top` fastest of the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from dsflash_compile.benchmarking import print_table, run_metadata, save_results, sweep_variant, time_graph
+from dsflash_compile.custom_ops import bf16_linear_triton as kernels
+from dsflash_compile.custom_ops.bf16_linear import bf16_linear_reference
+from dsflash_compile.layers import block_diagonal_linear
+from dsflash_compile.quant import fp8_qdq
+
+# (K per group, N, groups, quantize_x), as in tests/test_bf16_linear.py
+PROJECTIONS = {"wq_a+wkv": (5120, 1792, 1, True), "wq_b": (1280, 32768, 1, True), "wo_a": (4096, 8192, 8, False),
+               "wo_b": (8192, 5120, 1, True), "indexer_wq_b": (1280, 4096, 1, True)}
+ROWS = [1, 8, 16]
+# (block_n, block_k, splits as a multiple of the default's, warps, stages)
+VARIANTS = list(itertools.product((32, 64, 128), (64, 128, 256), (0.5, 1, 2), (2, 4), (2, 4)))
+COLUMNS = [("proj", "proj", ""), ("rows", "rows", "d"), ("block_n", "block_n", ""), ("block_k", "block_k", ""),
+           ("splits", "splits", ""), ("warps", "num_warps", ""), ("stages", "num_stages", ""),
+           ("us", "s", ".2f", 1e6), ("TB/s", "tbps", ".2f"), ("vs cuBLAS", "vs_cublas", ".2f"),
+           ("agrees", "agrees", "")]
+
+
+def sweep(name: str, rows: int, variants: list, gen: torch.Generator) -> list[dict]:
+    k, n, groups, quantize = PROJECTIONS[name]
+    x = torch.randn(rows, groups * k, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=gen) / 64).bfloat16()
+    want = bf16_linear_reference(x, w, groups, quantize)
+    scale = want.abs().max()
+    weight_bytes = w.numel() * 2
+
+    def agrees(got):
+        return ((got - want).abs().max() / scale).item() <= 2 ** -7
+
+    ready = fp8_qdq(x) if quantize else x
+    cublas = time_graph(lambda: block_diagonal_linear(ready, w, groups))
+    base = {"proj": name, "rows": rows}
+    measured = [{**base, "block_n": "cuBLAS", "s": cublas, "tbps": weight_bytes / cublas / 1e12, "vs_cublas": 1.0,
+                 "agrees": True}]
+    default = kernels.launch(rows, n, k, groups, x.device)
+    for variant in variants:
+        if variant == "default":
+            launch = dict(default)
+        else:
+            block_n, block_k, split_factor, warps, stages = variant
+            if (n // groups) % block_n:
+                continue
+            launch = kernels.launch(rows, n, k, groups, x.device, block_n=block_n, block_k=block_k, num_warps=warps,
+                                    num_stages=stages)
+            launch["splits"] = max(1, round(launch["splits"] * split_factor))
+        launch.pop("block_m")
+        row = {**base, **launch, "variant": variant}
+        try:
+            sweep_variant(row, lambda: kernels.bf16_linear_triton(x, w, groups, quantize, **launch), agrees)
+            row.update(tbps=weight_bytes / row["s"] / 1e12, vs_cublas=cublas / row["s"])
+        except Exception as error:  # noqa: BLE001 - e.g. out of resources: reported, the sweep goes on
+            row.update(agrees=False, error=f"{type(error).__name__}: {error}"[:300])
+            print(row, flush=True)
+        measured.append(row)
+    return measured
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", nargs="+", type=int, default=ROWS)
+    parser.add_argument("--only", nargs="+", choices=sorted(PROJECTIONS), default=list(PROJECTIONS))
+    parser.add_argument("--top", type=int, default=4, help="variants of the first row count timed at the others")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("sweep_linear.py needs a CUDA device")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results = []
+    for i, rows in enumerate(args.rows):  # saved after each row count so a cut run keeps what it measured
+        for name in args.only:
+            if i == 0:
+                variants = ["default", *VARIANTS]
+            else:
+                timed = sorted((r for r in results if r["proj"] == name and r["rows"] == args.rows[0]
+                                and r.get("agrees") and "variant" in r), key=lambda r: r["s"])
+                variants = ["default"] + [r["variant"] for r in timed[:args.top] if r["variant"] != "default"]
+            measured = sweep(name, rows, variants, gen)
+            best = sorted((r for r in measured if r.get("agrees") and "s" in r), key=lambda r: r["s"])
+            print_table(best[:6] + [r for r in measured if r.get("variant") == "default"], COLUMNS)
+            results += measured
+        save_results({**run_metadata(), "rows": results}, "linear-sweep", args.out)
+
+
+if __name__ == "__main__":
+    main()
