@@ -284,7 +284,8 @@ def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, posit
         return
     tokens = batch * seq
     if head_group is None:  # tl.dot needs M >= 16
-        head_group = max(16, min(MAX_HEAD_GROUP if tokens > 1 else ONE_TOKEN_HEAD_GROUP, triton.next_power_of_2(heads)))
+        most = MAX_HEAD_GROUP if tokens > 1 else ONE_TOKEN_HEAD_GROUP
+        head_group = max(16, min(most, triton.next_power_of_2(heads)))
     groups = triton.cdiv(heads, head_group)
     if block_n is None:  # few tokens: smaller blocks give more splits to spread over the SMs
         block_n = BLOCK_N if tokens * groups >= SMALL_BATCH else SMALL_BLOCK_N
