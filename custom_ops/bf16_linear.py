@@ -16,7 +16,7 @@ The reference is QuantLinear's own math (CPU, and on CUDA for shapes the kernel 
 import torch
 from torch import Tensor
 
-from dsflash_compile.layers import block_diagonal_linear
+from dsflash_compile.layers import block_diagonal_linear, check_block_diagonal
 from dsflash_compile.quant import fp8_qdq
 
 MAX_ROWS = 64  # the kernel's largest row tile (more would spill on sm_90); above, the reference (cuBLAS)
@@ -34,11 +34,7 @@ def check_inputs(x: Tensor, weight: Tensor, groups: int, quantize_x: bool) -> No
         raise TypeError(f"bf16_linear: x and weight must be bf16, got {x.dtype} and {weight.dtype}")
     if weight.dim() != 2:
         raise ValueError(f"bf16_linear: weight must be [N, K], got {tuple(weight.shape)}")
-    if groups < 1 or weight.shape[0] % groups:
-        raise ValueError(f"bf16_linear: {weight.shape[0]} outputs do not split into groups={groups}")
-    if x.shape[-1] != groups * weight.shape[1]:
-        raise ValueError(f"bf16_linear: x has {x.shape[-1]} inputs, weight {tuple(weight.shape)} x groups={groups} "
-                         f"takes {groups * weight.shape[1]}")
+    check_block_diagonal("bf16_linear", x, weight, groups)
     if quantize_x and x.shape[-1] % 32:
         raise ValueError(f"bf16_linear: quantize_x needs the inputs ({x.shape[-1]}) to be a multiple of the FP8 "
                          "group (32)")

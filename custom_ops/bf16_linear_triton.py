@@ -87,10 +87,9 @@ def block_n_for(n_per_group: int) -> int | None:
 
 
 def kernel_fits(x, weight, groups) -> bool:
-    """What the kernel takes (else the op runs its reference): at most MAX_ROWS rows, bf16, groups whose outputs
-    a 16-wide block divides."""
-    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.numel() <= MAX_ROWS * x.shape[-1]
-            and block_n_for(weight.shape[0] // groups) is not None)
+    """What the kernel takes of the op's checked inputs (else the op runs its reference): at most MAX_ROWS rows,
+    groups whose outputs a 16-wide block divides."""
+    return x.numel() <= MAX_ROWS * x.shape[-1] and block_n_for(weight.shape[0] // groups) is not None
 
 
 def launch(rows: int, n: int, k: int, groups: int, device: torch.device, **overrides) -> dict:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from dsflash_compile import formats
-from dsflash_compile.layers import block_diagonal_linear
+from dsflash_compile.layers import block_diagonal_linear, check_block_diagonal
 
 
 @torch.library.custom_op("dsflash::fp8_block_linear", mutates_args=())
@@ -31,11 +31,7 @@ def check_inputs(x: Tensor, weight: Tensor, groups: int) -> None:
     """Errors that name the problem (formats.py checks the weight's dtype and its scale's shape)."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"fp8_block_linear: activations must be bf16, got {x.dtype}")
-    if groups < 1 or weight.shape[0] % groups:
-        raise ValueError(f"fp8_block_linear: {weight.shape[0]} outputs do not split into groups={groups}")
-    if x.shape[-1] != groups * weight.shape[1]:
-        raise ValueError(f"fp8_block_linear: x has {x.shape[-1]} inputs, weight {tuple(weight.shape)} x groups="
-                         f"{groups} takes {groups * weight.shape[1]}")
+    check_block_diagonal("fp8_block_linear", x, weight, groups)
 
 
 def fp8_block_linear_reference(x, weight, scale, groups=1):

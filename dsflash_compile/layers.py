@@ -30,6 +30,15 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), weight.float())
 
 
+def check_block_diagonal(op: str, x: torch.Tensor, weight: torch.Tensor, groups: int) -> None:
+    """The shapes block_diagonal_linear takes, as errors that name `op` and the problem."""
+    if groups < 1 or weight.shape[0] % groups:
+        raise ValueError(f"{op}: {weight.shape[0]} outputs do not split into groups={groups}")
+    if x.shape[-1] != groups * weight.shape[1]:
+        raise ValueError(f"{op}: x has {x.shape[-1]} inputs, weight {tuple(weight.shape)} x groups={groups} takes "
+                         f"{groups * weight.shape[1]}")
+
+
 def block_diagonal_linear(x: torch.Tensor, weight: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """x [..., groups * K] times weight [N, K]^T, group g's N / groups outputs reading only group g's inputs
     (the attention's grouped `wo_a`, hence an einsum); groups = 1 is F.linear."""
@@ -58,7 +67,7 @@ class QuantLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= self.few_rows * x.shape[-1] and x.dtype == torch.bfloat16:  # decode: one launch
+        if self.few_rows and x.numel() <= self.few_rows * x.shape[-1] and x.dtype == torch.bfloat16:  # decode
             return torch.ops.dsflash.bf16_linear(x, self.weight, self.groups, self.quantize_input)
         if self.quantize_input:
             x = fp8_qdq(x)
