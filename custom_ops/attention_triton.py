@@ -29,8 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, release_dependents, wait_for_previous
-
 _FMT_ID = {"bf16": 0, "fp8": 1, "nvfp4": 2}
 BLOCK_N = 64  # keys per step; 64 halves the per-key cost of re-reading Q from shared memory for Q K^T
 SMALL_BLOCK_N = 32  # below SMALL_BATCH (token, head group) pairs, for twice the key splits
@@ -193,9 +191,7 @@ def _attention_kernel(q_ptr, ring_ptr, chunk_ptr, widx_ptr, comp_ptr, cidx_ptr, 
                       S, K, chunk_sb, ring_sb, ring_sr, comp_sb, comp_sr, scale, blocks_per_split,
                       H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, NW: tl.constexpr,
                       HALF_ROPE: tl.constexpr, HG: tl.constexpr, BLOCK_N: tl.constexpr,
-                      WIN_FMT: tl.constexpr, CMP_FMT: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
-                      PDL: tl.constexpr):
-    wait_for_previous(PDL)
+                      WIN_FMT: tl.constexpr, CMP_FMT: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
     tok = tl.program_id(0)
     group = tl.program_id(1)
     split = tl.program_id(2)
@@ -228,7 +224,6 @@ def _attention_kernel(q_ptr, ring_ptr, chunk_ptr, widx_ptr, comp_ptr, cidx_ptr, 
         c = tl.load(cidx_ptr + tok.to(tl.int64) * K + e, mask=e < K, other=-1)
         k = _load_rows(comp_base, c, comp_sr, c >= 0, D, CMP_FMT, not INTERPRET)
         m, l, acc = _online_step(q, k, c >= 0, m, l, acc, scale, INTERPRET)
-    release_dependents(PDL)
 
     if SPLIT:
         part = (tok.to(tl.int64) * H + heads) * tl.num_programs(2) + split  # [HG]
@@ -243,11 +238,9 @@ def _attention_kernel(q_ptr, ring_ptr, chunk_ptr, widx_ptr, comp_ptr, cidx_ptr, 
 
 @triton.jit
 def _merge_kernel(part_acc_ptr, part_ml_ptr, sink_ptr, pos_ptr, freq_ptr, out_ptr, nsplit,
-                  H: tl.constexpr, D: tl.constexpr, HALF_ROPE: tl.constexpr, NSPLIT: tl.constexpr,
-                  PDL: tl.constexpr):
+                  H: tl.constexpr, D: tl.constexpr, HALF_ROPE: tl.constexpr, NSPLIT: tl.constexpr):
     """One (token, head): all its splits' partials loaded at once ([NSPLIT, D], NSPLIT a power of two >= the
     split count), combined by log-sum-exp, then finished like an unsplit program."""
-    wait_for_previous(PDL)
     tok = tl.program_id(0)
     head = tl.program_id(1)
     i = tl.arange(0, NSPLIT)
@@ -259,7 +252,6 @@ def _merge_kernel(part_acc_ptr, part_ml_ptr, sink_ptr, pos_ptr, freq_ptr, out_pt
     l = tl.sum(tl.load(part_ml_ptr + part * 2 + 1, mask=ok, other=0.0) * w, axis=0, keep_dims=True)
     acc = tl.load(part_acc_ptr + part[:, None] * D + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
     acc = tl.sum(acc * w[:, None], axis=0, keep_dims=True)  # [1, D]
-    release_dependents(PDL)
     pos = tl.load(pos_ptr + tok)
     _finish(acc, m, l, sink_ptr, head + tl.arange(0, 1), pos, freq_ptr, out_ptr, tok.to(tl.int64) * H * D, H, D,
             HALF_ROPE)
@@ -316,8 +308,8 @@ def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, posit
         compressed.stride(1),
         scale, per, H=heads, D=dim, W=window, NW=nw, HALF_ROPE=inv_freq.shape[0], HG=head_group, BLOCK_N=block_n,
         WIN_FMT=_FMT_ID[window_fmt], CMP_FMT=_FMT_ID[compressed_fmt], SPLIT=split,
-        INTERPRET=q.device.type != "cuda", num_warps=num_warps, num_stages=num_stages, **launch_options(q.device))
+        INTERPRET=q.device.type != "cuda", num_warps=num_warps, num_stages=num_stages)
     if split:
         _merge_kernel[(tokens, heads)](part_acc, part_ml, sink, positions, inv_freq, out, num_splits, H=heads, D=dim,
                                        HALF_ROPE=inv_freq.shape[0], NSPLIT=triton.next_power_of_2(num_splits),
-                                       num_warps=4, **launch_options(q.device))
+                                       num_warps=4)

@@ -21,7 +21,6 @@ import triton.language as tl
 from .attention_triton import _dot, _num_sms
 from .bf16_linear import MAX_ROWS
 from .block_counters import block_counters
-from .pdl import launch_options, prefetch_l2, release_dependents, wait_for_previous
 from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
 
 # Launch defaults from the H200 sweep at one row (scripts/sweep_linear.py, 12-01 l; us, against cuBLAS's GEMV and
@@ -33,21 +32,14 @@ from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
 # (short runs per program), else 128.
 BLOCK_K = 128  # 64 above 32 rows: the 64-row tile spills at 128 with QUANT_X (ptxas, sm_90)
 PROGRAMS_PER_SM = 3.7
-# With PDL (pdl.py) a weight of at most this many bytes (wq_a+wkv: 18 MB, the indexer's wq_b: 10 MB) goes to L2
-# whole while the kernel before finishes: such GEMVs are mostly start-up. Larger ones are bandwidth-bound, and
-# after another large GEMV (wo_b after wo_a) their prefetched lines would be pushed out of the 50 MB L2 by its
-# stream before being read: bandwidth spent twice
-PREFETCH_BYTES = 24 << 20
 
 
 @triton.jit
 def _bf16_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K, n_per_group, k_blocks_per_split,
-                        splits, prefetch_cols, QUANT_X: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr,
-                        PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                        splits, QUANT_X: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr):
     """x [M, groups * K] and out [M, N] contiguous; weight [N, K]. BLOCK_N divides n_per_group (so N too).
-    ONE_ROW (M = 1, decode batch 1): x's FP8 runs on the one row, not on the dot's 16-row tile. PDL with
-    PREFETCH: the first prefetch_cols (a multiple of 8) of each weight row's slice go to L2 before the wait."""
+    ONE_ROW (M = 1, decode batch 1): x's FP8 runs on the one row, not on the dot's 16-row tile."""
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -56,10 +48,6 @@ def _bf16_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K
     x_rows = x_ptr + m[:, None].to(tl.int64) * (K * (N // n_per_group)) + group * K
     w_rows = w_ptr + n[:, None].to(tl.int64) * K
     first = split * k_blocks_per_split
-    if PREFETCH:
-        cols = tl.minimum(prefetch_cols, K - first * BLOCK_K)
-        prefetch_l2(w_ptr + n.to(tl.int64) * K + first * BLOCK_K, tl.full([BLOCK_N], 2, tl.int32) * cols, PDL)
-    wait_for_previous(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(tl.minimum(k_blocks_per_split, tl.cdiv(K, BLOCK_K) - first)):
         k = (first + i) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -75,7 +63,6 @@ def _bf16_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K
                 x = _fp8_qdq_groups(x.to(tl.float32), BLOCK_M, BLOCK_K).to(tl.bfloat16)
         w = tl.load(w_rows + k[None, :], mask=k_in[None, :], other=0.0)
         acc += _dot(x, tl.trans(w), FP32_DOT)
-    release_dependents(PDL)
     out = m[:, None] * N + n[None, :]
     if splits == 1:
         tl.store(out_ptr + out, _round_bf16(acc).to(tl.bfloat16), mask=m_in[:, None])
@@ -143,10 +130,8 @@ def bf16_linear_triton(x, weight, groups, quantize_x, **overrides):
     tiles = grid[0] * grid[1]
     partial = x.new_empty(tiles * splits * block_m * block_n if splits > 1 else 1, dtype=torch.float32)
     counters = block_counters(x.device, tiles) if splits > 1 else partial
-    prefetch_cols = per_split * block_k if k % 8 == 0 and 2 * n * k <= PREFETCH_BYTES else 0
     _bf16_linear_kernel[grid](rows, weight.contiguous(), out, partial, counters, m, n, k, n // groups, per_split,
-                              splits, prefetch_cols, QUANT_X=quantize_x, ONE_ROW=m == 1, BLOCK_M=block_m,
-                              BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-                              FP32_DOT=x.device.type != "cuda", PREFETCH=prefetch_cols > 0, num_warps=settings["num_warps"],
-                              num_stages=settings["num_stages"], **launch_options(x.device))
+                              splits, QUANT_X=quantize_x, ONE_ROW=m == 1, BLOCK_M=block_m, BLOCK_N=block_n,
+                              BLOCK_K=block_k, EVEN_K=k % block_k == 0, FP32_DOT=x.device.type != "cuda",
+                              num_warps=settings["num_warps"], num_stages=settings["num_stages"])
     return out.view(*x.shape[:-1], n)

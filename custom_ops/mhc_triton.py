@@ -33,7 +33,6 @@ from . import mhc_rows_triton
 from .block_counters import block_counters
 from .mhc import ROWS_MIN_TOKENS
 from .mhc_finish_triton import _mixes, _rms_norm
-from .pdl import launch_options, release_dependents, wait_for_previous
 
 
 # has_post, mixes, collapse are runtime flags, never specialized (do_not_specialize: Triton would compile a 1
@@ -45,7 +44,7 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
                  new_streams_ptr, normed_ptr, pre_out_ptr, post_out_ptr, comb_out_ptr, partial_ptr, counter_ptr,
                  N, norm_eps, hc_eps, iters, has_post, mixes, collapse, share_finish,
                  HC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                 PART: tl.constexpr, CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr):
+                 PART: tl.constexpr, CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr):
     block = tl.program_id(0)
     chunk = tl.program_id(1)
     chunks = tl.num_programs(1)
@@ -56,7 +55,6 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
     col = tl.arange(0, PART)  # partial row: MIX mix dot products, the streams' and the collapse's sum of squares
     fn = tl.load(fn_ptr + col[:, None, None] * (HC * D) + i[None, :, None] * D + d[None, None, :],
                  mask=(col < MIX)[:, None, None] & in_d[None, None, :] & (mixes != 0), other=0.0)
-    wait_for_previous(PDL)  # fn is a weight: with PDL it loads while the kernel before finishes
     sd = i[:, None] * D + d[None, :]
     for t in range(BLOCK_T):
         row = (block * BLOCK_T + t).to(tl.int64)
@@ -86,7 +84,6 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
             part = tl.where(col == MIX, streams_ss, tl.where(col == MIX + 1, collapse_ss, mix))
             tl.store(partial_ptr + (row * chunks + chunk) * PART + col, part)
 
-    release_dependents(PDL)  # the finish left: one or two programs a block
     tl.debug_barrier()  # every thread's stores are issued before the release below
     ticket = tl.atomic_add(counter_ptr + block, 1, sem="acq_rel")
     # Both halves on: the block's last two programs share the finish, so that the RMSNorm runs beside the mixes'
@@ -230,8 +227,7 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
             norm_eps, hc_eps, iters, int(has_post), int(mixes), int(collapse),
             int(flat.device.type == "cuda" if share_finish is None else share_finish),
             HC=hc, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, PART=part, CHUNKS_PAD=triton.next_power_of_2(chunks),
-            NORM_BLOCK=min(norm_block or NORM_BLOCK, triton.next_power_of_2(dim)), num_warps=num_warps,
-            **launch_options(flat.device))
+            NORM_BLOCK=min(norm_block or NORM_BLOCK, triton.next_power_of_2(dim)), num_warps=num_warps)
     lead = tuple(lead)
     outputs = [new_streams.view(lead + (hc, dim))] if has_post else []
     if collapse:

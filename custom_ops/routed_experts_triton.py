@@ -28,7 +28,6 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _dot
-from .pdl import launch_options, release_dependents, wait_for_previous
 from .routed_experts import MAX_TOKENS
 
 UP_BLOCK_N = 32  # one FP8 group of h per row and program; 72 column blocks at I = 2304
@@ -92,9 +91,7 @@ def _pair_expert(ids_ptr, pair, T, KK, SLOTS, shared, BLOCK_M: tl.constexpr, KK_
 @triton.jit
 def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS, shared, I, D, limit,
                QUANT_X: tl.constexpr, QUANT_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr, P_PAD: tl.constexpr, FP32_DOT: tl.constexpr,
-               PDL: tl.constexpr):
-    wait_for_previous(PDL)
+               BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr, P_PAD: tl.constexpr, FP32_DOT: tl.constexpr):
     pair, pid_n = tl.program_id(0), tl.program_id(1)
     e, mine, hit, routed, slot = _pair_expert(ids_ptr, pair, T, KK, SLOTS, shared, BLOCK_M, KK_PAD, P_PAD)
     t = tl.arange(0, BLOCK_M)
@@ -116,7 +113,6 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS,
         w_mask = n_in[:, None] & (k < D)[None, :]
         gate += _dot(x, tl.trans(tl.load(w1_ptr + rows + k[None, :], mask=w_mask, other=0.0)), FP32_DOT)
         up += _dot(x, tl.trans(tl.load(w3_ptr + rows + k[None, :], mask=w_mask, other=0.0)), FP32_DOT)
-    release_dependents(PDL)
     gate = _round_bf16(gate)  # the GEMMs' bf16 outputs
     up = _round_bf16(up)
     if limit > 0:
@@ -132,9 +128,8 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS,
 @triton.jit
 def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, T, KK, SLOTS, shared, I, D, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr, P_PAD: tl.constexpr,
-                 FP32_DOT: tl.constexpr, PDL: tl.constexpr):
+                 FP32_DOT: tl.constexpr):
     """out[t, slot] = bf16(h[t, slot] @ W2[e]^T) for the tokens routed to e, over the programs of e's first pair."""
-    wait_for_previous(PDL)
     pair, pid_n = tl.program_id(0), tl.program_id(1)
     e, mine, _, routed, slot = _pair_expert(ids_ptr, pair, T, KK, SLOTS, shared, BLOCK_M, KK_PAD, P_PAD)
     t = tl.arange(0, BLOCK_M)
@@ -148,17 +143,14 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, T, KK, SLOTS, shared, I, D, BL
         h = tl.load(h_ptr + rows * I + k[None, :], mask=routed[:, None] & (k < I)[None, :], other=0.0)
         w = tl.load(w_rows + k[None, :], mask=n_in[:, None] & (k < I)[None, :], other=0.0)
         acc += _dot(h, tl.trans(w), FP32_DOT)
-    release_dependents(PDL)
     tl.store(out_ptr + rows * D + n[None, :], _round_bf16(acc).to(tl.bfloat16),
              mask=(mine & routed)[:, None] & n_in[None, :])
 
 
 @triton.jit
-def _sum_kernel(out_ptr, ids_ptr, y_ptr, T, KK, SLOTS, shared, G, D, BLOCK_N: tl.constexpr, KK_PAD: tl.constexpr,
-                PDL: tl.constexpr):
+def _sum_kernel(out_ptr, ids_ptr, y_ptr, T, KK, SLOTS, shared, G, D, BLOCK_N: tl.constexpr, KK_PAD: tl.constexpr):
     """y[t] = the token's pair outputs in fp32, added in ascending expert id (the next id: the smallest above the
     last; ids -1 are skipped)."""
-    wait_for_previous(PDL)
     t, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     s = tl.arange(0, KK_PAD)
     ids = _slot_ids(ids_ptr, t, s, T, KK, shared)  # -1 past the token's slots
@@ -169,7 +161,6 @@ def _sum_kernel(out_ptr, ids_ptr, y_ptr, T, KK, SLOTS, shared, G, D, BLOCK_N: tl
         slot = tl.sum(tl.where(ids == e, s, 0), 0)
         y += tl.load(out_ptr + (t * SLOTS + slot) * D + n, mask=n < D, other=0.0).to(tl.float32)
         e = tl.min(tl.where(ids > e, ids, G), 0)
-    release_dependents(PDL)
     tl.store(y_ptr + t * D + n, y, mask=n < D)
 
 
@@ -216,15 +207,14 @@ def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_x, quanti
     block_m = max(16, triton.next_power_of_2(tokens))
     kk_pad = triton.next_power_of_2(slots)
     fp32_dot = x.device.type != "cuda"
-    pdl = launch_options(x.device)
     _up_kernel[(tokens * slots, triton.cdiv(inter, up["block_n"]))](
         x, weights, ids, w1, w3, h, tokens, k, slots, shared_expert, inter, dim, float(limit), QUANT_X=quantize_x,
         QUANT_H=quantize_h, BLOCK_M=block_m, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], KK_PAD=kk_pad,
-        P_PAD=p_pad, FP32_DOT=fp32_dot, num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl)
+        P_PAD=p_pad, FP32_DOT=fp32_dot, num_warps=up["num_warps"], num_stages=up["num_stages"])
     _down_kernel[(tokens * slots, triton.cdiv(dim, down["block_n"]))](
         h, ids, w2, out, tokens, k, slots, shared_expert, inter, dim, BLOCK_M=block_m, BLOCK_N=down["block_n"],
         BLOCK_K=down["block_k"], KK_PAD=kk_pad, P_PAD=p_pad, FP32_DOT=fp32_dot, num_warps=down["num_warps"],
-        num_stages=down["num_stages"], **pdl)
+        num_stages=down["num_stages"])
     _sum_kernel[(tokens, triton.cdiv(dim, SUM_BLOCK_N))](out, ids, y, tokens, k, slots, shared_expert, experts, dim,
-                                                         BLOCK_N=SUM_BLOCK_N, KK_PAD=kk_pad, **pdl)
+                                                         BLOCK_N=SUM_BLOCK_N, KK_PAD=kk_pad)
     return y

@@ -35,7 +35,6 @@ import triton.language as tl
 
 from .attention_triton import _dot
 from .block_counters import COUNTER_SLOTS, block_counters
-from .pdl import launch_options, prefetch_l2, release_dependents, wait_for_previous
 
 BLOCK_T = 16  # tokens per program: the smallest tl.dot tile, so decode batches up to 64 get 1-4 token blocks
 BLOCK_E = 16  # experts per program: the gate is split finely enough to spread one token's GEMV
@@ -67,8 +66,7 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, partial_ptr, scores_ptr, counter_ptr,
                    N, D, E, k_blocks_per_split, scale,
                    TOPK: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORMALIZE: tl.constexpr,
-                   X_FP32: tl.constexpr, FP32_DOT: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
-    """PDL with PREFETCH (D a multiple of 8): the program's gate slice goes to L2 before the wait."""
+                   X_FP32: tl.constexpr, FP32_DOT: tl.constexpr):
     token_block = tl.program_id(0)
     expert_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -79,11 +77,6 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, partial_ptr, scores_ptr, counter_ptr,
     t_in, e_in = t < N, e < E
     x_rows = x_ptr + t[:, None].to(tl.int64) * D
     w_rows = w_ptr + e[:, None].to(tl.int64) * D
-    if PREFETCH:
-        start = split * k_blocks_per_split * BLOCK_K
-        nbytes = tl.where(e_in, 2 * tl.minimum(k_blocks_per_split * BLOCK_K, D - start), 0)
-        prefetch_l2(w_ptr + e.to(tl.int64) * D + start, nbytes, PDL)
-    wait_for_previous(PDL)
 
     acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
     for i in range(k_blocks_per_split):
@@ -97,7 +90,6 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, partial_ptr, scores_ptr, counter_ptr,
             acc += _dot(x, tl.trans(w), FP32_DOT)
     tile_in = t_in[:, None] & e_in[None, :]
     tl.store(partial_ptr + (t[:, None] * splits + split) * E + e[None, :], acc, mask=tile_in)
-    release_dependents(PDL)
 
     tl.debug_barrier()  # every thread's stores are issued before the release below
     tile_counter = counter_ptr + token_block * expert_blocks + expert_block
@@ -191,4 +183,4 @@ def _launch(x, weight, bias, weights, ids, topk, normalize, scale, splits):
         TOPK=topk, K_PAD=triton.next_power_of_2(topk), E_PAD=triton.next_power_of_2(experts),
         SPLITS_PAD=triton.next_power_of_2(splits), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K,
         NORMALIZE=normalize, X_FP32=x.dtype == torch.float32, FP32_DOT=x.device.type != "cuda",
-        PREFETCH=dim % 8 == 0, num_warps=warps_for(x.dtype), **launch_options(x.device))
+        num_warps=warps_for(x.dtype))

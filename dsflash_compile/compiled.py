@@ -41,7 +41,6 @@ import torch.nn.functional as F
 from . import passes
 from .cache import CacheCapacityError
 from .context import check_left_padding
-from .custom_ops import pdl
 from .custom_ops.bf16_linear import MAX_ROWS as LINEAR_MAX_ROWS
 from .custom_ops.mhc import ROWS_MIN_TOKENS
 from .custom_ops.routed_experts import MAX_TOKENS as ROUTED_MAX_TOKENS
@@ -113,10 +112,6 @@ class CompileOptions:
     # only for the first piece's cudaGraphLaunch, not the whole step's. 1: one graph, as with mhc_overlap (whose
     # side-stream forks join after the block boundaries the pieces are cut at)
     decode_graph_pieces: int = 4
-    # our Triton kernels launched with programmatic dependent launch (custom_ops/pdl.py; sm_90+): each may start
-    # while the kernel before it finishes, waiting for it on the GPU, and small GEMVs prefetch their weights to
-    # L2 meanwhile. Off: on the H200 (12-02 m, flash-40l-e8 B1, side by side) 11.85 ms a step against 11.79
-    pdl: bool = False
     # bounded replay's trimmed layers as CUDA graphs too (with cuda_graphs), in chunks longer than
     # prefill_graph_tokens (a shorter chunk's graph holds them)
     trimmed_graphs: bool = True
@@ -352,10 +347,6 @@ class CompiledRunner:
         """input_ids, attention_mask [B, S]: the new columns for the cache's first B rows. Returns fp32
         logits of the last `logits_to_keep` columns (all with 0). replay_from: a prefix-cache hit (see
         DeepseekV41Model.run)."""
-        with pdl.dependent_launches(self.options.pdl):
-            return self._forward(input_ids, attention_mask, logits_to_keep, replay_from)
-
-    def _forward(self, input_ids, attention_mask, logits_to_keep, replay_from):
         batch, seq = input_ids.shape
         self.cache.check_fits(batch, seq)
         rows = _bucket(self.batch_buckets, batch) - batch
@@ -427,9 +418,7 @@ class CompiledRunner:
             for length in self.prefill_buckets if self.model.model.text_config.swa_bounded_replay else ():
                 self.cache.reset()
                 chunk = ids.new_zeros(rows, length)
-                with pdl.dependent_launches(self.options.pdl):  # as __call__ runs it
-                    self._prefill_chunk(chunk, torch.ones_like(chunk), 0,
-                                        None if replay is None else ids.new_zeros(rows))
+                self._prefill_chunk(chunk, torch.ones_like(chunk), 0, None if replay is None else ids.new_zeros(rows))
             self.cache.reset()
             self(ids[:, :1], torch.ones_like(ids[:, :1]), 1)  # one decode step: compiles / captures its graph
         self.cache.reset()

@@ -163,13 +163,12 @@ def test_seam_kernel_on_cuda_two_finishing_programs_give_one_programs_bits(token
 @pytest.mark.parametrize("block_t, block_d", [(1, 64), (1, 128), (16, 64)])
 def test_seam_kernel_compiles_for_hopper(block_t, block_d):
     """Release dims (hc 4, D 5120), the default launches (decode, wider chunks) and a token block: sm_90
-    code, no spills (one binary for both ops and the split halves: their flags are runtime arguments), PDL's
-    wait after the fn load (a weight) and before anything else."""
+    code, no spills (one binary for both ops and the split halves: their flags are runtime arguments)."""
     from dsflash_compile.custom_ops import mhc_triton
 
     constexprs = dict(HC=4, D=5120, BLOCK_D=block_d, BLOCK_T=block_t, PART=32, CHUNKS_PAD=128,
-                      NORM_BLOCK=mhc_triton.NORM_BLOCK, PDL=True)
-    check_compiles_for_hopper(mhc_triton, ("_seam_kernel", KERNEL_ARGS, constexprs, 4), loads_before_wait=None)
+                      NORM_BLOCK=mhc_triton.NORM_BLOCK)
+    check_compiles_for_hopper(mhc_triton, ("_seam_kernel", KERNEL_ARGS, constexprs, 4))
 
 
 @pytest.mark.parametrize("split", [False, True])

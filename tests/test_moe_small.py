@@ -161,14 +161,14 @@ _DOWN = dict(h_ptr="*bf16", ids_ptr="*i64", w2_ptr="*bf16", out_ptr="*bf16", T="
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 def test_kernels_compile_for_hopper_without_spills(block_m):
     """Each token tile's launches (routed_experts_triton.launches) at top-6 + shared, with the release's FP8 of x
-    and h, and PDL's wait before any access."""
+    and h."""
     from dsflash_compile.custom_ops import routed_experts_triton as module
 
     up, down = module.launches(block_m)
     for name, arg_types, launch, extra in (("_up_kernel", _UP, up, dict(QUANT_X=True, QUANT_H=True)),
                                            ("_down_kernel", _DOWN, down, {})):
         constexprs = dict(BLOCK_M=block_m, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"], KK_PAD=8,
-                          P_PAD=8 * block_m, FP32_DOT=False, PDL=True, **extra)
+                          P_PAD=8 * block_m, FP32_DOT=False, **extra)
         check_compiles_for_hopper(module, (name, arg_types, constexprs, launch["num_warps"]))
 
 

@@ -80,13 +80,13 @@ _ARGS = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*fp32", partial_ptr="*fp32"
              counter_ptr="*i32", weights_ptr="*fp32", ids_ptr="*i64", N="i32", D="i32", E="i32",
              k_blocks_per_split="i32", scale="fp32")
 _RELEASE = dict(TOPK=6, K_PAD=8, E_PAD=512, SPLITS_PAD=16, BLOCK_T=16, BLOCK_E=16, BLOCK_K=128, NORMALIZE=True,
-                FP32_DOT=False, PREFETCH=True, PDL=True)
+                FP32_DOT=False)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_router_kernel_compiles_for_hopper(dtype):
     """The release variant (384 experts, top-6) at its launch's warps compiles for sm_90 without spilling
-    registers (ptxas reports spills as STACK), with PDL's gate prefetch, then the wait before any access."""
+    registers (ptxas reports spills as STACK)."""
     from dsflash_compile.custom_ops import router_triton
 
     warps = router_triton.warps_for(torch.float32 if dtype == "fp32" else torch.bfloat16)
