@@ -1,4 +1,4 @@
-"""Triton kernels of `dsflash::routed_experts` (see routed_experts.py for the math): two launches, no sort.
+"""Triton kernels of `dsflash::routed_experts` (see routed_experts.py for the math): three launches, no sort.
 
 A token's pairs are its k stored (id, weight) slots and, with a shared expert, one more slot (that id, weight
 1) that no tensor holds: _slot_ids makes it up.
@@ -11,12 +11,11 @@ token's slot. Each picked expert's W1 and W3 are read once, over many programs. 
 quantize-dequantizes the x tiles it loads (BLOCK_K holds whole groups of 32): the same values as a separate
 FP8 kernel before the op, one launch fewer.
 
-_down_kernel, grid (pairs, D / BLOCK_N): the same split for W2, storing each pair's bf16 output row; then the
-last program of a column block to finish (a counter per block, block_counters.py) adds every token's pair
-outputs over those columns in ascending expert id (the next one is the smallest id above the last), the order
-of MoE's paths: whichever program is last, the same bits. A third kernel did that sum before (3.7 us and a
-launch per layer at batch 1 on the H200, 12-01 l). (A down kernel that walked the experts in order itself, one
-program per column block, left too few programs in flight: 74 us per layer at batch 1, against 42 for the
+_down_kernel, grid (pairs, D / BLOCK_N): the same split for W2, storing each pair's bf16 output row.
+_sum_kernel, grid (tokens, D / BLOCK_N): each token's pair outputs added in ascending expert id (the next one
+is the smallest id above the last), the order of MoE's paths; no atomics, so the result is deterministic.
+(A down kernel that walked the experts in order itself, one program per column block, did the sum in the
+same launch but left too few programs in flight: 74 us per layer at batch 1 on the H200, against 42 for the
 grouped GEMM, 12-01.)
 
 The FP8 rounding is done in fp32 arithmetic (quant.fp8_qdq's values bit for bit: power-of-two scale from
@@ -29,12 +28,11 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _dot
-from .block_counters import block_counters
 from .routed_experts import MAX_TOKENS
 
 UP_BLOCK_N = 32  # one FP8 group of h per row and program; 72 column blocks at I = 2304
 DOWN_BLOCK_N = 32  # 160 column blocks at D = 5120
-SUM_TOKENS = 8  # tokens the finishing program adds at once ([8, slots, 32] outputs in registers; 16 spill at 2 warps)
+SUM_BLOCK_N = 1024
 BLOCK_K = 128  # 64 above 32 tokens: the 64-row tiles spill at 128 (ptxas, sm_90)
 
 
@@ -128,11 +126,10 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS,
 
 
 @triton.jit
-def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, y_ptr, counter_ptr, T, KK, SLOTS, shared, G, I, D,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr,
-                 P_PAD: tl.constexpr, SUM_T: tl.constexpr, FP32_DOT: tl.constexpr):
-    """out[t, slot] = bf16(h[t, slot] @ W2[e]^T) for the tokens routed to e, over the programs of e's first pair;
-    the column block's last program then sums y (_sum_in_expert_order)."""
+def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, T, KK, SLOTS, shared, I, D, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr, P_PAD: tl.constexpr,
+                 FP32_DOT: tl.constexpr):
+    """out[t, slot] = bf16(h[t, slot] @ W2[e]^T) for the tokens routed to e, over the programs of e's first pair."""
     pair, pid_n = tl.program_id(0), tl.program_id(1)
     e, mine, _, routed, slot = _pair_expert(ids_ptr, pair, T, KK, SLOTS, shared, BLOCK_M, KK_PAD, P_PAD)
     t = tl.arange(0, BLOCK_M)
@@ -148,34 +145,23 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, y_ptr, counter_ptr, T, KK, SLO
         acc += _dot(h, tl.trans(w), FP32_DOT)
     tl.store(out_ptr + rows * D + n[None, :], _round_bf16(acc).to(tl.bfloat16),
              mask=(mine & routed)[:, None] & n_in[None, :])
-    tl.debug_barrier()  # every thread's stores are issued before the release below
-    if tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        _sum_in_expert_order(out_ptr, ids_ptr, y_ptr, n, T, KK, SLOTS, shared, G, D, KK_PAD, SUM_T)
-        tl.atomic_xchg(counter_ptr + pid_n, 0)
 
 
 @triton.jit
-def _sum_in_expert_order(out_ptr, ids_ptr, y_ptr, n, T, KK, SLOTS, shared, G, D, KK_PAD: tl.constexpr,
-                         SUM_T: tl.constexpr):
-    """y[t, n] = token t's pair outputs in fp32, added in ascending expert id (the next id: the smallest above
-    the last; ids -1 are skipped), for every token, SUM_T at a time: their [SUM_T, slots, n] outputs are loaded
-    at once and each round adds one slot per token (picked by a select: adding the zeros of the others is
-    exact, and y is never -0)."""
+def _sum_kernel(out_ptr, ids_ptr, y_ptr, T, KK, SLOTS, shared, G, D, BLOCK_N: tl.constexpr, KK_PAD: tl.constexpr):
+    """y[t] = the token's pair outputs in fp32, added in ascending expert id (the next id: the smallest above the
+    last; ids -1 are skipped)."""
+    t, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     s = tl.arange(0, KK_PAD)
-    n_in = n < D
-    for t0 in range(0, T, SUM_T):
-        t = t0 + tl.arange(0, SUM_T)
-        ids = _slot_ids(ids_ptr, t[:, None], s[None, :], T, KK, shared)  # -1 past the slots and the tokens
-        # .cg: bypass L1 (not coherent across SMs) to read what the other programs wrote
-        outs = tl.load(out_ptr + ((t[:, None] * SLOTS + s[None, :]) * D).to(tl.int64)[:, :, None] + n[None, None, :],
-                       mask=(ids >= 0)[:, :, None] & n_in[None, None, :], other=0.0, cache_modifier=".cg")
-        y = tl.zeros((SUM_T, n.shape[0]), dtype=tl.float32)
-        e = tl.min(tl.where(ids >= 0, ids, G), 1)  # per token; ids < G: G means none left
-        for _ in tl.static_range(KK_PAD):
-            pick = (ids == e[:, None])[:, :, None]
-            y += tl.sum(tl.where(pick, outs.to(tl.float32), 0.0), 1)
-            e = tl.min(tl.where(ids > e[:, None], ids, G), 1)
-        tl.store(y_ptr + (t[:, None] * D).to(tl.int64) + n[None, :], y, mask=(t < T)[:, None] & n_in[None, :])
+    ids = _slot_ids(ids_ptr, t, s, T, KK, shared)  # -1 past the token's slots
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    e = tl.min(tl.where(ids >= 0, ids, G), 0)  # ids < G: G means none left
+    while e < G:
+        slot = tl.sum(tl.where(ids == e, s, 0), 0)
+        y += tl.load(out_ptr + (t * SLOTS + slot) * D + n, mask=n < D, other=0.0).to(tl.float32)
+        e = tl.min(tl.where(ids > e, ids, G), 0)
+    tl.store(y_ptr + t * D + n, y, mask=n < D)
 
 
 def kernel_fits(x, w1, w3, w2) -> bool:
@@ -187,16 +173,14 @@ def kernel_fits(x, w1, w3, w2) -> bool:
 def launches(tokens: int, up: dict | None = None, down: dict | None = None) -> tuple[dict, dict]:
     """Each kernel's launch at this token count (block_n, block_k, num_warps, num_stages), with overrides (sweeps:
     scripts/sweep_routed.py); the up kernel's block_n must be a multiple of 32 (the FP8 groups of h).
-    Up to 16 tokens the down kernel runs 2 warps, 2 stages (H200 12-01: the op took 123.2 / 166.4 / 181.1 us at
+    Up to 32 tokens the down kernel runs 2 warps, 2 stages (H200 12-01: the op took 123.2 / 166.4 / 181.1 us at
     batch 1 / 8 / 16 against 130.5 / 168.8 / 189.3 with 4 warps, 3 stages; 64 columns were as fast but spill
-    at 32 tokens). 32-token tiles spill at 2 warps since the kernel does the sum too, and at 64 tokens 2 warps
-    spilled before: 4 warps, 3 stages there (decode takes this op up to CompileOptions.moe_few_tokens, 16)."""
+    at 32 tokens, and at 64 tokens 2 warps spill)."""
     few = tokens <= 32
     block_k = BLOCK_K if few else BLOCK_K // 2
     up_launch = {"block_n": UP_BLOCK_N, "block_k": block_k, "num_warps": 4, "num_stages": 3, **(up or {})}
-    narrow = tokens <= 16
-    down_launch = {"block_n": DOWN_BLOCK_N, "block_k": block_k, "num_warps": 2 if narrow else 4,
-                   "num_stages": 2 if narrow else 3, **(down or {})}
+    down_launch = {"block_n": DOWN_BLOCK_N, "block_k": block_k, "num_warps": 2 if few else 4,
+                   "num_stages": 2 if few else 3, **(down or {})}
     return up_launch, down_launch
 
 
@@ -227,10 +211,10 @@ def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_x, quanti
         x, weights, ids, w1, w3, h, tokens, k, slots, shared_expert, inter, dim, float(limit), QUANT_X=quantize_x,
         QUANT_H=quantize_h, BLOCK_M=block_m, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], KK_PAD=kk_pad,
         P_PAD=p_pad, FP32_DOT=fp32_dot, num_warps=up["num_warps"], num_stages=up["num_stages"])
-    column_blocks = triton.cdiv(dim, down["block_n"])
-    _down_kernel[(tokens * slots, column_blocks)](
-        h, ids, w2, out, y, block_counters(x.device, column_blocks), tokens, k, slots, shared_expert, experts,
-        inter, dim, BLOCK_M=block_m, BLOCK_N=down["block_n"], BLOCK_K=down["block_k"], KK_PAD=kk_pad, P_PAD=p_pad,
-        SUM_T=min(SUM_TOKENS, block_m), FP32_DOT=fp32_dot, num_warps=down["num_warps"],
+    _down_kernel[(tokens * slots, triton.cdiv(dim, down["block_n"]))](
+        h, ids, w2, out, tokens, k, slots, shared_expert, inter, dim, BLOCK_M=block_m, BLOCK_N=down["block_n"],
+        BLOCK_K=down["block_k"], KK_PAD=kk_pad, P_PAD=p_pad, FP32_DOT=fp32_dot, num_warps=down["num_warps"],
         num_stages=down["num_stages"])
+    _sum_kernel[(tokens, triton.cdiv(dim, SUM_BLOCK_N))](out, ids, y, tokens, k, slots, shared_expert, experts, dim,
+                                                         BLOCK_N=SUM_BLOCK_N, KK_PAD=kk_pad)
     return y
