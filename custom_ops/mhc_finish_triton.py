@@ -38,8 +38,14 @@ def _mixes(pre_dot, post_dot, comb_dot, streams_ss, scale_ptr, base_ptr, norm_ep
 
 @triton.jit
 def _rms_norm(x, weight, ss, norm_eps, D: tl.constexpr):
-    """The collapse's RMSNorm, w * (x * rstd) rounded to bf16, from the sum of squares ss of its D values: x
-    fp32, one tile of a token's row (ss a scalar) or [tokens, columns] (ss [tokens]); weight that tile's
-    columns. Loop-invariant rstd: the sm_90 code computes it once, outside the tile loop."""
+    """The collapse's RMSNorm rounded to bf16 (_rms_norm_f32's)."""
+    return _rms_norm_f32(x, weight, ss, norm_eps, D).to(tl.bfloat16)
+
+
+@triton.jit
+def _rms_norm_f32(x, weight, ss, norm_eps, D: tl.constexpr):
+    """The model's RMSNorm before its rounding, w * (x * rstd) in fp32, from the sum of squares ss of its D
+    values: x fp32, one tile of a token's row (ss a scalar) or [tokens, columns] (ss [tokens]); weight that
+    tile's columns. Loop-invariant rstd: the sm_90 code computes it once, outside the tile loop."""
     rstd = tl.expand_dims(tl.math.rsqrt(ss / D + norm_eps), -1)
-    return (weight * (x * rstd)).to(tl.bfloat16)
+    return weight * (x * rstd)

@@ -15,7 +15,7 @@ from .cache import LayerCache
 from .configuration_deepseek_v41 import DeepseekV41TextConfig, LayerRole
 from .context import ForwardContext
 from .layers import Linear, RMSNorm, fuse_outputs, quant_linear, still_views, view_outputs
-from .quant import fp4_qdq_e4m3, fp4_qdq_ue8m0, fp8_qdq
+from .quant import fp4_qdq_e4m3, fp4_qdq_ue8m0
 from .rope import apply_rope, rotation
 
 ops = torch.ops.dsflash
@@ -165,9 +165,9 @@ class Attention(nn.Module):
             q_a, kv_a = self.wqkv_a(x).split([self.wq_a.out_features, self.wkv.out_features], dim=-1)
         else:
             q_a, kv_a = self.wq_a(x), self.wkv(x)
-        kv = apply_rope(self.kv_norm(kv_a), ctx.rotations[role.rope_kind])
-        if self.quantize:
-            kv = fp8_qdq(kv)  # the window K=V is FP8 over all dims, RoPE tail included
+        # kv_norm, RoPE of the tail, then (quantized) FP8 over all dims, RoPE tail included: the window's K = V
+        kv = ops.kv_norm_rope(kv_a, self.kv_norm.weight, self.kv_norm.eps, ctx.rotations[role.rope_kind],
+                              self.quantize)
         ring = state.window
         keys = state.index_keys
         if role.ratio and self.compressor is not None:

@@ -1,0 +1,69 @@
+"""`dsflash::kv_norm_rope`: the attention's key/value row from its projection, in one launch.
+
+    kv = RMSNorm(kv_a) with weight w                     (fp32, rounded to bf16: layers.RMSNorm)
+    kv = RoPE of kv's trailing 2 * r/2 dims by rot       (fp32, rounded to bf16: rope.apply_rope)
+    kv = fp8_qdq(kv) in groups of 32                     (quantize: the window's K = V is FP8, quant.fp8_qdq)
+
+Why an op: Inductor split this chain into three kernels (the norm's sum of squares, the norm and RoPE, the
+FP8 group maxima and rounding), each a single program on a decode row of 512 values: on the H200 (12-02 m,
+flash-40l-e8 B1) 1.06 + 1.31 + 1.73 us and two launch gaps per layer. The kernel (kv_norm_rope_triton.py)
+runs one program per row. The reference is the model's own functions (CPU, and CUDA inputs the kernel does not
+take).
+"""
+
+import torch
+from torch import Tensor
+
+from dsflash_compile.quant import fp8_qdq
+from dsflash_compile.rope import apply_rope
+
+from .mhc import rms_norm
+
+
+@torch.library.custom_op("dsflash::kv_norm_rope", mutates_args=())
+def kv_norm_rope(kv: Tensor, weight: Tensor, eps: float, rot: Tensor, quantize: bool) -> Tensor:
+    """kv bf16 [..., T, D] (any row stride); weight bf16 [D]; rot fp32 [..., T, r/2, 2] (rope.rotation).
+    Returns bf16 [..., T, D], contiguous."""
+    return kv_norm_rope_reference(kv, weight, eps, rot, quantize)
+
+
+def check_inputs(kv: Tensor, weight: Tensor, rot: Tensor, quantize: bool) -> None:
+    """Errors that name the problem."""
+    if kv.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or rot.dtype != torch.float32:
+        raise TypeError(f"kv_norm_rope: kv and weight must be bf16 and rot fp32, got {kv.dtype}, {weight.dtype}, "
+                        f"{rot.dtype}")
+    dim = kv.shape[-1]
+    if tuple(weight.shape) != (dim,):
+        raise ValueError(f"kv_norm_rope: weight has shape {tuple(weight.shape)}; expected ({dim},) for kv "
+                         f"{tuple(kv.shape)}")
+    if rot.dim() != kv.dim() + 1 or rot.shape[:-2] != kv.shape[:-1] or rot.shape[-1] != 2 or 2 * rot.shape[-2] > dim:
+        raise ValueError(f"kv_norm_rope: rot has shape {tuple(rot.shape)}; expected {tuple(kv.shape[:-1])} + "
+                         f"(pairs, 2) with 2 * pairs <= {dim}")
+    if quantize and dim % 32:
+        raise ValueError(f"kv_norm_rope: quantize needs the row ({dim}) to be a multiple of the FP8 group (32)")
+
+
+def kv_norm_rope_reference(kv, weight, eps, rot, quantize):
+    check_inputs(kv, weight, rot, quantize)
+    out = apply_rope(rms_norm(kv, weight, eps), rot)
+    return (fp8_qdq(out) if quantize else out).contiguous()
+
+
+@kv_norm_rope.register_fake
+def _(kv, weight, eps, rot, quantize):
+    check_inputs(kv, weight, rot, quantize)
+    return kv.new_empty(kv.shape)
+
+
+try:  # Triton is optional on CPU machines
+    from . import kv_norm_rope_triton
+except ImportError:  # pragma: no cover - CPU machines without triton
+    kv_norm_rope_triton = None
+
+if kv_norm_rope_triton is not None:
+    @kv_norm_rope.register_kernel("cuda")
+    def _(kv, weight, eps, rot, quantize):
+        check_inputs(kv, weight, rot, quantize)
+        if not kv_norm_rope_triton.kernel_fits(kv):
+            return kv_norm_rope_reference(kv, weight, eps, rot, quantize)
+        return kv_norm_rope_triton.kv_norm_rope_triton(kv, weight, eps, rot, quantize)

@@ -1,0 +1,58 @@
+"""Triton kernel of `dsflash::kv_norm_rope` (see kv_norm_rope.py for the math): one program per row.
+
+The row (D values, a power of two) is held in registers: its sum of squares, the RMSNorm (mhc_finish_triton's,
+the seam's formula), the rotation of the trailing pairs (the row viewed as [D / 2, 2], the pairs before the tail kept)
+and the FP8 rounding of its groups (routed_experts_triton's, quant.fp8_qdq's values bit for bit). The norm and
+the RoPE products round to bf16 in integer arithmetic (_round_bf16), which the interpreter runs as the GPU does.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .mhc_finish_triton import _rms_norm_f32
+from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
+
+MAX_DIM = 4096  # a row in registers (the release's 512 at 4 warps: 4 values a thread)
+
+
+@triton.jit
+def _kv_norm_rope_kernel(kv_ptr, w_ptr, rot_ptr, out_ptr, row_stride, eps, D: tl.constexpr, PAIRS: tl.constexpr,
+                         QUANT: tl.constexpr):
+    """kv rows [N, D] (stride row_stride, unit column stride), rot [N, PAIRS, 2] and out [N, D] contiguous."""
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, D)
+    x = tl.load(kv_ptr + row * row_stride + d).to(tl.float32)
+    normed = _round_bf16(_rms_norm_f32(x, tl.load(w_ptr + d).to(tl.float32), tl.sum(x * x, 0), eps, D))
+    even, odd = tl.split(tl.reshape(normed, (D // 2, 2)))
+    j = tl.arange(0, D // 2) - (D // 2 - PAIRS)  # the pair's rotation; < 0 before the tail
+    tail = j >= 0
+    cos = tl.load(rot_ptr + row * 2 * PAIRS + 2 * j, mask=tail, other=1.0)
+    sin = tl.load(rot_ptr + row * 2 * PAIRS + 2 * j + 1, mask=tail, other=0.0)
+    rotated_even = tl.where(tail, _round_bf16(even * cos - odd * sin), even)
+    rotated_odd = tl.where(tail, _round_bf16(even * sin + odd * cos), odd)
+    y = tl.reshape(tl.join(rotated_even, rotated_odd), (1, D))
+    if QUANT:
+        y = _fp8_qdq_groups(y, 1, D)  # E4M3 values times a power of two: exact in bf16
+    tl.store(out_ptr + row * D + tl.reshape(d, (1, D)), y.to(tl.bfloat16))
+
+
+def kernel_fits(kv) -> bool:
+    """What the kernel takes of the op's checked inputs (else the op runs its reference): rows of a power of two
+    (>= 64) up to MAX_DIM values."""
+    dim = kv.shape[-1]
+    return 64 <= dim <= MAX_DIM and dim & (dim - 1) == 0
+
+
+def kv_norm_rope_triton(kv, weight, eps, rot, quantize):
+    """bf16 [..., T, D] as the reference."""
+    dim, pairs = kv.shape[-1], rot.shape[-2]
+    rows = kv.reshape(-1, dim)  # a view for a column slice of a wider projection (wq_a + wkv's kv part)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
+    if rows.shape[0]:
+        _kv_norm_rope_kernel[(rows.shape[0],)](rows, weight.contiguous(), rot.contiguous(), out, rows.stride(0),
+                                               eps, D=dim, PAIRS=pairs, QUANT=quantize,
+                                               num_warps=4 if dim <= 1024 else 8)
+    return out

@@ -1,0 +1,112 @@
+"""`dsflash::kv_norm_rope` (custom_ops/kv_norm_rope.py): the attention's key/value row in one launch.
+
+The Triton kernel under the interpreter and on a GPU against the reference: the unquantized row within one bf16
+ulp (the norm's sum and the rotation's products round in another order than torch's), and the FP8 row equal to
+quant.fp8_qdq of the kernel's own unquantized row bit for bit (the FP8 step itself is exact); compiled for sm_90
+without spills; opcheck and errors."""
+
+import pytest
+import torch
+from hopper import check_compiles_for_hopper
+from interp import report, requires_interpreter, run_interpreted
+from test_mhc_fusion import bf16_ulps
+
+import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
+from dsflash_compile.custom_ops.kv_norm_rope import kv_norm_rope_reference
+from dsflash_compile.quant import fp8_qdq
+from dsflash_compile.rope import rotation
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# name: (leading dims, D, rope pairs, view of a wider projection); EPS is the release's
+CASES = {
+    "decode_release": ((1, 1), 512, 32, True),  # kv_a: the last 512 of wq_a + wkv's 1792 outputs
+    "chunk": ((2, 3), 512, 32, False),
+    "short_row": ((1, 5), 128, 16, False),
+    "all_rotated": ((2, 2), 64, 32, True),
+}
+EPS = 1e-20
+
+
+def case_inputs(lead, dim, pairs, view, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(*lead, dim + (1280 if view else 0), generator=g).bfloat16()
+    kv = wide[..., -dim:]  # a column slice: rows strided
+    weight = (torch.rand(dim, generator=g) + 0.5).bfloat16()
+    positions = torch.randint(0, 4096, lead, generator=g)
+    rot = rotation(positions, 1.0 / 10000 ** (torch.arange(pairs) / pairs))
+    return tuple(t.to(device) for t in (kv, weight, rot))
+
+
+def compare(run, device="cpu") -> dict:
+    """{case: (unquantized ulps against the reference, FP8 row == fp8_qdq of the unquantized one)}."""
+    results = {}
+    for name, case in CASES.items():
+        kv, weight, rot = case_inputs(*case, device=device)
+        plain = run(kv, weight, EPS, rot, False)
+        quantized = run(kv, weight, EPS, rot, True)
+        results[name] = (bf16_ulps(plain, kv_norm_rope_reference(kv, weight, EPS, rot, False)),
+                         torch.equal(quantized, fp8_qdq(plain)))
+    return results
+
+
+def interpreter_checks():
+    """Entry point of the subprocess."""
+    from dsflash_compile.custom_ops.kv_norm_rope_triton import kv_norm_rope_triton
+
+    for name, (ulps, same) in compare(kv_norm_rope_triton).items():
+        report(dict(name=name, ulps=ulps, same=same))
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted("test_kv_norm_rope", "interpreter_checks")
+
+
+@requires_interpreter
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference(interpreted, name):
+    result = interpreted[name]
+    assert result["ulps"] <= 1 and result["same"], result
+
+
+def test_opcheck_and_errors():
+    kv, weight, rot = case_inputs(*CASES["chunk"])
+    for quantize in (True, False):
+        torch.library.opcheck(torch.ops.dsflash.kv_norm_rope.default, (kv, weight, EPS, rot, quantize))
+    op = torch.ops.dsflash.kv_norm_rope
+    with pytest.raises(TypeError, match="must be bf16 and rot fp32"):
+        op(kv.float(), weight, EPS, rot, True)
+    with pytest.raises(ValueError, match=r"weight has shape \(256,\)"):
+        op(kv, weight[:256], EPS, rot, True)
+    with pytest.raises(ValueError, match="rot has shape"):
+        op(kv, weight, EPS, rot[:1], True)
+    with pytest.raises(ValueError, match="multiple of the FP8 group"):
+        op(kv[..., :48], weight[:48], EPS, rot[..., :8, :], True)
+
+
+_KERNEL = dict(kv_ptr="*bf16", w_ptr="*bf16", rot_ptr="*fp32", out_ptr="*bf16", row_stride="i32", eps="fp32")
+
+
+def test_kernel_compiles_for_hopper_without_spills():
+    """The release row (512 values, 32 rotated pairs, FP8) at its launch's 4 warps."""
+    from dsflash_compile.custom_ops import kv_norm_rope_triton as module
+
+    check_compiles_for_hopper(module, ("_kv_norm_rope_kernel", _KERNEL, dict(D=512, PAIRS=32, QUANT=True), 4))
+
+
+@requires_cuda
+def test_kernel_on_cuda_and_in_a_cuda_graph():
+    """The GPU's code (its own rsqrt, FMAs): the properties above, and a CUDA graph replay on new inputs."""
+    for name, (ulps, same) in compare(torch.ops.dsflash.kv_norm_rope, device="cuda").items():
+        assert ulps <= 1 and same, (name, ulps)
+    kv, weight, rot = case_inputs(*CASES["decode_release"], device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    torch.ops.dsflash.kv_norm_rope(kv, weight, EPS, rot, True)  # compiles the kernel outside the capture
+    with torch.cuda.graph(graph):
+        out = torch.ops.dsflash.kv_norm_rope(kv, weight, EPS, rot, True)
+    fresh = case_inputs(*CASES["decode_release"], seed=1, device="cuda")
+    kv.copy_(fresh[0])
+    rot.copy_(fresh[2])
+    graph.replay()
+    assert torch.equal(out, torch.ops.dsflash.kv_norm_rope(kv, weight, EPS, rot, True))
