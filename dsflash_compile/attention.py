@@ -2,8 +2,8 @@
 
 A layer's role (config.layer_roles) decides what it owns: KV sources run a `Compressor` and write
 compressed KV and index keys; index sources run an `Indexer` and publish a top-k; consumers read both
-from the latest source of their ratio. The kv row (norm, RoPE, FP8), attention, cache writes, scoring and top-k are `dsflash`
-ops.
+from the latest source of their ratio. The kv row (norm, RoPE, FP8), attention, cache writes, scoring and
+top-k are `dsflash` ops.
 """
 
 from __future__ import annotations
