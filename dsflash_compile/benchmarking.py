@@ -117,6 +117,11 @@ def sweep_variant(row: dict, call, agrees, calls: int = 10, replays: int = 20) -
     return row
 
 
+def fastest(rows) -> list[dict]:
+    """A sweep's rows (sweep_variant's) that agreed with the reference and were timed, fastest first."""
+    return sorted((r for r in rows if r.get("agrees") and "s" in r), key=lambda r: r["s"])
+
+
 # NCCL's kernels on the GPU; on the CPU the collectives' operators (_c10d_functional::*, c10d::*, gloo:*), whose
 # self time is mostly the wait for the other ranks
 COLLECTIVE_NAMES = ("nccl", "c10d", "gloo")

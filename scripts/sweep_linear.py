@@ -20,7 +20,7 @@ import itertools
 
 import torch
 
-from dsflash_compile.benchmarking import print_table, run_metadata, save_results, sweep_variant, time_graph
+from dsflash_compile.benchmarking import fastest, print_table, run_metadata, save_results, sweep_variant, time_graph
 from dsflash_compile.custom_ops import bf16_linear_triton as kernels
 from dsflash_compile.custom_ops.bf16_linear import bf16_linear_reference
 from dsflash_compile.layers import block_diagonal_linear
@@ -93,12 +93,11 @@ def main() -> None:
             if i == 0:
                 variants = ["default", *VARIANTS]
             else:
-                timed = sorted((r for r in results if r["proj"] == name and r["rows"] == args.rows[0]
-                                and r.get("agrees") and "variant" in r), key=lambda r: r["s"])
+                timed = fastest(r for r in results if r["proj"] == name and r["rows"] == args.rows[0]
+                                and "variant" in r)  # not the cuBLAS row
                 variants = ["default"] + [r["variant"] for r in timed[:args.top] if r["variant"] != "default"]
             measured = sweep(name, rows, variants, gen)
-            best = sorted((r for r in measured if r.get("agrees") and "s" in r), key=lambda r: r["s"])
-            print_table(best[:6] + [r for r in measured if r.get("variant") == "default"], COLUMNS)
+            print_table(fastest(measured)[:6] + [r for r in measured if r.get("variant") == "default"], COLUMNS)
             results += measured
         save_results({**run_metadata(), "rows": results}, "linear-sweep", args.out)
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from dsflash_compile.benchmarking import print_table, profile_summary
+from dsflash_compile.benchmarking import fastest, print_table, profile_summary
 
 
 def test_print_table_aligns_scales_and_marks_missing_values(capsys):
@@ -21,3 +21,9 @@ def test_profile_summary_counts_what_a_step_ran(tmp_path):
     assert summary["kernels"] >= 3 and summary["wall_us"] > 0 and len(summary["top"]) == 2
     assert summary["comm_us"] == 0  # no collectives (the parallel bench's CPU test sees some)
     assert (tmp_path / "trace.json").stat().st_size > 0
+
+
+def test_fastest_keeps_the_timed_variants_that_agree():
+    rows = [{"v": "slow", "agrees": True, "s": 2.0}, {"v": "wrong", "agrees": False, "s": 0.5},
+            {"v": "failed", "agrees": False, "error": "out of resources"}, {"v": "fast", "agrees": True, "s": 1.0}]
+    assert [r["v"] for r in fastest(rows)] == ["fast", "slow"]
