@@ -34,13 +34,20 @@ from .attention_triton import _dot, _e2m1_rows, _ue8m0_bf16, _ue8m0_f32
 
 BLOCK_N = 64
 BLOCK_K = 128
+NUM_STAGES = 3  # Triton's default, what the MXFP4 launch has run with
 # bf16 weights: twice the bytes per output row of MXFP4, so narrower output blocks for as many programs
-# (7 experts, 6 routed and the shared one, x 2304 / 32 = 504 at decode). Not yet measured on the H200:
-# scripts/sweep_experts.py
-BF16_BLOCK_M = 16  # few rows per expert up to moe_few_rows; block_m_for is timed on MXFP4 only
+# (7 experts, 6 routed and the shared one, x 2304 / 32 = 504 at decode)
+BF16_BLOCK_M = 16
 BF16_BLOCK_N = 32
 BF16_BLOCK_K = 128
-NUM_STAGES = 3  # Triton's default, what the MXFP4 launch has run with
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of bf16 launches by rows per stacked slice (bf16_launch): a row
+# tile reads its expert's weight slice once, so taller tiles read each picked expert about once where a slice
+# gets more rows. H200, flash-40l-e8 stacks (8 routed + the shared slice), us per projection against
+# torch._grouped_mm (scripts/sweep_experts.py --tall, 12-02 n): 16 tokens (12 rows a slice) w1 / w2 54.6 / ~57
+# at 32-row tiles (16-row: 64.7 for w2); 32 tokens 55.2 / 58.6 (torch 84.5 / 85.9); 64 tokens (50 rows a
+# slice) 58.1 / 60.0 at 64-row tiles (torch 82.5 / 84.8). Up to 8 rows a slice: the 16-row default (batch <= 8)
+BF16_TALL_LAUNCHES = ((8, (BF16_BLOCK_M, BF16_BLOCK_N, BF16_BLOCK_K, 4, NUM_STAGES)), (32, (32, 128, 128, 4, 3)),
+                      (None, (64, 64, 64, 4, 4)))
 PTX = True  # the inline-PTX conversion on CUDA (False: the same values in Triton, the interpreter's path)
 
 # _e2m1_bf16's body. $4: 4 packed bytes (8 nibbles, the even element low); $5-$6: the bytes' bf16 scales.
@@ -152,18 +159,34 @@ def block_m_for(rows: int, experts: int) -> int:
     return min(max(triton.next_power_of_2(rows // experts), 16), 64)
 
 
-def grouped_mm_triton(x, weight, scale, offsets, block_m=None, block_n=None, block_k=None, num_warps=4,
-                      num_stages=NUM_STAGES, ptx=None, out=None):
+def bf16_launch(rows: int, experts: int) -> dict:
+    """bf16 launch keywords for `rows` over `experts` stacked slices (shapes only: no host sync), from
+    BF16_TALL_LAUNCHES by the mean rows per slice."""
+    per_slice = rows // experts
+    for bound, (block_m, block_n, block_k, warps, stages) in BF16_TALL_LAUNCHES:
+        if bound is None or per_slice <= bound:
+            return dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
+    raise AssertionError("BF16_TALL_LAUNCHES ends with an unbounded entry")
+
+
+def grouped_mm_triton(x, weight, scale, offsets, block_m=None, block_n=None, block_k=None, num_warps=None,
+                      num_stages=None, ptx=None, out=None):
     """bf16 [P, N] as the reference (rows past offsets[-1] are zero). scale None: bf16 weight [E, N, K]; else
-    MXFP4 weight and scale (mxfp4_experts.py). Block sizes (None: the format's default, for MXFP4's BLOCK_M
-    block_m_for), warps, pipeline stages and the MXFP4 conversion (ptx None: the module's PTX flag, on CUDA
-    only) for sweeps; out: the bf16 [P, N] to write (default: a new one; every element is written)."""
+    MXFP4 weight and scale (mxfp4_experts.py). Block sizes, warps and pipeline stages (None: the format's
+    default: for MXFP4 BLOCK_M from block_m_for, 4 warps, NUM_STAGES; for bf16 bf16_launch's) and the MXFP4
+    conversion (ptx None: the module's PTX flag, on CUDA only) for sweeps; out: the bf16 [P, N] to write
+    (default: a new one; every element is written)."""
     mxfp4 = scale is not None
     rows, k = x.shape
     experts, n, _ = weight.shape
-    block_m = block_m or (block_m_for(rows, experts) if mxfp4 else BF16_BLOCK_M)
-    block_n = block_n or (BLOCK_N if mxfp4 else BF16_BLOCK_N)
-    block_k = block_k or (BLOCK_K if mxfp4 else BF16_BLOCK_K)
+    if mxfp4:
+        default = dict(block_m=block_m_for(rows, experts), block_n=BLOCK_N, block_k=BLOCK_K, num_warps=4,
+                       num_stages=NUM_STAGES)
+    else:
+        default = bf16_launch(rows, experts)
+    block_m, block_n, block_k = (block_m or default["block_m"], block_n or default["block_n"],
+                                 block_k or default["block_k"])
+    num_warps, num_stages = num_warps or default["num_warps"], num_stages or default["num_stages"]
     out = x.new_empty(rows, n) if out is None else out
     if rows == 0:
         return out

@@ -66,11 +66,12 @@ class CompileOptions:
     mhc_overlap: bool = False
     mhc_overlap_max_tokens: int = 16  # below custom_ops.mhc.ROWS_MIN_TOKENS (checked)
     # issue 5: grouped GEMMs of the bf16 routed experts with at most this many (token, slot) rows run
-    # dsflash::grouped_mm (each picked expert's weight streamed once over many programs) instead of
-    # torch._grouped_mm, whose CUTLASS grouped GEMM took 63 us per projection at decode batch 1 (2.3 TB/s: 6
-    # picked experts, 142 MB). 112 rows = batch 16 at top-6 + the shared expert's row; not yet measured on the
-    # H200 (scripts/sweep_experts.py)
-    moe_few_rows: int = 112
+    # dsflash::grouped_mm (each picked expert's weight streamed about once, its row tiles as tall as the rows per
+    # expert: mxfp4_experts_triton.bf16_launch) instead of torch._grouped_mm, whose CUTLASS grouped GEMM took 63
+    # us per projection at decode batch 1 (2.3 TB/s: 6 picked experts, 142 MB) and ~80 at batch 64 (B64 trace,
+    # 12-02 m). 448 rows = batch 64 at top-6 + the shared expert's row; H200 sweep (12-02 n, flash-40l-e8 stacks):
+    # 1.4-1.6x torch._grouped_mm at 16, 32 and 64 tokens (scripts/sweep_experts.py --tall)
+    moe_few_rows: int = 448
     # issue 5: bf16 routed experts of at most this many tokens run dsflash::routed_experts: no sort of the pairs,
     # gate/up/SwiGLU/weights/FP8 of h in one launch, the down projection in another, each token's ordered sum
     # in a third, where the sorted path took ~15 small kernels around its three grouped GEMMs per layer. H200,

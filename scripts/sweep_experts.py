@@ -2,11 +2,12 @@
 flash-40l-e8 shapes (8 routed experts, top-6; w1/w3 2304 x 5120, w2 5120 x 2304) at batch 1..64, with the shared
 expert as the stacks' ninth slice and every token's seventh row (compile()'s moe_shared_stacked, the default).
 Every variant's output is checked against torch._grouped_mm first (bench_native.py's case and error). Picks the
-defaults of custom_ops/mxfp4_experts_triton.py (BF16_BLOCK_N, BF16_BLOCK_K, NUM_STAGES) and compile()'s
-moe_few_rows (the largest batch x 7 rows where the kernel still wins).
+defaults of custom_ops/mxfp4_experts_triton.py (BF16_BLOCK_N, BF16_BLOCK_K, NUM_STAGES, BF16_TALL_LAUNCHES) and
+compile()'s moe_few_rows (the largest batch x 7 rows where the kernel still wins).
 
     python scripts/sweep_experts.py --out benchmarks/results
     python scripts/sweep_experts.py --tokens 1 --full     (every launch variant at batch 1 only)
+    python scripts/sweep_experts.py --tokens 16 32 64 --tall   (taller row tiles: many rows per expert)
 
 At batch 1 every launch variant runs; at the other batch sizes the default and the batch-1 winner.
 """
@@ -24,12 +25,15 @@ from dsflash_compile.custom_ops import mxfp4_experts_triton as kernels
 
 EXPERTS = 8
 TOKENS = [1, 2, 4, 8, 16, 32, 64]
-# (BLOCK_N, BLOCK_K, warps, stages); 64 x 256 at 4 warps spills registers on sm_90 (tests/test_native_weights.py)
-VARIANTS = [v for v in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (2, 3, 4)) if v[:3] != (64, 256, 4)]
-DEFAULT = (kernels.BF16_BLOCK_N, kernels.BF16_BLOCK_K, 4, kernels.NUM_STAGES)
-COLUMNS = [("tokens", "tokens", "d"), ("proj", "proj", ""), ("block_n", "block_n", "d"), ("block_k", "block_k", "d"),
-           ("warps", "num_warps", "d"), ("stages", "num_stages", "d"), ("us", "s", ".1f", 1e6),
-           ("TB/s", "tb_per_s", ".2f"), ("x torch", "vs_torch", ".2f"), ("agrees", "agrees", "")]
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); 64 x 256 at 4 warps spills registers on sm_90
+# (tests/test_native_weights.py). --tall: the taller row tiles for many rows per expert (batch 32-64)
+VARIANTS = [(kernels.BF16_BLOCK_M, *v) for v in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (2, 3, 4))
+            if v[:3] != (64, 256, 4)]
+TALL_VARIANTS = list(itertools.product((32, 64), (32, 64, 128), (64, 128), (4, 8), (3, 4)))
+DEFAULT = (kernels.BF16_BLOCK_M, kernels.BF16_BLOCK_N, kernels.BF16_BLOCK_K, 4, kernels.NUM_STAGES)
+COLUMNS = [("tokens", "tokens", "d"), ("proj", "proj", ""), ("block_m", "block_m", "d"), ("block_n", "block_n", "d"),
+           ("block_k", "block_k", "d"), ("warps", "num_warps", "d"), ("stages", "num_stages", "d"),
+           ("us", "s", ".1f", 1e6), ("TB/s", "tb_per_s", ".2f"), ("x torch", "vs_torch", ".2f"), ("agrees", "agrees", "")]
 
 
 def sweep(tokens: int, proj: str, variants: list[tuple], gen: torch.Generator) -> list[dict]:
@@ -40,13 +44,17 @@ def sweep(tokens: int, proj: str, variants: list[tuple], gen: torch.Generator) -
     torch_s = time_graph(lambda: torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets))
     rows = [{"tokens": tokens, "proj": proj, "path": "torch._grouped_mm", "s": torch_s, "vs_torch": 1.0,
              "tb_per_s": nbytes / torch_s / 1e12, "agrees": True}]
-    for block_n, block_k, warps, stages in variants:
+    for block_m, block_n, block_k, warps, stages in variants:
         def call():
-            return kernels.grouped_mm_triton(x, weight, None, offsets, block_n=block_n, block_k=block_k,
-                                             num_warps=warps, num_stages=stages)
-        row = {"tokens": tokens, "proj": proj, "path": "triton", "block_n": block_n, "block_k": block_k,
-               "num_warps": warps, "num_stages": stages}
-        sweep_variant(row, call, lambda out: error(out, want, mag) <= 2 ** -8)  # bf16 rounding: ~2^-9 of mag
+            return kernels.grouped_mm_triton(x, weight, None, offsets, block_m=block_m, block_n=block_n,
+                                             block_k=block_k, num_warps=warps, num_stages=stages)
+        row = {"tokens": tokens, "proj": proj, "path": "triton", "block_m": block_m, "block_n": block_n,
+               "block_k": block_k, "num_warps": warps, "num_stages": stages}
+        try:
+            sweep_variant(row, call, lambda out: error(out, want, mag) <= 2 ** -8)  # bf16 rounding: ~2^-9 of mag
+        except Exception as failure:  # noqa: BLE001 - e.g. out of shared memory: reported, the sweep goes on
+            row.update(agrees=False, s=float("inf"), error=f"{type(failure).__name__}: {failure}"[:300])
+            print(row, flush=True)
         row.update(vs_torch=torch_s / row["s"], tb_per_s=nbytes / row["s"] / 1e12)
         rows.append(row)
     return rows
@@ -56,6 +64,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
     parser.add_argument("--full", action="store_true", help="every launch variant at every batch size")
+    parser.add_argument("--tall", action="store_true", help="the taller row tiles (TALL_VARIANTS) and the default "
+                        "at every batch size, not the batch-1 grid")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -64,11 +74,14 @@ def main() -> None:
     results, best = [], {}
     for tokens in args.tokens:  # saved after each batch size so a cut run keeps what it measured
         for proj in ("w1", "w2"):
-            variants = VARIANTS if args.full or tokens == 1 else sorted({DEFAULT, best.get(proj, DEFAULT)})
+            if args.tall:
+                variants = [DEFAULT, *TALL_VARIANTS]
+            else:
+                variants = VARIANTS if args.full or tokens == 1 else sorted({DEFAULT, best.get(proj, DEFAULT)})
             measured = sweep(tokens, proj, variants, gen)
-            if tokens == 1:
+            if tokens == 1 and not args.tall:
                 top = min((r for r in measured if r["path"] == "triton" and r["agrees"]), key=lambda r: r["s"])
-                best[proj] = (top["block_n"], top["block_k"], top["num_warps"], top["num_stages"])
+                best[proj] = tuple(top[key] for key in ("block_m", "block_n", "block_k", "num_warps", "num_stages"))
             print_table(sorted(measured, key=lambda r: r["s"])[:12], COLUMNS)
             results += measured
         save_results({**run_metadata(), "default": DEFAULT, "best_at_batch_1": best, "rows": results},

@@ -392,6 +392,15 @@ def test_block_m_for_picks_the_smallest_row_tile_over_the_mean(rows, experts, bl
     assert block_m_for(rows, experts) == block_m
 
 
+@pytest.mark.parametrize("tokens, block_m", [(1, 16), (8, 16), (16, 32), (32, 32), (64, 64), (128, 64)])
+def test_bf16_launch_grows_the_row_tile_with_the_rows_per_expert(tokens, block_m):
+    """flash-40l-e8's stacks (8 routed + the shared slice) at decode: 7 rows a token."""
+    pytest.importorskip("triton")
+    from dsflash_compile.custom_ops.mxfp4_experts_triton import bf16_launch
+
+    assert bf16_launch(7 * tokens, 9)["block_m"] == block_m
+
+
 def relative_error(got, want, mag) -> float:
     """Worst |got - want| relative to sum |x| |w| (the summation order moves results by about one bf16
     rounding of the larger of the two)."""
@@ -418,7 +427,8 @@ def interpreter_checks():
         mag = mxfp4_grouped_mm_reference(x.abs(), weight & 0x77, scale, offsets)  # sign bits cleared: |w|
         report(dict(name="mxfp4_" + name, err=relative_error(got, want, mag.float())))
         x, weight, offsets = bf16_case(counts, n, k)
-        got = grouped_mm_triton(x, weight, None, offsets, block_n=32, block_k=64)  # ragged blocks too
+        # bf16_launch's row tile for the case's rows per expert (16, 32 or 64), ragged blocks too
+        got = grouped_mm_triton(x, weight, None, offsets, block_n=32, block_k=64)
         want = grouped_mm_reference(x, weight, offsets)
         mag = grouped_mm_reference(x.abs(), weight.abs(), offsets)
         report(dict(name="bf16_" + name, err=relative_error(got, want, mag.float())))
@@ -479,7 +489,8 @@ def test_fp8_kernel_compiles_for_hopper_without_spills(block_m, block_n, block_k
     (True, True, 16, 64, 128, 4), (True, False, 16, 64, 128, 4), (True, True, 16, 32, 256, 4),
     (True, True, 16, 64, 256, 8), (True, True, 32, 64, 128, 4), (True, True, 64, 64, 128, 4),
     (True, False, 64, 64, 128, 4), (True, True, 64, 64, 256, 8),
-    (False, False, 16, 32, 128, 4), (False, False, 16, 64, 256, 8), (False, False, 16, 16, 256, 4)])
+    (False, False, 16, 32, 128, 4), (False, False, 16, 64, 256, 8), (False, False, 16, 16, 256, 4),
+    (False, False, 32, 128, 128, 4), (False, False, 64, 64, 64, 4), (False, False, 64, 128, 128, 8)])
 def test_grouped_kernel_compiles_for_hopper_without_spills(mxfp4, ptx, block_m, block_n, block_k, warps):
     from dsflash_compile.custom_ops import mxfp4_experts_triton
 
