@@ -43,6 +43,11 @@ BLOCK_K = 128
 # them the top-k's keys, leave room for two); the D splits make up what tokens and experts do not.
 TARGET_PROGRAMS = 264
 MAX_EXPERTS_P2 = 512  # the top-k holds [16, E_PAD] int64 keys in registers: 64 per thread at 4 warps
+# A small gate (flash-40l-e8's 8 experts: one expert block) at decode is latency-bound: 40 splits of one column
+# block each (D = 5120) only lengthen the partial sums' reduction. H200 sweep (scripts/sweep_router.py, 12-02 n),
+# us at 1 / 8 / 64 tokens: 8 experts 6.35 / 6.36 / 7.20 at 8 splits of 5 blocks against 6.76 / 6.98 / 7.28 at 40;
+# 384 experts at 1 and 8 tokens 22.4-23.1 at 5-11 splits (22.6 / 22.7 at the 11 of before)
+MIN_K_BLOCKS_PER_SPLIT = 5
 
 
 def warps_for(x_dtype: torch.dtype) -> int:
@@ -146,8 +151,9 @@ def kernel_fits(x, weight, bias, topk) -> bool:
 
 
 def default_splits(tiles: int, k_blocks: int) -> int:
-    """D splits that bring (token block, expert block) tiles up to about TARGET_PROGRAMS programs."""
-    return max(1, min(k_blocks, TARGET_PROGRAMS // tiles))
+    """D splits that bring (token block, expert block) tiles up to about TARGET_PROGRAMS programs, each split at
+    least MIN_K_BLOCKS_PER_SPLIT column blocks long."""
+    return max(1, min(k_blocks // MIN_K_BLOCKS_PER_SPLIT, TARGET_PROGRAMS // tiles))
 
 
 def fused_router_triton(x, weight, bias, topk, normalize, scale, splits=None, launch_tokens=None):

@@ -127,3 +127,11 @@ def test_fused_router_cuda_graph_and_opcheck():
     torch.library.opcheck(torch.ops.dsflash.fused_router.default, args)
     fp32_gate = (x, weight.float(), bias, 6, True, SCALE)
     assert torch.equal(torch.ops.dsflash.fused_router(*fp32_gate)[1], route(*fp32_gate)[1])
+
+
+@pytest.mark.parametrize("experts, tokens, splits", [(8, 1, 8), (8, 64, 8), (384, 1, 8), (384, 64, 2), (384, 2048, 1)])
+def test_default_splits_keep_five_column_blocks_a_split(experts, tokens, splits):
+    """D = 5120 (40 column blocks of 128): at most 40 / 5 splits, fewer once the tiles fill the GPU."""
+    router_triton = pytest.importorskip("dsflash_compile.custom_ops.router_triton")
+    tiles = -(-tokens // router_triton.BLOCK_T) * -(-experts // router_triton.BLOCK_E)
+    assert router_triton.default_splits(tiles, 5120 // router_triton.BLOCK_K) == splits
