@@ -4,7 +4,6 @@ For each query token (all H heads share every key row: one K=V latent, MQA):
   keys = window entries widx[b, t, :] (index < W: ring slot, >= W: row index-W of this chunk's bf16 kv,
          -1: none; the caller puts the visible positions there, bounded-replay clamp included)
        + compressed entries cidx[b, t, :] (row of the compressed cache, -1: none)
-  q = q with its trailing rope dims rotated by the query position (RoPE), if rotate_q (fused)
   o = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink_h}),  s_j = scale * q . k_j
   out = o with its trailing rope dims rotated back by the query position (inverse RoPE, fused)
 Ring and compressed rows are records ("bf16", "fp8", "nvfp4"; see records.py) dequantized in registers:
@@ -57,10 +56,8 @@ def _gather_rows(cache: Tensor, idx: Tensor, fmt: str, dim: int) -> Tensor:
 
 def attention_reference(out: Tensor, q: Tensor, ring: Tensor, chunk_kv: Tensor, widx: Tensor, compressed: Tensor,
                         cidx: Tensor, sink: Tensor, positions: Tensor, inv_freq: Tensor, scale: float,
-                        window_fmt: str, compressed_fmt: str, rotate_q: bool = False) -> None:
+                        window_fmt: str, compressed_fmt: str) -> None:
     batch, seq, heads, dim = q.shape
-    if rotate_q:  # the model's own RoPE (padding, position -1, rotates by 0 as the model's set-up has it)
-        q = apply_rope(q, rotation(positions.clamp_min(0), inv_freq))
     window = ring.shape[1]
     rows = torch.arange(batch, device=q.device).view(batch, 1, 1)
     for start in range(0, seq, _QUERY_CHUNK):
@@ -80,20 +77,19 @@ def attention_reference(out: Tensor, q: Tensor, ring: Tensor, chunk_kv: Tensor, 
 @torch.library.custom_op("dsflash::attention_", mutates_args=("out",))
 def attention_(out: Tensor, q: Tensor, ring: Tensor, chunk_kv: Tensor, widx: Tensor, compressed: Tensor,
                cidx: Tensor, sink: Tensor, positions: Tensor, inv_freq: Tensor, scale: float, window_fmt: str,
-               compressed_fmt: str, rotate_q: bool = False) -> None:
+               compressed_fmt: str) -> None:
     """out, q [B, S, H, d] bf16; ring [Bmax, W, record] (window_fmt); chunk_kv [B, C, d] bf16, this chunk's
     keys (C >= S: the queries may be the chunk's last S columns only); widx [B, S, W'] int (< W ring slot,
     >= W chunk row + W, -1 none); compressed [Bmax, R, record]
     (compressed_fmt; R may be 0); cidx [B, S, K] int (-1 none); sink [H] fp32; positions [B, S];
-    inv_freq [r/2] fp32 (the layer's RoPE: the output's trailing r dims are rotated back); rotate_q: q is
-    given before its RoPE, which the op applies (at decode one launch fewer than a separate RoPE kernel)."""
+    inv_freq [r/2] fp32 (the layer's RoPE: the output's trailing r dims are rotated back)."""
     attention_reference(out, q, ring, chunk_kv, widx, compressed, cidx, sink, positions, inv_freq, scale,
-                        window_fmt, compressed_fmt, rotate_q)
+                        window_fmt, compressed_fmt)
 
 
 @attention_.register_fake
 def _(out, q, ring, chunk_kv, widx, compressed, cidx, sink, positions, inv_freq, scale, window_fmt,
-      compressed_fmt, rotate_q=False):
+      compressed_fmt):
     return None
 
 
@@ -105,6 +101,6 @@ except ImportError:  # pragma: no cover - CPU machines without triton
 if attention_triton is not None:
     @attention_.register_kernel("cuda")
     def _(out, q, ring, chunk_kv, widx, compressed, cidx, sink, positions, inv_freq, scale, window_fmt,
-          compressed_fmt, rotate_q=False):
+          compressed_fmt):
         attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, positions, inv_freq, scale,
-                         window_fmt, compressed_fmt, rotate_q)
+                         window_fmt, compressed_fmt)

@@ -52,14 +52,6 @@ def _dot(a, b, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _round_bf16(v):
-    """fp32 -> the nearest bf16 value (ties to even), in fp32: integer arithmetic on the bits, since the
-    interpreter's cast truncates (records.py's notes); on the GPU the same values as the cast."""
-    bits = v.to(tl.int32, bitcast=True)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _e2m1_as_e4m3(packed):
     """Packed E2M1 bytes [N, P] (even element in the low nibble) -> E4M3 codes uint8 [N, 2P] of value / 64.
     E2M1 is sign, 2 exponent bits (bias 1), 1 mantissa bit; written into E4M3 (bias 7) as sign, the two low
@@ -173,22 +165,6 @@ def _online_step(q, k, valid, m, l, acc, scale, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _rope_q(q, q_rows, mask, pos, freq_ptr, D: tl.constexpr, HALF_ROPE: tl.constexpr):
-    """q bf16 [HG, D] (its rows at q_rows) with the trailing 2 HALF_ROPE dims rotated by the query position,
-    apply_rope's formula and rounding (to nearest, in the interpreter too): pair (x0, x1) -> (x0 c - x1 s,
-    x0 s + x1 c). Each value takes its pair partner from a second load of the same rows (d ^ 1, cached), so
-    no register shuffles: value d is q_d c + sign_d partner_d s with sign -1 on even d."""
-    d = tl.arange(0, D)
-    pair = d // 2 - (D // 2 - HALF_ROPE)
-    freq = tl.load(freq_ptr + pair, mask=pair >= 0, other=0.0)  # 0: not a rope pair, no rotation
-    angle = tl.maximum(pos, 0).to(tl.float32) * freq  # padding (-1) rotates by 0, as the model's set-up
-    c, s = tl.cos(angle), tl.sin(angle)
-    s = tl.where(d % 2 == 0, -s, s)
-    partner = tl.load(q_rows + (d ^ 1)[None, :], mask=mask, other=0.0)
-    return _round_bf16(q.to(tl.float32) * c[None, :] + partner.to(tl.float32) * s[None, :]).to(tl.bfloat16)
-
-
-@triton.jit
 def _finish(acc, m, l, sink_ptr, heads, pos, freq_ptr, out_ptr, out_row, H: tl.constexpr, D: tl.constexpr,
             HALF_ROPE: tl.constexpr):
     """Add the sink, normalise, rotate the trailing rope dims back by the query position, store bf16."""
@@ -215,18 +191,15 @@ def _attention_kernel(q_ptr, ring_ptr, chunk_ptr, widx_ptr, comp_ptr, cidx_ptr, 
                       S, K, chunk_sb, ring_sb, ring_sr, comp_sb, comp_sr, scale, blocks_per_split,
                       H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, NW: tl.constexpr,
                       HALF_ROPE: tl.constexpr, HG: tl.constexpr, BLOCK_N: tl.constexpr,
-                      WIN_FMT: tl.constexpr, CMP_FMT: tl.constexpr, SPLIT: tl.constexpr, ROTATE_Q: tl.constexpr,
-                      INTERPRET: tl.constexpr):
+                      WIN_FMT: tl.constexpr, CMP_FMT: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
     tok = tl.program_id(0)
     group = tl.program_id(1)
     split = tl.program_id(2)
     b = tok // S
     heads = group * HG + tl.arange(0, HG)  # a group may run past H (fewer heads than HG): masked
     d = tl.arange(0, D)
-    q_rows = q_ptr + tok.to(tl.int64) * H * D + heads[:, None] * D
-    q = tl.load(q_rows + d[None, :], mask=(heads < H)[:, None], other=0.0)
-    if ROTATE_Q:  # q given before its RoPE
-        q = _rope_q(q, q_rows, (heads < H)[:, None], tl.load(pos_ptr + tok), freq_ptr, D, HALF_ROPE)
+    q = tl.load(q_ptr + tok.to(tl.int64) * H * D + heads[:, None] * D + d[None, :], mask=(heads < H)[:, None],
+                other=0.0)
     m = tl.full((HG,), -1e30, tl.float32)  # finite: a query with no valid key keeps acc = 0, not NaN
     l = tl.zeros((HG,), tl.float32)
     acc = tl.zeros((HG, D), tl.float32)
@@ -291,12 +264,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, positions, inv_freq, scale,
-                     window_fmt, compressed_fmt, rotate_q: bool = False, num_splits: int | None = None,
-                     block_n: int | None = None, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-                     head_group: int | None = None):
-    """Launch (the op's CUDA kernel; also callable directly, e.g. under TRITON_INTERPRET=1). rotate_q: q is
-    given before its RoPE (the op's argument). num_splits, block_n, num_warps, num_stages and head_group (heads
-    per program, a power of two >= 16) override the defaults (benchmark sweeps)."""
+                     window_fmt, compressed_fmt, num_splits: int | None = None, block_n: int | None = None,
+                     num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, head_group: int | None = None):
+    """Launch (the op's CUDA kernel; also callable directly, e.g. under TRITON_INTERPRET=1). num_splits,
+    block_n, num_warps, num_stages and head_group (heads per program, a power of two >= 16) override the
+    defaults (benchmark sweeps)."""
     batch, seq, heads, dim = q.shape
     window, nw, k = ring.shape[1], widx.shape[-1], cidx.shape[-1]
     if not out.is_contiguous() or out.shape != q.shape:
@@ -335,7 +307,7 @@ def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, posit
         out, part_acc, part_ml, seq, k, chunk_kv.shape[1] * dim, ring.stride(0), ring.stride(1), compressed.stride(0),
         compressed.stride(1),
         scale, per, H=heads, D=dim, W=window, NW=nw, HALF_ROPE=inv_freq.shape[0], HG=head_group, BLOCK_N=block_n,
-        WIN_FMT=_FMT_ID[window_fmt], CMP_FMT=_FMT_ID[compressed_fmt], SPLIT=split, ROTATE_Q=rotate_q,
+        WIN_FMT=_FMT_ID[window_fmt], CMP_FMT=_FMT_ID[compressed_fmt], SPLIT=split,
         INTERPRET=q.device.type != "cuda", num_warps=num_warps, num_stages=num_stages)
     if split:
         _merge_kernel[(tokens, heads)](part_acc, part_ml, sink, positions, inv_freq, out, num_splits, H=heads, D=dim,

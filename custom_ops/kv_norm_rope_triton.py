@@ -10,9 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_triton import _round_bf16
 from .mhc_finish_triton import _rms_norm_f32
-from .routed_experts_triton import _fp8_qdq_groups
+from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
 
 MAX_DIM = 4096  # a row in registers (the release's 512 at 4 warps: 4 values a thread)
 

@@ -27,13 +27,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_triton import _dot, _round_bf16
+from .attention_triton import _dot
 from .routed_experts import MAX_TOKENS
 
 UP_BLOCK_N = 32  # one FP8 group of h per row and program; 72 column blocks at I = 2304
 DOWN_BLOCK_N = 32  # 160 column blocks at D = 5120
 SUM_BLOCK_N = 1024
 BLOCK_K = 128  # 64 above 32 tokens: the 64-row tiles spill at 128 (ptxas, sm_90)
+
+
+@triton.jit
+def _round_bf16(v):
+    """fp32 -> the nearest bf16 value (ties to even), in fp32: integer arithmetic on the bits, since the
+    interpreter's cast truncates (records.py's notes); on the GPU the same values as the cast."""
+    bits = v.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
 
 
 @triton.jit

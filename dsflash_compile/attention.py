@@ -183,7 +183,7 @@ class Attention(nn.Module):
         if queries is not None:
             x, q_a, ctx = x[:, -queries:], q_a[:, -queries:], ctx.last_columns(queries)
         qr = self.q_norm(q_a)
-        q = self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim))  # its RoPE is applied by the attention op
+        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), ctx.rotations[role.rope_kind])
         if role.ratio:
             if self.indexer is not None:
                 topk = self.indexer(x, qr, ctx, keys)
@@ -193,11 +193,11 @@ class Attention(nn.Module):
         else:
             compressed, cidx = ring[:batch, :0], ctx.window_idx.new_zeros(ctx.window_idx.shape[:2] + (0,))
         # sparse attention over the ring (+ this chunk's kv) and the top-k compressed rows, read from
-        # their records; q's RoPE and the inverse RoPE of the output (V = K carries the rotation) are fused in
+        # their records; the inverse RoPE of the output (V = K carries the rotation) is fused in
         o = torch.empty_like(q)
         ops.attention_(o, q, ring[:batch], kv, ctx.window_idx, compressed, cidx, self.attn_sink, ctx.positions,
                        ctx.inv_freq[role.rope_kind], self.head_dim ** -0.5, cache.window_format,
-                       cache.compressed_format if role.ratio else cache.window_format, rotate_q=True)
+                       cache.compressed_format if role.ratio else cache.window_format)
         ops.record_write_(ring, kv, whole.window_slots, cache.window_format)
 
         return self.wo_b(self.wo_a(o.flatten(2))), topk

@@ -12,7 +12,7 @@ import torch
 import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
 from dsflash_compile.custom_ops import records
 from dsflash_compile.custom_ops.attention import attention_reference
-from dsflash_compile.rope import apply_rope, inverse_frequencies, rotation
+from dsflash_compile.rope import inverse_frequencies
 from interp import report, run_interpreted, requires_interpreter
 
 ops = torch.ops.dsflash
@@ -148,27 +148,14 @@ OPCHECK_CASES = {
 }
 
 
-@pytest.mark.parametrize("rotate_q", [False, True])
 @pytest.mark.parametrize("case", list(OPCHECK_CASES))
-def test_attention_opcheck(case, rotate_q):
+def test_attention_opcheck(case):
     """opcheck (schema incl. the mutation of `out`, fake kernel, AOT dispatch) with -1 entries, records, int32
-    indices and the ratio-0 shape, q given after or before its RoPE."""
+    indices and the ratio-0 shape."""
     inp = make_inputs(0, **OPCHECK_CASES[case])
     assert (inp.widx == -1).any()
     out = torch.zeros_like(inp.q)
-    torch.library.opcheck(ops.attention_.default, (out, *op_args(inp)), {"rotate_q": rotate_q})
-
-
-def test_attention_rotate_q_applies_the_models_rope():
-    """rotate_q: the op rotates q's rope tail by the query position as the model's set-up and apply_rope do
-    (padding, position -1, by 0): the same bits as rotating q first."""
-    inp = make_inputs(8, window_fmt="fp8", compressed_fmt="nvfp4")
-    assert (inp.positions < 0).any()
-    rotated = apply_rope(inp.q, rotation(inp.positions.clamp_min(0), inp.inv_freq))
-    out = torch.full_like(inp.q, math.nan)
-    ops.attention_(out, *op_args(inp), rotate_q=True)
-    assert torch.equal(out, run_op(inp, q=rotated))
-    assert not torch.equal(out, run_op(inp))  # the rotation matters
+    torch.library.opcheck(ops.attention_.default, (out, *op_args(inp)))
 
 
 @pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
@@ -305,11 +292,6 @@ def interpreter_cases():
     # queries at the last 3 of 11 chunk columns: each row reads its own chunk's keys (row 1 starts 11 rows in)
     cases["last-queries-of-a-longer-chunk"] = dict(window_fmt="fp8", compressed_fmt="nvfp4", batch=2, seq=3,
                                                    chunk_rows=11, window=16, nw=24, seed=500)
-    # q given before its RoPE (the model's call): rotated in the kernel, split (decode) and not (prefill)
-    cases["rotate-q-decode-fp8-nvfp4"] = dict(window_fmt="fp8", compressed_fmt="nvfp4", batch=3, seq=1, window=32,
-                                              nw=32, n_comp=48, k=40, num_splits=None, rotate_q=True, seed=600)
-    cases["rotate-q-prefill-h20"] = dict(window_fmt="fp8", compressed_fmt="fp8", heads=20, seq=5, window=16, nw=16,
-                                         rotate_q=True, seed=601)
     return cases
 
 
@@ -330,14 +312,13 @@ def run_interpreter_case(name, spec):
 
     spec = dict(spec)
     splits, block_n, seed = spec.pop("num_splits", 1), spec.pop("block_n", None), spec.pop("seed")
-    rotate_q = spec.pop("rotate_q", False)
     inp = make_inputs(seed, **spec)
     batch = inp.q.shape[0]
     args = op_args(inp, ring=inp.ring[:batch], compressed=inp.compressed[:batch])
     ref = torch.full_like(inp.q, math.nan)
-    attention_reference(ref, *args, rotate_q)
+    attention_reference(ref, *args)
     out = torch.full_like(inp.q, math.nan)
-    attention_triton(out, *args, rotate_q, num_splits=splits, block_n=block_n)
+    attention_triton(out, *args, num_splits=splits, block_n=block_n)
     tol = interpreter_tolerance(ref)
     err = (out.float() - ref.float()).abs()
     no_sink = torch.full_like(inp.q, math.nan)
@@ -427,22 +408,19 @@ CUDA_SHAPES = {
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("rotate_q", [False, True])
 @pytest.mark.parametrize("compressed_fmt", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("shape", list(CUDA_SHAPES))
-def test_triton_cuda_matches_reference_release_shapes(shape, compressed_fmt, rotate_q):
+def test_triton_cuda_matches_reference_release_shapes(shape, compressed_fmt):
     """On CUDA the op runs the Triton kernel: within 2e-2 max|o| of the reference (run on the same device),
-    at the release shapes, q given after or before its RoPE; padding queries get exact zeros. (Measured on an
-    H200: <= 5.5e-3 max|o|, 1 ulp.)"""
+    at the release shapes; padding queries get exact zeros. (Measured on an H200: <= 5.5e-3 max|o|, 1 ulp.)"""
     pytest.importorskip("triton")
     inp = release_inputs(1, compressed_fmt=compressed_fmt, **CUDA_SHAPES[shape])
     for name in OP_ARGS:
         if isinstance(getattr(inp, name), torch.Tensor):
             setattr(inp, name, getattr(inp, name).cuda())
     ref = torch.full_like(inp.q, math.nan)
-    attention_reference(ref, *op_args(inp), rotate_q)
-    out = torch.full_like(inp.q, math.nan)
-    ops.attention_(out, *op_args(inp), rotate_q=rotate_q)  # dispatches to attention_triton on CUDA
+    attention_reference(ref, *op_args(inp))
+    out = run_op(inp)  # dispatches to attention_triton on CUDA
     torch.cuda.synchronize()
     assert out.isfinite().all()
     padding = inp.positions < 0
@@ -461,7 +439,6 @@ def test_triton_cuda_matches_reference_small_cases(name):
     pytest.importorskip("triton")
     spec = dict(interpreter_cases()[name])
     splits, block_n, seed = spec.pop("num_splits", 1), spec.pop("block_n", None), spec.pop("seed")
-    rotate_q = spec.pop("rotate_q", False)
     inp = make_inputs(seed, **spec)
     for arg in OP_ARGS:
         if isinstance(getattr(inp, arg), torch.Tensor):
@@ -469,43 +446,9 @@ def test_triton_cuda_matches_reference_small_cases(name):
     from dsflash_compile.custom_ops.attention_triton import attention_triton
 
     ref = torch.full_like(inp.q, math.nan)
-    attention_reference(ref, *op_args(inp), rotate_q)
+    attention_reference(ref, *op_args(inp))
     out = torch.full_like(inp.q, math.nan)
-    attention_triton(out, *op_args(inp), rotate_q, num_splits=splits, block_n=block_n)
+    attention_triton(out, *op_args(inp), num_splits=splits, block_n=block_n)
     assert out.isfinite().all() and (out[0, 0] == 0).all()
     err = (out.float() - ref.float()).abs().max().item()
     assert err <= 2**-7 * ref.float().abs().max().item(), (err, ref.float().abs().max().item())
-
-
-# ------------------------------------------------------------------------------- Triton kernel, sm_90
-
-
-@pytest.mark.parametrize("rotate_q", [False, True])
-def test_decode_kernel_compiles_for_hopper_without_spills(rotate_q):
-    """The batch-1 decode launch (16 heads a program, key splits, FP8 ring, NVFP4 compressed rows) compiles for
-    sm_90 within its registers, with q's RoPE in the kernel or not. Its only stack is the 32 bytes of
-    libdevice's sin/cos slow path (a table for arguments past ~1e5 radians), present without the rotation
-    too wherever the kernel rotates (the unsplit launch's output)."""
-    import subprocess
-    import tempfile
-
-    triton = pytest.importorskip("triton")
-    from hopper import compile_for_hopper
-    from dsflash_compile.custom_ops import attention_triton
-
-    args = dict(q_ptr="*bf16", ring_ptr="*u8", chunk_ptr="*bf16", widx_ptr="*i32", comp_ptr="*u8", cidx_ptr="*i32",
-                sink_ptr="*fp32", pos_ptr="*i64", freq_ptr="*fp32", out_ptr="*bf16", part_acc_ptr="*fp32",
-                part_ml_ptr="*fp32", S="i32", K="i32", chunk_sb="i32", ring_sb="i32", ring_sr="i32", comp_sb="i32",
-                comp_sr="i32", scale="fp32", blocks_per_split="i32")
-    constexprs = dict(H=64, D=512, W=128, NW=128, HALF_ROPE=32, HG=attention_triton.ONE_TOKEN_HEAD_GROUP,
-                      BLOCK_N=attention_triton.SMALL_BLOCK_N, WIN_FMT=1, CMP_FMT=2, SPLIT=True, ROTATE_Q=rotate_q,
-                      INTERPRET=False)
-    compiled = compile_for_hopper(attention_triton, ("_attention_kernel", args, constexprs, attention_triton.NUM_WARPS),
-                                  ("q_ptr", "ring_ptr", "chunk_ptr", "comp_ptr", "out_ptr", "part_acc_ptr"))
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True, text=True).stdout
-    stack = int(usage.split("STACK:")[1].split()[0])
-    assert "LOCAL:0" in usage and stack <= (32 if rotate_q else 0), usage
