@@ -35,19 +35,15 @@ from .attention_triton import _dot, _e2m1_rows, _ue8m0_bf16, _ue8m0_f32
 BLOCK_N = 64
 BLOCK_K = 128
 NUM_STAGES = 3  # Triton's default, what the MXFP4 launch has run with
-# bf16 weights: twice the bytes per output row of MXFP4, so narrower output blocks for as many programs
-# (7 experts, 6 routed and the shared one, x 2304 / 32 = 504 at decode)
-BF16_BLOCK_M = 16
-BF16_BLOCK_N = 32
-BF16_BLOCK_K = 128
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of bf16 launches by rows per stacked slice (bf16_launch): a row
-# tile reads its expert's weight slice once, so taller tiles read each picked expert about once where a slice
-# gets more rows. H200, flash-40l-e8 stacks (8 routed + the shared slice), us per projection against
+# bf16 launches (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by the mean rows per stacked slice (bf16_launch), the
+# first entry up to its bound, and so on. Few rows: bf16 weights have twice the bytes per output row of MXFP4, so
+# narrower output blocks for as many programs (7 experts, 6 routed and the shared one, x 2304 / 32 = 504 at
+# decode). More rows: a row tile reads its expert's weight slice once, so taller tiles read each picked expert
+# about once. H200, flash-40l-e8 stacks (8 routed + the shared slice), us per projection against
 # torch._grouped_mm (scripts/sweep_experts.py --tall, 12-02 n): 16 tokens (12 rows a slice) w1 / w2 54.6 / ~57
 # at 32-row tiles (16-row: 64.7 for w2); 32 tokens 55.2 / 58.6 (torch 84.5 / 85.9); 64 tokens (50 rows a
-# slice) 58.1 / 60.0 at 64-row tiles (torch 82.5 / 84.8). Up to 8 rows a slice: the 16-row default (batch <= 8)
-BF16_TALL_LAUNCHES = ((8, (BF16_BLOCK_M, BF16_BLOCK_N, BF16_BLOCK_K, 4, NUM_STAGES)), (32, (32, 128, 128, 4, 3)),
-                      (None, (64, 64, 64, 4, 4)))
+# slice) 58.1 / 60.0 at 64-row tiles (torch 82.5 / 84.8)
+BF16_LAUNCHES = ((8, (16, 32, 128, 4, NUM_STAGES)), (32, (32, 128, 128, 4, 3)), (None, (64, 64, 64, 4, 4)))
 PTX = True  # the inline-PTX conversion on CUDA (False: the same values in Triton, the interpreter's path)
 
 # _e2m1_bf16's body. $4: 4 packed bytes (8 nibbles, the even element low); $5-$6: the bytes' bf16 scales.
@@ -161,12 +157,12 @@ def block_m_for(rows: int, experts: int) -> int:
 
 def bf16_launch(rows: int, experts: int) -> dict:
     """bf16 launch keywords for `rows` over `experts` stacked slices (shapes only: no host sync), from
-    BF16_TALL_LAUNCHES by the mean rows per slice."""
+    BF16_LAUNCHES by the mean rows per slice."""
     per_slice = rows // experts
-    for bound, (block_m, block_n, block_k, warps, stages) in BF16_TALL_LAUNCHES:
+    for bound, (block_m, block_n, block_k, warps, stages) in BF16_LAUNCHES:
         if bound is None or per_slice <= bound:
             return dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
-    raise AssertionError("BF16_TALL_LAUNCHES ends with an unbounded entry")
+    raise AssertionError("BF16_LAUNCHES ends with an unbounded entry")
 
 
 def grouped_mm_triton(x, weight, scale, offsets, block_m=None, block_n=None, block_k=None, num_warps=None,

@@ -2,8 +2,8 @@
 flash-40l-e8 shapes (8 routed experts, top-6; w1/w3 2304 x 5120, w2 5120 x 2304) at batch 1..64, with the shared
 expert as the stacks' ninth slice and every token's seventh row (compile()'s moe_shared_stacked, the default).
 Every variant's output is checked against torch._grouped_mm first (bench_native.py's case and error). Picks the
-defaults of custom_ops/mxfp4_experts_triton.py (BF16_BLOCK_N, BF16_BLOCK_K, NUM_STAGES, BF16_TALL_LAUNCHES) and
-compile()'s moe_few_rows (the largest batch x 7 rows where the kernel still wins).
+launches of custom_ops/mxfp4_experts_triton.py (BF16_LAUNCHES) and compile()'s moe_few_rows (the largest batch x 7
+rows where the kernel still wins).
 
     python scripts/sweep_experts.py --out benchmarks/results
     python scripts/sweep_experts.py --tokens 1 --full     (every launch variant at batch 1 only)
@@ -20,20 +20,21 @@ import itertools
 import torch
 
 from bench_native import EXPERT_PROJECTIONS, error, experts_case
-from dsflash_compile.benchmarking import print_table, run_metadata, save_results, sweep_variant, time_graph
+from dsflash_compile.benchmarking import fastest, print_table, run_metadata, save_results, sweep_variant, time_graph
 from dsflash_compile.custom_ops import mxfp4_experts_triton as kernels
 
 EXPERTS = 8
 TOKENS = [1, 2, 4, 8, 16, 32, 64]
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); 64 x 256 at 4 warps spills registers on sm_90
 # (tests/test_native_weights.py). --tall: the taller row tiles for many rows per expert (batch 32-64)
-VARIANTS = [(kernels.BF16_BLOCK_M, *v) for v in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (2, 3, 4))
+DEFAULT = kernels.BF16_LAUNCHES[0][1]  # the few-rows launch (up to 8 rows a slice: batch <= 8)
+VARIANTS = [(DEFAULT[0], *v) for v in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (2, 3, 4))
             if v[:3] != (64, 256, 4)]
 TALL_VARIANTS = list(itertools.product((32, 64), (32, 64, 128), (64, 128), (4, 8), (3, 4)))
-DEFAULT = (kernels.BF16_BLOCK_M, kernels.BF16_BLOCK_N, kernels.BF16_BLOCK_K, 4, kernels.NUM_STAGES)
 COLUMNS = [("tokens", "tokens", "d"), ("proj", "proj", ""), ("block_m", "block_m", "d"), ("block_n", "block_n", "d"),
            ("block_k", "block_k", "d"), ("warps", "num_warps", "d"), ("stages", "num_stages", "d"),
-           ("us", "s", ".1f", 1e6), ("TB/s", "tb_per_s", ".2f"), ("x torch", "vs_torch", ".2f"), ("agrees", "agrees", "")]
+           ("us", "s", ".1f", 1e6), ("TB/s", "tb_per_s", ".2f"), ("x torch", "vs_torch", ".2f"),
+           ("agrees", "agrees", "")]
 
 
 def sweep(tokens: int, proj: str, variants: list[tuple], gen: torch.Generator) -> list[dict]:
@@ -52,10 +53,10 @@ def sweep(tokens: int, proj: str, variants: list[tuple], gen: torch.Generator) -
                "block_k": block_k, "num_warps": warps, "num_stages": stages}
         try:
             sweep_variant(row, call, lambda out: error(out, want, mag) <= 2 ** -8)  # bf16 rounding: ~2^-9 of mag
+            row.update(vs_torch=torch_s / row["s"], tb_per_s=nbytes / row["s"] / 1e12)
         except Exception as failure:  # noqa: BLE001 - e.g. out of shared memory: reported, the sweep goes on
-            row.update(agrees=False, s=float("inf"), error=f"{type(failure).__name__}: {failure}"[:300])
+            row.update(agrees=False, error=f"{type(failure).__name__}: {failure}"[:300])
             print(row, flush=True)
-        row.update(vs_torch=torch_s / row["s"], tb_per_s=nbytes / row["s"] / 1e12)
         rows.append(row)
     return rows
 
@@ -80,9 +81,9 @@ def main() -> None:
                 variants = VARIANTS if args.full or tokens == 1 else sorted({DEFAULT, best.get(proj, DEFAULT)})
             measured = sweep(tokens, proj, variants, gen)
             if tokens == 1 and not args.tall:
-                top = min((r for r in measured if r["path"] == "triton" and r["agrees"]), key=lambda r: r["s"])
+                top = next(r for r in fastest(measured) if r["path"] == "triton")
                 best[proj] = tuple(top[key] for key in ("block_m", "block_n", "block_k", "num_warps", "num_stages"))
-            print_table(sorted(measured, key=lambda r: r["s"])[:12], COLUMNS)
+            print_table(fastest(measured)[:12], COLUMNS)
             results += measured
         save_results({**run_metadata(), "default": DEFAULT, "best_at_batch_1": best, "rows": results},
                      "experts-sweep", args.out)
