@@ -14,9 +14,9 @@ counter for the next launch (H200, 12-01, sweep_mhc.py --parts: 8.3 us at one to
 Rounding points are the reference's: fp32 math, bf16 casts of the new streams and of the collapse.
 One token per program by default (block_t > 1 reuses the fn tile over a serial token loop, which the H200
 sweep found slower); more than 16 tokens take wider D chunks. Full seams of ROWS_MIN_TOKENS tokens or more
-run mhc_rows_triton.py's kernel instead (blocks of tokens, the mixes as a matmul, D split while few blocks).
-The counters (block_counters.py) are shared with the router and rows kernels and a launch leaves them at zero:
-one seam or router in flight per device on the "main" lane.
+run mhc_rows_triton.py's kernels instead (blocks of tokens, the mixes as a matmul, D split while few blocks,
+then a finish per token). The counters (block_counters.py) are shared with the router kernel and a launch
+leaves them at zero: one seam or router in flight per device on the "main" lane.
 
 The overlapped seam (mhc_split.py, issue 8) launches this kernel twice with half of it switched off by the
 runtime flags mixes and collapse: the sublayer's input (expansion, collapse, RMSNorm) and the mixes (GEMV,
@@ -32,7 +32,7 @@ import triton.language as tl
 from . import mhc_rows_triton
 from .block_counters import block_counters
 from .mhc import ROWS_MIN_TOKENS
-from .mhc_finish_triton import _mixes, _rms_norm
+from .mhc_finish_triton import _finish_token
 
 
 # has_post, mixes, collapse are runtime flags, never specialized (do_not_specialize: Triton would compile a 1
@@ -120,40 +120,6 @@ def _finish_block(block, N, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr
                           NORM_BLOCK, mixes, collapse)
 
 
-@triton.jit
-def _finish_token(row, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr, pre_out_ptr, post_out_ptr,
-                  comb_out_ptr, norm_eps, hc_eps, iters, HC: tl.constexpr, D: tl.constexpr, PART: tl.constexpr,
-                  CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr, mixes, collapse):
-    """Sum one token's partials over the chunks, then mixes -> (pre, post, Sinkhorn comb) and the RMSNorm
-    (each where its flag is on; the math in mhc_finish_triton.py, shared with mhc_rows_triton.py)."""
-    MIX: tl.constexpr = (2 + HC) * HC
-    i = tl.arange(0, HC)
-    ch = tl.arange(0, CHUNKS_PAD)
-    rows = partial_ptr + (row * chunks + ch) * PART
-    live = ch < chunks
-    # .cg: bypass L1 (not coherent across SMs) to read what the other programs wrote
-    if mixes != 0:
-        pre_dot = tl.sum(tl.load(rows[:, None] + i[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg"), 0)
-        post_dot = tl.sum(tl.load(rows[:, None] + HC + i[None, :], mask=live[:, None], other=0.0,
-                                  cache_modifier=".cg"), 0)
-        comb_dot = tl.sum(tl.load(rows[:, None, None] + 2 * HC + i[None, :, None] * HC + i[None, None, :],
-                                  mask=live[:, None, None], other=0.0, cache_modifier=".cg"), 0)
-        streams_ss = tl.sum(tl.load(rows + MIX, mask=live, other=0.0, cache_modifier=".cg"), 0)
-        pre, post, comb = _mixes(pre_dot, post_dot, comb_dot, streams_ss, scale_ptr, base_ptr, norm_eps, hc_eps,
-                                 iters, HC, D)
-        tl.store(pre_out_ptr + row * HC + i, pre)
-        tl.store(post_out_ptr + row * HC + i, post)
-        tl.store(comb_out_ptr + row * HC * HC + i[:, None] * HC + i[None, :], comb)
-
-    if collapse != 0:
-        collapse_ss = tl.sum(tl.load(rows + MIX + 1, mask=live, other=0.0, cache_modifier=".cg"), 0)
-        for d0 in range(0, D, NORM_BLOCK):
-            d = d0 + tl.arange(0, NORM_BLOCK)
-            x = tl.load(normed_ptr + row * D + d, mask=d < D, other=0.0, cache_modifier=".cg").to(tl.float32)
-            w = tl.load(weight_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-            tl.store(normed_ptr + row * D + d, _rms_norm(x, w, collapse_ss, norm_eps, D), mask=d < D)
-
-
 BLOCK_D = 64
 WIDE_BLOCK_D = 128
 NORM_BLOCK = 1024
@@ -175,7 +141,7 @@ def _columns_per_program(tokens: int) -> int:
 
 
 def takes_rows(tokens: int, mixes: bool, collapse: bool) -> bool:
-    """Whether mhc_seam_triton runs mhc_rows_triton.py's kernel: full seams of ROWS_MIN_TOKENS tokens or more.
+    """Whether mhc_seam_triton runs mhc_rows_triton.py's kernels: full seams of ROWS_MIN_TOKENS tokens or more.
     The split launches (mixes or collapse off) always take _seam_kernel: they must equal its one launch."""
     return mixes and collapse and tokens >= ROWS_MIN_TOKENS
 
@@ -187,7 +153,7 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
     (new streams, normed, pre, post, comb); shapes as the ops' references. block_t (tokens per program),
     block_d (columns per program), num_warps, norm_block (the finish's RMSNorm tile) and share_finish (two
     programs finish a block; default: on CUDA) override _seam_kernel's launch (scripts/sweep_mhc.py).
-    rows: None takes mhc_rows_triton.py's kernel where `takes_rows` says, True or False forces it or not (full
+    rows: None takes mhc_rows_triton.py's kernels where `takes_rows` says, True or False forces it or not (full
     seams only); rows_launch overrides its launch (keys of mhc_rows_triton.LAUNCH).
     The split seam (custom_ops/mhc_split.py) launches _seam_kernel twice: mixes=False (fn, scale, base
     unused) returns the outputs above without (pre, post, comb); collapse=False (pre_lagged, norm_weight

@@ -51,8 +51,11 @@ COLUMNS = [("tokens", "tokens", "d"), ("tokens/program", "block_t", "d"), ("colu
            ("warps", "num_warps", "d"), ("us", "s", ".2f", 1e6), ("agrees", "agrees", "")]
 ROWS_COLUMNS = [("tokens", "tokens", "d"), ("kernel", "kernel", ""), ("tokens/program", "block_t", "d"),
                 ("columns/chunk", "block_d", "d"), ("warps", "num_warps", "d"), ("dot", "precision", ""),
-                ("D splits", "splits", "d"), ("us", "s", ".2f", 1e6), ("agrees", "agrees", "")]
+                ("D splits", "splits", "d"), ("finish tile", "finish_norm_block", "d"),
+                ("finish warps", "finish_warps", "d"), ("us", "s", ".2f", 1e6), ("agrees", "agrees", "")]
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
+FINISH_NORM_BLOCKS = (1024, 2048, 8192)  # the rows finish's RMSNorm tile and warps, swept at the default tile
+FINISH_WARPS = (1, 2, 4, 8)
 COLD_COPIES = 48
 PARTS_COLUMNS = [("tokens", "tokens", "d"), ("part", "part", ""), ("fn", "fn", ""), ("us", "s", ".2f", 1e6),
                  ("agrees", "agrees", "")]
@@ -94,6 +97,8 @@ def sweep_rows(tokens: int) -> list[dict]:
     rows = [sweep_variant({"tokens": tokens, "kernel": "seam"},
                           lambda: mhc_triton.mhc_seam_triton(*args, rows=False), agrees)]
     launches = [("rows default", mhc_rows_triton.LAUNCH)]
+    launches += [("rows", {**mhc_rows_triton.LAUNCH, "finish_norm_block": norm_block, "finish_warps": warps})
+                 for norm_block, warps in itertools.product(FINISH_NORM_BLOCKS, FINISH_WARPS)]
     for block_t, block_d, warps in itertools.product((16, 32, 64), (32, 64, 128), (4, 8)):
         if block_t * block_d != 256 * warps:
             continue

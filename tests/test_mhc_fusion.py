@@ -77,11 +77,12 @@ ROWS_CASES = {  # name: (leading dims, D, rows_launch): mhc_rows_triton's kernel
     "rows_prefill": ((37,), 96, {"splits": 1}),
     "rows_batch_seq": ((2, 19), 64, {"block_t": 32, "block_d": 32}),
     "rows_short": ((20,), 96, {"block_d": 32, "num_warps": 8, "splits": 1}),
-    # D splits: a short last split with a partial chunk; split_plan's default (4 splits of one chunk); more
-    # splits than SPLIT_GROUP (two group loads of partials)
+    # D splits: a short last split with a partial chunk; split_plan's default (4 splits of one chunk); 10
+    # splits (a padded load of partials in the finish); a finish that normalises a row in several tiles
     "rows_split": ((37,), 80, {"block_d": 32, "splits": 2}),
     "rows_split_default": ((20,), 64, {"block_d": 16, "splits": None}),
     "rows_split_groups": ((2, 9), 160, {"block_d": 16, "splits": 10}),
+    "rows_norm_tiles": ((19,), 96, {"finish_norm_block": 32, "finish_warps": 1}),
 }
 
 
@@ -173,22 +174,28 @@ def test_seam_kernel_compiles_for_hopper(block_t, block_d):
 
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("has_post", [True, False])
-def test_rows_kernel_compiles_for_hopper(has_post, split):
-    """Release dims, the rows kernel's default launch with one D split and with several (partials, counters,
-    the finishing program's wider normalisation tiles), both ops: sm_90 code without spills. The pointers
-    (and the columns per split, a multiple of BLOCK_D) are 16-byte aligned, as torch allocates them and as
-    Triton specializes the launch (vectorised, pipelined loads); unaligned ones would compile another variant."""
+def test_rows_kernels_compile_for_hopper(has_post, split):
+    """Release dims, the rows kernels' default launch with one D split and with several, both ops, and the
+    per-token finish: sm_90 code without spills. The pointers (and the columns per split, a multiple of
+    BLOCK_D) are 16-byte aligned, as torch allocates them and as Triton specializes the launch (vectorised,
+    pipelined loads); unaligned ones would compile another variant."""
     from dsflash_compile.custom_ops import mhc_rows_triton
 
     launch = mhc_rows_triton.LAUNCH
-    norm_d = mhc_rows_triton.NORM_TILE // launch["block_t"] if split else launch["block_d"]
-    constexprs = dict(HC=4, D=5120, BLOCK_T=launch["block_t"], BLOCK_D=launch["block_d"], MIX_PAD=32, NORM_D=norm_d,
+    constexprs = dict(HC=4, D=5120, BLOCK_T=launch["block_t"], BLOCK_D=launch["block_d"], MIX_PAD=32,
                       HAS_POST=has_post, PRECISION=launch["precision"], SPLIT=split)
     args = {name: KERNEL_ARGS.get(name, "i32") for name in mhc_rows_triton._seam_rows_kernel.arg_names
             if name not in constexprs}  # span: i32
+    finish_constexprs = dict(HC=4, D=5120, MIX_PAD=32, SPLITS_PAD=64 if split else 1,
+                             NORM_BLOCK=launch["finish_norm_block"])
+    finish_args = {name: KERNEL_ARGS.get(name, "i32") for name in mhc_rows_triton._finish_rows_kernel.arg_names
+                   if name not in finish_constexprs}  # splits: i32
     check_compiles_for_hopper(mhc_rows_triton, ("_seam_rows_kernel", args, constexprs, launch["num_warps"]),
                               divisible_by_16=[name for name, kind in args.items() if kind.startswith("*")]
                               + ["span"])
+    check_compiles_for_hopper(mhc_rows_triton, ("_finish_rows_kernel", finish_args, finish_constexprs,
+                                                launch["finish_warps"]),
+                              divisible_by_16=[name for name, kind in finish_args.items() if kind.startswith("*")])
 
 
 def test_rows_split_plan(monkeypatch):
@@ -220,7 +227,8 @@ class RecordedKernel:
 
 def test_full_seams_of_many_tokens_take_the_rows_kernel(monkeypatch):
     """mhc_seam_triton's dispatch (host code; the launches recorded, not run): full seams from ROWS_MIN_TOKENS
-    tokens take the rows kernel, a program per (block of tokens, D split); fewer tokens and the split launches (mixes
+    tokens take the rows kernel, a program per (block of tokens, D split), then its finish, a program per
+    token; fewer tokens and the split launches (mixes
     or collapse off: they must equal _seam_kernel's one launch) take _seam_kernel."""
     pytest.importorskip("triton")
     from dsflash_compile.custom_ops import mhc_rows_triton, mhc_triton
@@ -229,6 +237,7 @@ def test_full_seams_of_many_tokens_take_the_rows_kernel(monkeypatch):
     calls = []
     monkeypatch.setattr(mhc_triton, "_seam_kernel", RecordedKernel("seam", calls))
     monkeypatch.setattr(mhc_rows_triton, "_seam_rows_kernel", RecordedKernel("rows", calls))
+    monkeypatch.setattr(mhc_rows_triton, "_finish_rows_kernel", RecordedKernel("finish", calls))
     monkeypatch.setitem(mhc_rows_triton.LAUNCH, "splits", None)  # split_plan's automatic splits (pinned)
     block_t = mhc_rows_triton.LAUNCH["block_t"]
     least = ROWS_MIN_TOKENS
@@ -243,15 +252,17 @@ def test_full_seams_of_many_tokens_take_the_rows_kernel(monkeypatch):
         mhc_seam_triton(None, streams, None, None, pre_lagged, fn, scale, base, weight, *consts)
         mhc_seam_triton(out, streams, post, comb, pre_lagged, None, None, None, weight, *consts, mixes=False)
         mhc_seam_triton(None, streams, None, None, None, fn, scale, base, None, *consts, collapse=False)
-        full = "rows" if tokens >= least else "seam"
-        assert [name for name, _, _ in calls] == [full, full, "seam", "seam"], tokens
-        if full == "rows":  # (token blocks, D splits) as split_plan says: several where the blocks are few
+        full = ["rows", "finish"] if tokens >= least else ["seam"]
+        assert [name for name, _, _ in calls] == [*full, *full, "seam", "seam"], tokens
+        if tokens >= least:  # (token blocks, D splits) as split_plan says: several where the blocks are few
             blocks, splits, _ = mhc_rows_triton.split_plan(tokens, dim, mhc_rows_triton.LAUNCH)
             assert blocks == (tokens + block_t - 1) // block_t
-            assert [grid for _, grid, _ in calls[:2]] == [(blocks, splits)] * 2
-            assert [constexprs["SPLIT"] for _, _, constexprs in calls[:2]] == [splits > 1] * 2
+            rows, finishes = calls[0:4:2], calls[1:4:2]
+            assert [grid for _, grid, _ in rows] == [(blocks, splits)] * 2
+            assert [grid for _, grid, _ in finishes] == [(tokens,)] * 2  # one finishing program per token
+            assert [constexprs["SPLIT"] for _, _, constexprs in rows] == [splits > 1] * 2
             seen_splits.add(splits > 1)
-            assert [constexprs["HAS_POST"] for _, _, constexprs in calls[:2]] == [True, False]
+            assert [constexprs["HAS_POST"] for _, _, constexprs in rows] == [True, False]
     assert seen_splits == {True, False}
     with pytest.raises(ValueError, match="full seams only"):
         mhc_seam_triton(out, streams, post, comb, pre_lagged, None, None, None, weight, *consts, mixes=False, rows=True)
