@@ -18,7 +18,8 @@ from bench_attention import make_case, run_reference, run_triton
 from dsflash_compile.benchmarking import print_table, run_metadata, save_results, sweep_variant
 
 # (head_group, block_n, splits (None: the default), warps)
-VARIANTS = [(64, None, None, 8)] + list(itertools.product((16, 32, 64), (16, 32, 64), (None,), (4, 8)))
+VARIANTS = ([(64, None, None, 8)] + list(itertools.product((16, 32, 64), (16, 32, 64), (None,), (4, 8)))
+            + list(itertools.product((64,), (32, 64), (1, 4, 8), (8,))))  # key splits beyond one program per SM
 COLUMNS = [("B", "batch", "d"), ("heads/prog", "head_group", ""), ("block_n", "block_n", ""),
            ("splits", "num_splits", ""), ("warps", "num_warps", ""), ("us", "s", ".2f", 1e6), ("agrees", "agrees", "")]
 
