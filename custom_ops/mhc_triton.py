@@ -88,8 +88,9 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
     ticket = tl.atomic_add(counter_ptr + block, 1, sem="acq_rel")
     # Both halves on: the block's last two programs share the finish, so that the RMSNorm runs beside the mixes'
     # Sinkhorn instead of after it. The last one runs the mixes; the one before waits for the last's partials
-    # and runs the RMSNorm. Only one program a block waits, for a program that all but it have passed, so the
-    # wait cannot starve it of a slot. Either half computes what the one finishing program would: same bits.
+    # and runs the RMSNorm. Only one program a block waits, and the host shares the finish only while blocks are
+    # no more than SMs (_may_share_finish), so a waiter never starves the last program of a slot. Either half
+    # computes what the one finishing program would: same bits.
     # share_finish is off under the interpreter, which runs the programs one after another.
     shared = (share_finish != 0) & (mixes != 0) & (collapse != 0) & (chunks > 1)
     if ticket == chunks - 1:
@@ -123,6 +124,15 @@ def _finish_block(block, N, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr
 BLOCK_D = 64
 WIDE_BLOCK_D = 128
 NORM_BLOCK = 1024
+
+
+def _may_share_finish(device: torch.device, blocks: int) -> bool:
+    """Whether two programs finish each block (share_finish's default): on CUDA, with at most one block per SM.
+    Each block's waiting program holds its slot until the block's last program runs; with more blocks than SMs
+    the waiters could fill every slot before the last programs are scheduled (they come last: the grid runs
+    block-major) and the launch would hang, as it did at 1024 tokens (rows=False, H200, 12-02 o). With at
+    most one waiter per SM and two or more programs resident per SM, a slot is always free."""
+    return device.type == "cuda" and blocks <= torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def kernel_fits(streams, fn=None) -> bool:
@@ -191,7 +201,7 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
         _seam_kernel[(blocks, chunks)](
             *tensors, partial, block_counters(flat.device, blocks, "main" if collapse else "side"), tokens,
             norm_eps, hc_eps, iters, int(has_post), int(mixes), int(collapse),
-            int(flat.device.type == "cuda" if share_finish is None else share_finish),
+            int(_may_share_finish(flat.device, blocks) if share_finish is None else share_finish),
             HC=hc, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, PART=part, CHUNKS_PAD=triton.next_power_of_2(chunks),
             NORM_BLOCK=min(norm_block or NORM_BLOCK, triton.next_power_of_2(dim)), num_warps=num_warps)
     lead = tuple(lead)
