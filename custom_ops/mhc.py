@@ -21,13 +21,14 @@ from torch import Tensor
 from dsflash_compile.layers import RMSNorm
 from dsflash_compile.mhc import hc_mixes, hc_post, hc_pre
 
-# On CUDA, full seams of at least ROWS_MIN_TOKENS tokens run mhc_rows_triton.py's kernel, fewer the one-token
+# On CUDA, full seams of at least ROWS_MIN_TOKENS tokens run mhc_rows_triton.py's kernels, fewer the one-token
 # kernel of mhc_triton.py (defined here, where machines without triton import it: CompileOptions checks it).
-# H200 sweep (scripts/sweep_mhc.py --rows, 11-30, mhc-rows-sweep-2026-11-30-d.json): with split_plan's D splits
-# this kernel takes 28 / 31 / 37 / 98 / 362 us at 64 / 128 / 256 / 1024 / 4096 tokens (the best split count
-# swept: 26 / 29 / 37 / 98 / 338), against 222 / 221 / 237 / 233 / 362 without a split and the one-token
-# kernel's 39 / 66 / 119 / 476 / 1884 us. 64 is the fewest tokens swept, so the crossover may lie lower
-ROWS_MIN_TOKENS = 64
+# H200 sweep (scripts/sweep_mhc.py --rows, 12-02 o, mhc-rows-sweep-2026-12-02-o.json; fn hot in L2): the rows
+# kernels (main pass, then a finish per token) take 17.0 / 19.6 / 22.8 / 91 / 340 us at 32 / 64 / 128 / 1024 /
+# 4096 tokens at their default launch, against the one-token kernel's 24.0 / 37.9 / 63.7 / 479 / 1894 us (and the
+# one-launch rows kernel before them: 29.3 / 28.3 / 31.1 us at 32 / 64 / 128). 32 is the fewest tokens swept where
+# the rows kernels win; the one-token kernel takes 16.5 us at 16, the overlap pass's largest seam
+ROWS_MIN_TOKENS = 32
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -43,9 +43,11 @@ from .mhc_finish_triton import _finish_token
 # The fastest launch at every count swept; TF32x3 on tensor cores is 2.7-3.5x faster than "ieee" (fp32 FMAs)
 # and agreed with the reference as closely (the sweep's check). splits: D splits per token block; None:
 # split_plan's (about TARGET_PROGRAMS programs), within 10% of the best swept split at every count.
-# finish_norm_block / finish_warps: the finishing launch's RMSNorm tile and warps
-LAUNCH = dict(block_t=16, block_d=64, num_warps=4, precision="tf32x3", splits=None, finish_norm_block=2048,
-              finish_warps=4)
+# finish_norm_block / finish_warps: the finishing launch's RMSNorm tile and warps; one warp and the whole row in
+# one tile were the fastest at 32, 64 and 128 tokens (14.6 / 18.1 / 21.8 us against 17.0 / 19.6 / 22.8 at 2048
+# and 4 warps; H200 12-02 o), within the noise (~1%) at 1024 and 4096
+LAUNCH = dict(block_t=16, block_d=64, num_warps=4, precision="tf32x3", splits=None, finish_norm_block=8192,
+              finish_warps=1)
 # Two programs per SM of an H200 (132 SMs), all resident at once: the default launch took 255 registers a
 # thread and 95 KB of shared memory (sm_90 compile, with the finish inside); two programs of a block per SM
 # ran 1.3x the throughput of one (4096 tokens = 256 programs in 359 us, 1024 = 64 programs in 233)
