@@ -45,9 +45,10 @@ from .mhc_finish_triton import _finish_token
 # split_plan's (about TARGET_PROGRAMS programs), within 10% of the best swept split at every count.
 # finish_norm_block / finish_warps: the finishing launch's RMSNorm tile and warps; one warp and the whole row in
 # one tile were the fastest at 32, 64 and 128 tokens (14.6 / 18.1 / 21.8 us against 17.0 / 19.6 / 22.8 at 2048
-# and 4 warps; H200 12-02 o), within the noise (~1%) at 1024 and 4096
+# and 4 warps; H200 12-02 o), within the noise (~1%) at 1024 and 4096. finish_split: two programs a token, the
+# mixes beside the RMSNorm (not measured yet: in the B64 decode trace of 12-02 o the finish took 6.6 us a seam)
 LAUNCH = dict(block_t=16, block_d=64, num_warps=4, precision="tf32x3", splits=None, finish_norm_block=8192,
-              finish_warps=1)
+              finish_warps=1, finish_split=False)
 # Two programs per SM of an H200 (132 SMs), all resident at once: the default launch took 255 registers a
 # thread and 95 KB of shared memory (sm_90 compile, with the finish inside); two programs of a block per SM
 # ran 1.3x the throughput of one (4096 tokens = 256 programs in 359 us, 1024 = 64 programs in 233)
@@ -116,11 +117,15 @@ def _seam_rows_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_
 def _finish_rows_kernel(partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr, pre_out_ptr, post_out_ptr,
                         comb_out_ptr, splits, norm_eps, hc_eps, iters, HC: tl.constexpr, D: tl.constexpr,
                         MIX_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr):
-    """One token a program: its partials summed over the splits, its mixes (sigmoids, Sinkhorn) and its
-    collapsed row normalised in place (mhc_triton.py's finish, both halves on)."""
+    """Grid (token, half): its partials summed over the splits, its mixes (sigmoids, Sinkhorn) and its collapsed
+    row normalised in place (mhc_triton.py's finish). With one half a program does both; with two (the launch's
+    finish_split) half 0 runs the mixes and half 1 the RMSNorm side by side, each computing what one program
+    would: the same bits."""
+    half = tl.program_id(1)
+    both = tl.num_programs(1) == 1
     _finish_token(tl.program_id(0).to(tl.int64), splits, partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr,
                   pre_out_ptr, post_out_ptr, comb_out_ptr, norm_eps, hc_eps, iters, HC, D, MIX_PAD, SPLITS_PAD,
-                  NORM_BLOCK, 1, 1)
+                  NORM_BLOCK, both | (half == 0), both | (half == 1))
 
 
 def split_plan(tokens: int, dim: int, launch: dict) -> tuple[int, int, int]:
@@ -154,7 +159,7 @@ def seam_rows(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight
         out, streams, post, comb, pre_lagged, fn, new_streams, normed, partial, tokens, span, HC=hc, D=dim,
         BLOCK_T=block_t, BLOCK_D=block_d, MIX_PAD=mix_pad, HAS_POST=has_post, PRECISION=launch["precision"],
         SPLIT=splits > 1, num_warps=launch["num_warps"])
-    _finish_rows_kernel[(tokens,)](
+    _finish_rows_kernel[(tokens, 2 if launch["finish_split"] else 1)](
         partial, scale, base, norm_weight, normed, pre_out, post_out, comb_out, splits, norm_eps, hc_eps, iters,
         HC=hc, D=dim, MIX_PAD=mix_pad, SPLITS_PAD=triton.next_power_of_2(splits),
         NORM_BLOCK=min(launch["finish_norm_block"], triton.next_power_of_2(dim)), num_warps=launch["finish_warps"])

@@ -9,7 +9,7 @@ Without --rows: tokens per program, columns per program and warps at 1 / 16 / 64
 keeps mhc_triton.py's kernel at any count). Its first sweep (11-30, at 64 and 1024 tokens) set the default
 launches; the token blocks it found slow (16 tokens per program: 2-5x) are left out of the grid.
 
---rows: the rows kernel at 64 ... 4096 tokens (prefill chunks, batched decode, bounded replay's trimmed
+--rows: the rows kernels at 32 ... 4096 tokens (prefill chunks, batched decode, bounded replay's trimmed
 layers at 128), beside mhc_triton.py's kernel at its default launch and the rows kernel at its default launch
 (LAUNCH, split_plan's splits); it prints the fastest launch per token count and the smallest swept count from
 which the rows kernel wins (for mhc_rows_triton.LAUNCH, TARGET_PROGRAMS and mhc.ROWS_MIN_TOKENS). Its grid: the
@@ -17,10 +17,10 @@ tiles of 8 values a thread (BLOCK_T BLOCK_D = 256 warps: 16 x 64 and 32 x 32 at 
 64 x 32 at 8), the five fastest of the 11-30 sweep (mhc-rows-sweep-2026-11-30.json; smaller tiles were 2-9x
 slower, larger ones spilled), TF32x3 dots only ("ieee" was 2.7-3.5x slower at every count), each with 1, 2,
 4 ... 64 D splits as split_plan evens them out (64 of 80 chunks: 40), duplicates and launches of more than
-2 TARGET_PROGRAMS programs left out: 141 launches at the five default counts. GPU time: about a minute of
-compiles (two variants per tile: one split or several) and some 30 s of runs (each a check and 221 calls;
-11-30 on the H200, mhc-rows-sweep-2026-11-30-d.json: the rows kernel took 28-98 us from 64 to 1024 tokens
-with the default splits, 362 us at 4096).
+2 TARGET_PROGRAMS programs left out (141 launches at 64 ... 4096 tokens); then the finishing launch's
+RMSNorm tile (FINISH_NORM_BLOCKS), warps (FINISH_WARPS) and finish_split at the default tile. GPU time (12-02
+o, 32 ... 4096 tokens with the finish grid): ~4 minutes. H200 12-02 o (mhc-rows-sweep-2026-12-02-o.json): the
+rows kernels took 17.0 / 19.6 / 22.8 / 91 / 340 us at 32 / 64 / 128 / 1024 / 4096 tokens at their default.
 
 --parts: where one seam's time goes, at 1 and 16 tokens: the whole seam at the default launch and a few others
 (one program finishing a block, the RMSNorm after the Sinkhorn; norm_block: the finish's RMSNorm in one tile),
@@ -52,7 +52,8 @@ COLUMNS = [("tokens", "tokens", "d"), ("tokens/program", "block_t", "d"), ("colu
 ROWS_COLUMNS = [("tokens", "tokens", "d"), ("kernel", "kernel", ""), ("tokens/program", "block_t", "d"),
                 ("columns/chunk", "block_d", "d"), ("warps", "num_warps", "d"), ("dot", "precision", ""),
                 ("D splits", "splits", "d"), ("finish tile", "finish_norm_block", "d"),
-                ("finish warps", "finish_warps", "d"), ("us", "s", ".2f", 1e6), ("agrees", "agrees", "")]
+                ("finish warps", "finish_warps", "d"), ("finish split", "finish_split", ""), ("us", "s", ".2f", 1e6),
+                ("agrees", "agrees", "")]
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
 FINISH_NORM_BLOCKS = (1024, 2048, 8192)  # the rows finish's RMSNorm tile and warps, swept at the default tile
 FINISH_WARPS = (1, 2, 4, 8)
@@ -97,8 +98,9 @@ def sweep_rows(tokens: int) -> list[dict]:
     rows = [sweep_variant({"tokens": tokens, "kernel": "seam"},
                           lambda: mhc_triton.mhc_seam_triton(*args, rows=False), agrees)]
     launches = [("rows default", mhc_rows_triton.LAUNCH)]
-    launches += [("rows", {**mhc_rows_triton.LAUNCH, "finish_norm_block": norm_block, "finish_warps": warps})
-                 for norm_block, warps in itertools.product(FINISH_NORM_BLOCKS, FINISH_WARPS)]
+    launches += [("rows", {**mhc_rows_triton.LAUNCH, "finish_norm_block": norm_block, "finish_warps": warps,
+                           "finish_split": split})
+                 for norm_block, warps, split in itertools.product(FINISH_NORM_BLOCKS, FINISH_WARPS, (False, True))]
     for block_t, block_d, warps in itertools.product((16, 32, 64), (32, 64, 128), (4, 8)):
         if block_t * block_d != 256 * warps:
             continue
@@ -173,7 +175,7 @@ def main() -> None:
     parser.add_argument("--rows", action="store_true", help="sweep mhc_rows_triton.py's kernel instead")
     parser.add_argument("--parts", action="store_true", help="where one seam's time goes (module docstring)")
     parser.add_argument("--tokens", type=int, nargs="+",
-                        help="default: 1 16 64 256, with --rows 64 ... 4096, with --parts 1 16")
+                        help="default: 1 16 64 256, with --rows 32 ... 4096, with --parts 1 16")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -183,7 +185,7 @@ def main() -> None:
         save_results({**run_metadata(), "rows": rows}, "mhc-parts", args.out)
         print_table(rows, PARTS_COLUMNS)
         return
-    tokens = args.tokens or ([64, 128, 256, 1024, 4096] if args.rows else [1, 16, 64, 256])
+    tokens = args.tokens or ([32, 64, 128, 256, 1024, 4096] if args.rows else [1, 16, 64, 256])
     rows = [row for n in tokens for row in (sweep_rows(n) if args.rows else sweep(n))]
     # saved first: a launch that failed has no time, and the summaries below must not lose the run
     save_results({**run_metadata(), "rows": rows}, "mhc-rows-sweep" if args.rows else "mhc-sweep", args.out)
