@@ -16,7 +16,7 @@ that makes Inductor order every later reader of (p, q, C) after it, with no copy
 
 Each op's values are the fused op's, bit for bit: the references are the same mhc.py functions, and on CUDA
 the same Triton kernel runs with the other half's work switched off (mhc_triton.py). On CUDA that holds below
-mhc.ROWS_MIN_TOKENS tokens: from there the fused seam runs the rows kernel, which sums in
+mhc.ROWS_MIN_TOKENS tokens: from there the fused seam runs the rows kernels, which sum in
 another order (the overlap pass splits decode-sized seams, CompileOptions.mhc_overlap_max_tokens).
 """
 

@@ -10,7 +10,7 @@ keeps mhc_triton.py's kernel at any count). Its first sweep (11-30, at 64 and 10
 launches; the token blocks it found slow (16 tokens per program: 2-5x) are left out of the grid.
 
 --rows: the rows kernels at 32 ... 4096 tokens (prefill chunks, batched decode, bounded replay's trimmed
-layers at 128), beside mhc_triton.py's kernel at its default launch and the rows kernel at its default launch
+layers at 128), beside mhc_triton.py's kernel at its default launch and the rows kernels at their default launch
 (LAUNCH, split_plan's splits); it prints the fastest launch per token count and the smallest swept count from
 which the rows kernel wins (for mhc_rows_triton.LAUNCH, TARGET_PROGRAMS and mhc.ROWS_MIN_TOKENS). Its grid: the
 tiles of 8 values a thread (BLOCK_T BLOCK_D = 256 warps: 16 x 64 and 32 x 32 at 4 warps, 16 x 128, 32 x 64 and
