@@ -17,9 +17,9 @@ The fn tile is read once per chunk for all the block's tokens, which the one-tok
 cannot share; Triton pipelines the chunks' loads (num_stages, 16-byte aligned tensors). Each program stores
 its tokens' partials [MIX_PAD] (mix dots, the two sums of squares) for its split.
 
-`_finish_rows_kernel`, one program per token: the token's partials added in split order (deterministic), its
-mixes (rms, sigmoids, the Sinkhorn rounds) and its collapsed row normalised in place: mhc_triton.py's
-`_finish_token`, so every finish runs in parallel. Until 12-02 (session o) one launch did both, the block's
+`_finish_rows_kernel`, per token: its partials added in split order (deterministic), its mixes (rms, sigmoids,
+the Sinkhorn rounds) and its collapsed row normalised in place: mhc_triton.py's `_finish_token`, so every
+finish runs in parallel, by default in two programs a token (the mixes beside the RMSNorm). Until 12-02 (session o) one launch did both, the block's
 last program finishing it (counters): at 64 tokens one program per block then ran the Sinkhorn of 16 tokens
 and the RMSNorm of 16 rows of 5120 after the main pass (30.6 us a seam in a B64 decode step).
 
@@ -46,9 +46,10 @@ from .mhc_finish_triton import _finish_token
 # finish_norm_block / finish_warps: the finishing launch's RMSNorm tile and warps; one warp and the whole row in
 # one tile were the fastest at 32, 64 and 128 tokens (14.6 / 18.1 / 21.8 us against 17.0 / 19.6 / 22.8 at 2048
 # and 4 warps; H200 12-02 o), within the noise (~1%) at 1024 and 4096. finish_split: two programs a token, the
-# mixes beside the RMSNorm (not measured yet: in the B64 decode trace of 12-02 o the finish took 6.6 us a seam)
+# mixes beside the RMSNorm: 12.5 / 16.3 / 20.8 us a seam at 32 / 64 / 128 tokens against 14.5 / 18.0 / 21.8
+# (48 seams back to back in one graph, fn cold: mhc-rows-finish-split-2026-12-02-o.json)
 LAUNCH = dict(block_t=16, block_d=64, num_warps=4, precision="tf32x3", splits=None, finish_norm_block=8192,
-              finish_warps=1, finish_split=False)
+              finish_warps=1, finish_split=True)
 # Two programs per SM of an H200 (132 SMs), all resident at once: the default launch took 255 registers a
 # thread and 95 KB of shared memory (sm_90 compile, with the finish inside); two programs of a block per SM
 # ran 1.3x the throughput of one (4096 tokens = 256 programs in 359 us, 1024 = 64 programs in 233)

@@ -83,7 +83,7 @@ ROWS_CASES = {  # name: (leading dims, D, rows_launch): mhc_rows_triton's kernel
     "rows_split_default": ((20,), 64, {"block_d": 16, "splits": None}),
     "rows_split_groups": ((2, 9), 160, {"block_d": 16, "splits": 10}),
     "rows_norm_tiles": ((19,), 96, {"finish_norm_block": 32, "finish_warps": 1}),
-    "rows_finish_split": ((21,), 96, {"block_d": 32, "finish_split": True}),
+    "rows_finish_whole": ((21,), 96, {"block_d": 32, "finish_split": False}),
 }
 
 
@@ -260,7 +260,8 @@ def test_full_seams_of_many_tokens_take_the_rows_kernel(monkeypatch):
             assert blocks == (tokens + block_t - 1) // block_t
             rows, finishes = calls[0:4:2], calls[1:4:2]
             assert [grid for _, grid, _ in rows] == [(blocks, splits)] * 2
-            assert [grid for _, grid, _ in finishes] == [(tokens, 1)] * 2  # one finishing program per token
+            split_finish = 2 if mhc_rows_triton.LAUNCH["finish_split"] else 1  # the mixes and the RMSNorm apart
+            assert [grid for _, grid, _ in finishes] == [(tokens, split_finish)] * 2
             assert [constexprs["SPLIT"] for _, _, constexprs in rows] == [splits > 1] * 2
             seen_splits.add(splits > 1)
             assert [constexprs["HAS_POST"] for _, _, constexprs in rows] == [True, False]
