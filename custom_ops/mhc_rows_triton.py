@@ -19,9 +19,10 @@ its tokens' partials [MIX_PAD] (mix dots, the two sums of squares) for its split
 
 `_finish_rows_kernel`, per token: its partials added in split order (deterministic), its mixes (rms, sigmoids,
 the Sinkhorn rounds) and its collapsed row normalised in place: mhc_triton.py's `_finish_token`, so every
-finish runs in parallel, by default in two programs a token (the mixes beside the RMSNorm). Until 12-02 (session o) one launch did both, the block's
-last program finishing it (counters): at 64 tokens one program per block then ran the Sinkhorn of 16 tokens
-and the RMSNorm of 16 rows of 5120 after the main pass (30.6 us a seam in a B64 decode step).
+finish runs in parallel, by default in two programs a token (the mixes beside the RMSNorm). Until 12-02
+(session o) one launch did both, the block's last program finishing it (counters): at 64 tokens one program
+per block then ran the Sinkhorn of 16 tokens and the RMSNorm of 16 rows of 5120 after the main pass (30.6 us
+a seam in a B64 decode step).
 
 The D split: one program's serial walk over all of D takes ~220 us on the H200 (80 chunks of 64), so a few
 token blocks leave most SMs idle. The splits come from the shapes only (split_plan: about TARGET_PROGRAMS
