@@ -16,9 +16,10 @@ weights MoE.stack_experts() holds ([G, I, D], [G, I, D], [G, D, I]).
 
 Why an op: MoE's grouped path sorts the (token, slot) pairs by expert, runs one grouped GEMM per projection
 and gathers the outputs back: at decode batch 1 that is ~15 small kernels around the three GEMMs per layer
-(H200, flash-40l-e8: ~20 us of launches and gaps per layer). On CUDA this op is three launches that need
-no sorting, and quantize x in the first (routed_experts_triton.py). The reference below runs every expert over
-every token (static shapes, no host sync), for CPU and for inputs the kernels do not take.
+(H200, flash-40l-e8: ~20 us of launches and gaps per layer). On CUDA this op is two launches that need
+no sorting, quantize x in the first and sum each token's terms in the second (routed_experts_triton.py). The
+reference below runs every expert over every token (static shapes, no host sync), for CPU and for inputs the
+kernels do not take.
 """
 
 import torch

@@ -1,4 +1,4 @@
-"""Triton kernels of `dsflash::routed_experts` (see routed_experts.py for the math): three launches, no sort.
+"""Triton kernels of `dsflash::routed_experts` (see routed_experts.py for the math): two launches, no sort.
 
 A token's pairs are its k stored (id, weight) slots and, with a shared expert, one more slot (that id, weight
 1) that no tensor holds: _slot_ids makes it up.
@@ -11,12 +11,13 @@ token's slot. Each picked expert's W1 and W3 are read once, over many programs. 
 quantize-dequantizes the x tiles it loads (BLOCK_K holds whole groups of 32): the same values as a separate
 FP8 kernel before the op, one launch fewer.
 
-_down_kernel, grid (pairs, D / BLOCK_N): the same split for W2, storing each pair's bf16 output row.
-_sum_kernel, grid (tokens, D / BLOCK_N): each token's pair outputs added in ascending expert id (the next one
-is the smallest id above the last), the order of MoE's paths; no atomics, so the result is deterministic.
-(A down kernel that walked the experts in order itself, one program per column block, did the sum in the
-same launch but left too few programs in flight: 74 us per layer at batch 1 on the H200, against 42 for the
-grouped GEMM, 12-01.)
+_down_kernel, grid (pairs, D / BLOCK_N): the same split for W2, storing each pair's bf16 output row; then each
+program bumps its column block's counter (block_counters.py, lane "main": the MoE runs between the router and
+the seam on their stream), and the block's last one adds every token's pair outputs there in ascending expert
+id (the next one is the smallest id above the last), the order of MoE's paths, with no atomics on the sum: the
+result is deterministic. Until 12-02 (session o) a third launch did that sum (3.8 us and a ~0.4 us gap per
+layer at batch 1 on the H200). (A down kernel that walked the experts in order itself, one program per column
+block, left too few programs in flight: 74 us per layer at batch 1, against 42 for the grouped GEMM, 12-01.)
 
 The FP8 rounding is done in fp32 arithmetic (quant.fp8_qdq's values bit for bit: power-of-two scale from
 the exponent bits, round-to-nearest-even at E4M3's precision by adding and removing 2^(e+20)), so the
@@ -28,11 +29,11 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _dot
+from .block_counters import block_counters
 from .routed_experts import MAX_TOKENS
 
 UP_BLOCK_N = 32  # one FP8 group of h per row and program; 72 column blocks at I = 2304
 DOWN_BLOCK_N = 32  # 160 column blocks at D = 5120
-SUM_BLOCK_N = 1024
 BLOCK_K = 128  # 64 above 32 tokens: the 64-row tiles spill at 128 (ptxas, sm_90)
 
 
@@ -126,10 +127,11 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS,
 
 
 @triton.jit
-def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, T, KK, SLOTS, shared, I, D, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr, P_PAD: tl.constexpr,
-                 FP32_DOT: tl.constexpr):
-    """out[t, slot] = bf16(h[t, slot] @ W2[e]^T) for the tokens routed to e, over the programs of e's first pair."""
+def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, y_ptr, counter_ptr, T, KK, SLOTS, shared, G, I, D,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr,
+                 P_PAD: tl.constexpr, FP32_DOT: tl.constexpr):
+    """out[t, slot] = bf16(h[t, slot] @ W2[e]^T) for the tokens routed to e, over the programs of e's first pair;
+    then the last program of each column block adds every token's pair outputs there into y (_ordered_sum)."""
     pair, pid_n = tl.program_id(0), tl.program_id(1)
     e, mine, _, routed, slot = _pair_expert(ids_ptr, pair, T, KK, SLOTS, shared, BLOCK_M, KK_PAD, P_PAD)
     t = tl.arange(0, BLOCK_M)
@@ -145,23 +147,32 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, T, KK, SLOTS, shared, I, D, BL
         acc += _dot(h, tl.trans(w), FP32_DOT)
     tl.store(out_ptr + rows * D + n[None, :], _round_bf16(acc).to(tl.bfloat16),
              mask=(mine & routed)[:, None] & n_in[None, :])
+    tl.debug_barrier()  # every thread's stores are issued before the release below
+    if tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        _ordered_sum(out_ptr, ids_ptr, y_ptr, n, T, KK, SLOTS, shared, G, D, BLOCK_M, BLOCK_N, KK_PAD)
+        tl.atomic_xchg(counter_ptr + pid_n, 0)  # zero for the next launch
 
 
 @triton.jit
-def _sum_kernel(out_ptr, ids_ptr, y_ptr, T, KK, SLOTS, shared, G, D, BLOCK_N: tl.constexpr, KK_PAD: tl.constexpr):
-    """y[t] = the token's pair outputs in fp32, added in ascending expert id (the next id: the smallest above the
-    last; ids -1 are skipped)."""
-    t, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+def _ordered_sum(out_ptr, ids_ptr, y_ptr, n, T, KK, SLOTS, shared, G, D, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, KK_PAD: tl.constexpr):
+    """y[t, n] = token t's pair outputs in fp32, added in ascending expert id (the next id: the smallest above the
+    last; ids -1 are skipped), the order of MoE's paths: deterministic, no atomics on y."""
+    t = tl.arange(0, BLOCK_M)
     s = tl.arange(0, KK_PAD)
-    ids = _slot_ids(ids_ptr, t, s, T, KK, shared)  # -1 past the token's slots
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    y = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    e = tl.min(tl.where(ids >= 0, ids, G), 0)  # ids < G: G means none left
-    while e < G:
-        slot = tl.sum(tl.where(ids == e, s, 0), 0)
-        y += tl.load(out_ptr + (t * SLOTS + slot) * D + n, mask=n < D, other=0.0).to(tl.float32)
-        e = tl.min(tl.where(ids > e, ids, G), 0)
-    tl.store(y_ptr + t * D + n, y, mask=n < D)
+    ids = _slot_ids(ids_ptr, t[:, None], s[None, :], T, KK, shared).to(tl.int32)  # -1 past the token's slots
+    n_in = n < D
+    y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    e = tl.min(tl.where(ids >= 0, ids, G), 1)  # [BLOCK_M]; ids < G: G means none left
+    for _ in tl.static_range(KK_PAD):  # a token's distinct ids: at most its slots (unrolled: loads in flight together)
+        live = e < G
+        slot = tl.sum(tl.where(ids == e[:, None], s[None, :], 0), 1)
+        # .cg: bypass L1 (not coherent across SMs) to read what the other programs wrote
+        term = tl.load(out_ptr + (t * SLOTS + slot).to(tl.int64)[:, None] * D + n[None, :],
+                       mask=live[:, None] & n_in[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
+        y = tl.where(live[:, None], y + term, y)
+        e = tl.min(tl.where(ids > e[:, None], ids, G), 1)
+    tl.store(y_ptr + t.to(tl.int64)[:, None] * D + n[None, :], y, mask=(t < T)[:, None] & n_in[None, :])
 
 
 def kernel_fits(x, w1, w3, w2) -> bool:
@@ -175,12 +186,14 @@ def launches(tokens: int, up: dict | None = None, down: dict | None = None) -> t
     scripts/sweep_routed.py); the up kernel's block_n must be a multiple of 32 (the FP8 groups of h).
     Up to 32 tokens the down kernel runs 2 warps, 2 stages (H200 12-01: the op took 123.2 / 166.4 / 181.1 us at
     batch 1 / 8 / 16 against 130.5 / 168.8 / 189.3 with 4 warps, 3 stages; 64 columns were as fast but spill
-    at 32 tokens, and at 64 tokens 2 warps spill)."""
+    at 32 tokens, and at 64 tokens 2 warps spill). Above 16 tokens its K blocks are 64 wide: at 32 tokens
+    the 128-wide ones spilled (sm_90) once the kernel also sums the tokens' terms (untimed: MoE takes this op
+    up to CompileOptions.moe_few_tokens, 16 by default)."""
     few = tokens <= 32
     block_k = BLOCK_K if few else BLOCK_K // 2
     up_launch = {"block_n": UP_BLOCK_N, "block_k": block_k, "num_warps": 4, "num_stages": 3, **(up or {})}
-    down_launch = {"block_n": DOWN_BLOCK_N, "block_k": block_k, "num_warps": 2 if few else 4,
-                   "num_stages": 2 if few else 3, **(down or {})}
+    down_launch = {"block_n": DOWN_BLOCK_N, "block_k": BLOCK_K if tokens <= 16 else BLOCK_K // 2,
+                   "num_warps": 2 if few else 4, "num_stages": 2 if few else 3, **(down or {})}
     return up_launch, down_launch
 
 
@@ -211,10 +224,9 @@ def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_x, quanti
         x, weights, ids, w1, w3, h, tokens, k, slots, shared_expert, inter, dim, float(limit), QUANT_X=quantize_x,
         QUANT_H=quantize_h, BLOCK_M=block_m, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], KK_PAD=kk_pad,
         P_PAD=p_pad, FP32_DOT=fp32_dot, num_warps=up["num_warps"], num_stages=up["num_stages"])
-    _down_kernel[(tokens * slots, triton.cdiv(dim, down["block_n"]))](
-        h, ids, w2, out, tokens, k, slots, shared_expert, inter, dim, BLOCK_M=block_m, BLOCK_N=down["block_n"],
-        BLOCK_K=down["block_k"], KK_PAD=kk_pad, P_PAD=p_pad, FP32_DOT=fp32_dot, num_warps=down["num_warps"],
-        num_stages=down["num_stages"])
-    _sum_kernel[(tokens, triton.cdiv(dim, SUM_BLOCK_N))](out, ids, y, tokens, k, slots, shared_expert, experts, dim,
-                                                         BLOCK_N=SUM_BLOCK_N, KK_PAD=kk_pad)
+    column_blocks = triton.cdiv(dim, down["block_n"])
+    _down_kernel[(tokens * slots, column_blocks)](
+        h, ids, w2, out, y, block_counters(x.device, column_blocks), tokens, k, slots, shared_expert, experts, inter,
+        dim, BLOCK_M=block_m, BLOCK_N=down["block_n"], BLOCK_K=down["block_k"], KK_PAD=kk_pad, P_PAD=p_pad,
+        FP32_DOT=fp32_dot, num_warps=down["num_warps"], num_stages=down["num_stages"])
     return y

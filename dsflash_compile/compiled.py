@@ -73,11 +73,12 @@ class CompileOptions:
     # 1.4-1.6x torch._grouped_mm at 16, 32 and 64 tokens (scripts/sweep_experts.py --tall)
     moe_few_rows: int = 448
     # issue 5: bf16 routed experts of at most this many tokens run dsflash::routed_experts: no sort of the pairs,
-    # gate/up/SwiGLU/weights/FP8 of h in one launch, the down projection in another, each token's ordered sum
-    # in a third, where the sorted path took ~15 small kernels around its three grouped GEMMs per layer. H200,
-    # flash-40l-e8 bf16, decode step against the sorted path (12-01 j, rounds in one run): B1 13.73 / 14.61 ms,
-    # B8 16.00 / 17.63, B16 17.80 / 18.95, but B64 37.80 / 24.39 (its 64-row tiles: ~10x the GEMMs' time). A
-    # shape test: with dynamic shapes it guards a graph on its token count. At most the kernels' MAX_TOKENS (64)
+    # gate/up/SwiGLU/weights/FP8 of h in one launch, the down projection and each token's ordered sum in another
+    # (a third launch until 12-02 o), where the sorted path took ~15 small kernels around its three grouped GEMMs
+    # per layer. H200, flash-40l-e8 bf16, decode step against the sorted path (12-01 j, rounds in one run): B1
+    # 13.73 / 14.61 ms, B8 16.00 / 17.63, B16 17.80 / 18.95, but B64 37.80 / 24.39 (its 64-row tiles: ~10x the
+    # GEMMs' time). A shape test: with dynamic shapes it guards a graph on its token count. At most the kernels'
+    # MAX_TOKENS (64)
     moe_few_tokens: int = 16
     # issue 5: the routed pairs sorted by expert by counting (MoE._expert_order) where pairs x (groups + 1) is
     # at most this (any decode batch up to 64 and 1.5K-token prefill chunks of the release), and each token's

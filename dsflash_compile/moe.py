@@ -15,8 +15,8 @@ Two ways to run the routed experts, with the same math and the same summation or
     else torch._grouped_mm (`dsflash::grouped_mm_by_rows` picks when it runs); with
     `count_order` set, the sorts are counts (see _expert_order, _slot_order). Up to `few_tokens` tokens
     (compile() sets it: decode) skip the sort: `dsflash::routed_experts` runs the three projections per picked
-    expert and sums each token's terms in ascending id, in three launches on CUDA (the FP8 of x and the shared
-    expert's pair inside them).
+    expert and sums each token's terms in ascending id, in two launches on CUDA (the FP8 of x, the shared
+    expert's pair and the sum inside them).
     With bf16 weights the shared expert can be stacked too (`stack_experts(shared=True)`):
     it is then every token's last pair, with weight 1 (exact), and added last as before, so the same bits
     with three projections fewer per layer.
@@ -229,7 +229,7 @@ class MoE(nn.Module):
         shared expert is one more pair per token (id E, weight 1). Up to few_tokens tokens,
         dsflash::routed_experts instead (no sort; it skips ids -1, adds the shared pair and quantizes x itself)."""
         first = self.experts[0]
-        if not self.native and ids.shape[0] <= self.few_tokens:  # no sort: three launches on CUDA
+        if not self.native and ids.shape[0] <= self.few_tokens:  # no sort: two launches on CUDA
             return torch.ops.dsflash.routed_experts(
                 x, weights, ids, self.w1_weight_stacked, self.w3_weight_stacked, self.w2_weight_stacked, first.limit,
                 first.w1.quantize_input, first.w2.quantize_input, len(self.experts) if shared else -1)

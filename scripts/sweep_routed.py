@@ -2,7 +2,7 @@
 flash-40l-e8 shapes: 8 routed experts + the shared one stacked (9 slices), top-6 + shared (7 pairs a token),
 D 5120, I 2304, at decode batch sizes, called as MoE calls it (x quantized and the shared pair added in the op).
 Every variant's output is checked against the op's reference first (within the GEMMs' summation order: 2e-2 of
-the largest value, as tests/test_moe_small.py); then the whole op (up, down, sum) is timed as CUDA-graph replays
+the largest value, as tests/test_moe_small.py); then the whole op (up, down with the sum) is timed as CUDA-graph replays
 with only the swept kernel's launch changed, so the differences are that kernel's. Picks UP_BLOCK_N, DOWN_BLOCK_N
 and the launches of `launches`.
 

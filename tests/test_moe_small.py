@@ -154,8 +154,8 @@ def test_opcheck_and_errors():
 
 _UP = dict(x_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i64", w1_ptr="*bf16", w3_ptr="*bf16", h_ptr="*bf16",
            T="i32", KK="i32", SLOTS="i32", shared="i32", I="i32", D="i32", limit="fp32")
-_DOWN = dict(h_ptr="*bf16", ids_ptr="*i64", w2_ptr="*bf16", out_ptr="*bf16", T="i32",
-             KK="i32", SLOTS="i32", shared="i32", I="i32", D="i32")
+_DOWN = dict(h_ptr="*bf16", ids_ptr="*i64", w2_ptr="*bf16", out_ptr="*bf16", y_ptr="*fp32", counter_ptr="*i32",
+             T="i32", KK="i32", SLOTS="i32", shared="i32", G="i32", I="i32", D="i32")
 
 
 @pytest.mark.parametrize("block_m", [16, 32, 64])
