@@ -162,6 +162,32 @@ def test_seam_kernel_on_cuda_two_finishing_programs_give_one_programs_bits(token
     assert max((g - w).abs().max().item() for g, w in zip(shared[0][2:], want[1:])) <= 1e-5
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tokens", [ROWS_MIN_TOKENS, 64, 300])
+def test_rows_kernels_on_cuda(tokens):
+    """Release dims on CUDA, the rows kernels' default launch (D splits, the split finish): the same bits as
+    the finish in one program a token and again inside a CUDA graph replayed on new streams; the reference's
+    values within the bounds of the one-token kernel's CUDA test."""
+    from dsflash_compile.custom_ops.mhc_triton import mhc_seam_triton
+
+    out, streams, post, comb, pre_lagged, *params = (t.cuda() for t in seam_args((tokens,), dim=5120))
+    args = (out, streams, post, comb, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)
+    got = mhc_seam_triton(*args, rows=True)
+    whole = mhc_seam_triton(*args, rows=True, rows_launch={"finish_split": False})
+    assert all(torch.equal(a, b) for a, b in zip(got, whole, strict=True))
+    want_new = seam_reference(*args)[0]
+    want = entry_seam_reference(got[0], pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)
+    assert max(bf16_ulps(got[0], want_new), bf16_ulps(got[1], want[0])) <= 3
+    assert max((g - w).abs().max().item() for g, w in zip(got[2:], want[1:])) <= 1e-5
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = mhc_seam_triton(*args, rows=True)
+    streams.copy_(seam_args((tokens,), dim=5120, seed=1)[1].cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, mhc_seam_triton(*args, rows=True), strict=True))
+
+
 @pytest.mark.parametrize("block_t, block_d", [(1, 64), (1, 128), (16, 64)])
 def test_seam_kernel_compiles_for_hopper(block_t, block_d):
     """Release dims (hc 4, D 5120), the default launches (decode, wider chunks) and a token block: sm_90
