@@ -95,6 +95,22 @@ def summarize(events: list[dict], floor_bytes: dict | None = None, bandwidth: fl
     }
 
 
+def layer_kernels(events: list[dict], marker: str = "_router_kernel", index: int = 0) -> list[dict]:
+    """The device work from the index-th launch of `marker` (once per layer: the router) up to the next, in
+    order: each kernel's name, grid, duration and the idle gap before it (where one layer's time goes)."""
+    device = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES),
+                    key=lambda e: e["ts"])
+    marks = [i for i, e in enumerate(device) if e["name"] == marker]
+    if index + 1 >= len(marks):
+        raise ValueError(f"trace_summary: {len(marks)} launches of {marker}; layer {index} needs {index + 2}")
+    rows, end = [], None
+    for e in device[marks[index]:marks[index + 1]]:
+        rows.append({"gap_us": 0.0 if end is None else max(0.0, e["ts"] - end), "us": e["dur"],
+                     "grid": str(e.get("args", {}).get("grid")), "name": e["name"][:90]})
+        end = e["ts"] + e["dur"]
+    return rows
+
+
 def model_floor_bytes(preset: str, batch: int, context: int, weights: str) -> dict:
     """benchmarking.decode_traffic's bytes per family for a preset, its model built on the meta device."""
     import torch
@@ -140,12 +156,20 @@ def main(argv=None) -> None:
                         help="bytes per second (default: the H200's measured copy bandwidth)")
     parser.add_argument("--configs", type=int, default=4, help="launch configurations listed per family")
     parser.add_argument("--out", help="write the summary as JSON here")
+    parser.add_argument("--layer", type=int, help="also list this layer's kernels in order (router to router)")
     args = parser.parse_args(argv)
     floor_bytes = model_floor_bytes(args.preset, args.batch, args.context, args.weights) if args.preset else None
     summary = summarize(load_events(args.trace), floor_bytes, args.bandwidth)
     summary.update(trace=args.trace, preset=args.preset, batch=args.batch, context=args.context,
                    bandwidth=args.bandwidth, floor_bytes=floor_bytes)
     print_summary(summary, args.configs)
+    if args.layer is not None:
+        from dsflash_compile.benchmarking import print_table
+
+        rows = layer_kernels(load_events(args.trace), index=args.layer)
+        print(f"\nlayer {args.layer}: {sum(r['us'] + r['gap_us'] for r in rows):.1f} us, {len(rows)} kernels")
+        print_table(rows, [("gap us", "gap_us", ".1f"), ("us", "us", ".1f"), ("grid", "grid", ""),
+                           ("kernel", "name", "")])
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
         print("wrote", args.out)
