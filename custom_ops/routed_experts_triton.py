@@ -4,15 +4,17 @@ A token's pairs are its k stored (id, weight) slots and, with a shared expert, o
 1) that no tensor holds: _slot_ids makes it up.
 
 _up_kernel, grid (pairs, I / BLOCK_N): the program of pair p takes p's expert e if p is e's first pair (in
-token-major order; later pairs of e exit after reading the ids) and computes, for every token routed to e at
+token-major order; later pairs of e exit after reading the ids); above BY_EXPERT_ABOVE tokens the grid's rows
+are the stacked experts instead, row r taking the r-th smallest id the pairs hold (by_expert_grid: far fewer
+idle programs at 64 tokens). Either way one program computes, for every token routed to e at
 once (rows of a BLOCK_M tile, the others masked), its BLOCK_N columns of gate and up, the clamps, SwiGLU, the
 routing weight and the FP8 quantize-dequantize of h (a 32-column group lies inside a block), storing h at the
 token's slot. Each picked expert's W1 and W3 are read once, over many programs. With QUANT_X each program
 quantize-dequantizes the x tiles it loads (BLOCK_K holds whole groups of 32): the same values as a separate
 FP8 kernel before the op, one launch fewer.
 
-_down_kernel, grid (pairs, D / BLOCK_N): the same split for W2, storing each pair's bf16 output row; then each
-program bumps its column block's counter (block_counters.py, lane "main": the MoE runs between the router and
+_down_kernel, grid (pairs or experts, D / BLOCK_N): the same split for W2, storing each pair's bf16 output row;
+then each program bumps its column block's counter (block_counters.py, lane "main": the MoE runs between the router and
 the seam on their stream), and the block's last one adds every token's pair outputs there in ascending expert
 id (the next one is the smallest id above the last), the order of MoE's paths, with no atomics on the sum: the
 result is deterministic. Until 12-02 (session o) a third launch did that sum (3.8 us and a ~0.4 us gap per
@@ -35,6 +37,10 @@ from .routed_experts import MAX_TOKENS
 UP_BLOCK_N = 32  # one FP8 group of h per row and program; 72 column blocks at I = 2304
 DOWN_BLOCK_N = 32  # 160 column blocks at D = 5120
 BLOCK_K = 128  # 64 above 32 tokens: the 64-row tiles spill at 128 (ptxas, sm_90)
+# Above this many tokens the programs' rows are the stacked experts (by_expert_grid). Not timed yet: MoE runs
+# this op up to CompileOptions.moe_few_tokens tokens (16 by default), so only a raised cutoff takes it
+BY_EXPERT_ABOVE = 16
+BY_EXPERT_MAX_COMPARES = 16384  # pairs x stacked experts (powers of two): flash-40l-e8 at 64 tokens, 512 x 16
 
 
 @triton.jit
@@ -73,28 +79,40 @@ def _slot_ids(ids_ptr, t, s, T, KK, shared):
 
 
 @triton.jit
-def _pair_expert(ids_ptr, pair, T, KK, SLOTS, shared, BLOCK_M: tl.constexpr, KK_PAD: tl.constexpr,
-                 P_PAD: tl.constexpr):
-    """Pair `pair`'s expert e; whether this pair is e's first (in token-major order: it then computes e for all
-    of e's tokens, and later pairs of e do nothing); the tile's [token, slot] hits of e; per token row, whether
-    it is routed to e and its slot."""
-    e = _slot_ids(ids_ptr, pair // SLOTS, pair % SLOTS, T, KK, shared)
+def _pair_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M: tl.constexpr, KK_PAD: tl.constexpr,
+                 P_PAD: tl.constexpr, G_PAD: tl.constexpr, BY_EXPERT: tl.constexpr):
+    """Program row `prog`'s expert e; whether it computes e (for all of e's tokens at once); the tile's [token,
+    slot] hits of e; per token row, whether it is routed to e and its slot. By pair (grid rows: the pairs): e is
+    pair prog's expert, computed if prog is e's first pair in token-major order (later pairs of e do nothing). By
+    expert (grid rows: the G stacked experts): e is the prog-th smallest id the pairs hold, none past the last."""
     pp = tl.arange(0, P_PAD)
-    same = _slot_ids(ids_ptr, pp // SLOTS, pp % SLOTS, T, KK, shared) == e
-    earlier = tl.sum((same & (pp < pair)).to(tl.int32), 0)
+    pair_ids = _slot_ids(ids_ptr, pp // SLOTS, pp % SLOTS, T, KK, shared)
+    if BY_EXPERT:
+        g = tl.arange(0, G_PAD)
+        present = tl.max((pair_ids[None, :] == g[:, None]).to(tl.int32), 1)  # [G_PAD]
+        rank = tl.cumsum(present, 0)
+        picked = (present > 0) & (rank == prog + 1)
+        e = tl.where(tl.max(picked.to(tl.int32), 0) > 0, tl.sum(tl.where(picked, g, 0), 0), -1)
+        mine = e >= 0
+    else:
+        e = _slot_ids(ids_ptr, prog // SLOTS, prog % SLOTS, T, KK, shared)
+        earlier = tl.sum(((pair_ids == e) & (pp < prog)).to(tl.int32), 0)
+        mine = (e >= 0) & (earlier == 0)
     t = tl.arange(0, BLOCK_M)
     s = tl.arange(0, KK_PAD)
     hit = _slot_ids(ids_ptr, t[:, None], s[None, :], T, KK, shared) == e  # (-1 past the slots: never e >= 0)
     routed = tl.max(hit.to(tl.int32), 1) > 0
-    return e, (e >= 0) & (earlier == 0), hit, routed, tl.sum(tl.where(hit, s[None, :], 0), 1)
+    return e, mine, hit, routed, tl.sum(tl.where(hit, s[None, :], 0), 1)
 
 
 @triton.jit
-def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS, shared, I, D, limit,
+def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS, shared, G, I, D, limit,
                QUANT_X: tl.constexpr, QUANT_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr, P_PAD: tl.constexpr, FP32_DOT: tl.constexpr):
-    pair, pid_n = tl.program_id(0), tl.program_id(1)
-    e, mine, hit, routed, slot = _pair_expert(ids_ptr, pair, T, KK, SLOTS, shared, BLOCK_M, KK_PAD, P_PAD)
+               BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr, P_PAD: tl.constexpr, G_PAD: tl.constexpr,
+               BY_EXPERT: tl.constexpr, FP32_DOT: tl.constexpr):
+    prog, pid_n = tl.program_id(0), tl.program_id(1)
+    e, mine, hit, routed, slot = _pair_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M, KK_PAD, P_PAD, G_PAD,
+                                              BY_EXPERT)
     t = tl.arange(0, BLOCK_M)
     s = tl.arange(0, KK_PAD)
     stored = tl.load(weights_ptr + t[:, None] * KK + s[None, :], mask=(t < T)[:, None] & (s < KK)[None, :],
@@ -129,11 +147,12 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS,
 @triton.jit
 def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, y_ptr, counter_ptr, T, KK, SLOTS, shared, G, I, D,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr,
-                 P_PAD: tl.constexpr, FP32_DOT: tl.constexpr):
+                 P_PAD: tl.constexpr, G_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, FP32_DOT: tl.constexpr):
     """out[t, slot] = bf16(h[t, slot] @ W2[e]^T) for the tokens routed to e, over the programs of e's first pair;
     then the last program of each column block adds every token's pair outputs there into y (_ordered_sum)."""
-    pair, pid_n = tl.program_id(0), tl.program_id(1)
-    e, mine, _, routed, slot = _pair_expert(ids_ptr, pair, T, KK, SLOTS, shared, BLOCK_M, KK_PAD, P_PAD)
+    prog, pid_n = tl.program_id(0), tl.program_id(1)
+    e, mine, _, routed, slot = _pair_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M, KK_PAD, P_PAD, G_PAD,
+                                            BY_EXPERT)
     t = tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = n < D
@@ -197,9 +216,19 @@ def launches(tokens: int, up: dict | None = None, down: dict | None = None) -> t
     return up_launch, down_launch
 
 
+def by_expert_grid(tokens: int, experts: int, slots: int) -> bool:
+    """Whether the kernels' program rows are the stacked experts rather than the (token, slot) pairs: above
+    BY_EXPERT_ABOVE tokens, where each program row also compares the pairs' ids with every expert
+    (BY_EXPERT_MAX_COMPARES at most). By pair, at 64 tokens only ~650 of the up kernel's 448 x 72 programs
+    (flash-40l-e8) compute."""
+    pairs, stacked = triton.next_power_of_2(tokens * slots), triton.next_power_of_2(experts)
+    return tokens > BY_EXPERT_ABOVE and pairs * stacked <= BY_EXPERT_MAX_COMPARES
+
+
 def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_x, quantize_h, shared_expert, up=None,
-                          down=None):
-    """fp32 [T, D] as the reference. up / down override the two projections' launches (see `launches`)."""
+                          down=None, by_expert=None):
+    """fp32 [T, D] as the reference. up / down override the two projections' launches (see `launches`);
+    by_expert: the programs' rows (None: by_expert_grid's choice)."""
     tokens, dim = x.shape
     k = ids.shape[1]
     slots = k + (shared_expert >= 0)
@@ -217,16 +246,20 @@ def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_x, quanti
     x, weights, ids = x.contiguous(), weights.contiguous(), ids.contiguous()
     w1, w3, w2 = w1.contiguous(), w3.contiguous(), w2.contiguous()
     p_pad = triton.next_power_of_2(tokens * slots)
+    g_pad = triton.next_power_of_2(experts)
     block_m = max(16, triton.next_power_of_2(tokens))
     kk_pad = triton.next_power_of_2(slots)
-    fp32_dot = x.device.type != "cuda"
-    _up_kernel[(tokens * slots, triton.cdiv(inter, up["block_n"]))](
-        x, weights, ids, w1, w3, h, tokens, k, slots, shared_expert, inter, dim, float(limit), QUANT_X=quantize_x,
-        QUANT_H=quantize_h, BLOCK_M=block_m, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], KK_PAD=kk_pad,
-        P_PAD=p_pad, FP32_DOT=fp32_dot, num_warps=up["num_warps"], num_stages=up["num_stages"])
+    by_expert = by_expert_grid(tokens, experts, slots) if by_expert is None else by_expert
+    rows = experts if by_expert else tokens * slots
+    fixed = dict(BLOCK_M=block_m, KK_PAD=kk_pad, P_PAD=p_pad, G_PAD=g_pad, BY_EXPERT=by_expert,
+                 FP32_DOT=x.device.type != "cuda")
+    _up_kernel[(rows, triton.cdiv(inter, up["block_n"]))](
+        x, weights, ids, w1, w3, h, tokens, k, slots, shared_expert, experts, inter, dim, float(limit),
+        QUANT_X=quantize_x, QUANT_H=quantize_h, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], **fixed,
+        num_warps=up["num_warps"], num_stages=up["num_stages"])
     column_blocks = triton.cdiv(dim, down["block_n"])
-    _down_kernel[(tokens * slots, column_blocks)](
+    _down_kernel[(rows, column_blocks)](
         h, ids, w2, out, y, block_counters(x.device, column_blocks), tokens, k, slots, shared_expert, experts, inter,
-        dim, BLOCK_M=block_m, BLOCK_N=down["block_n"], BLOCK_K=down["block_k"], KK_PAD=kk_pad, P_PAD=p_pad,
-        FP32_DOT=fp32_dot, num_warps=down["num_warps"], num_stages=down["num_stages"])
+        dim, BLOCK_N=down["block_n"], BLOCK_K=down["block_k"], **fixed, num_warps=down["num_warps"],
+        num_stages=down["num_stages"])
     return y

@@ -82,6 +82,12 @@ def interpreter_checks():
     slot = routed_experts_triton(*full)
     report(dict(name="x_quantized_in_the_kernel", same=torch.equal(got, before)))
     report(dict(name="shared_folded_or_a_slot", same=torch.equal(got, slot)))
+    # the programs' rows by expert or by pair (by_expert_grid picks by expert above 16 tokens): the same bits,
+    # also with pairs of ids -1
+    same = [torch.equal(routed_experts_triton(*op_args(*CASES[name]), by_expert=True),
+                        routed_experts_triton(*op_args(*CASES[name]), by_expert=False))
+            for name in ("random_data", "elsewhere_pairs", "most_tokens")]
+    report(dict(name="by_expert_or_by_pair", same=all(same)))
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +106,7 @@ def test_kernels_match_reference(interpreted, name):
 
 
 @requires_interpreter
-@pytest.mark.parametrize("name", ["x_quantized_in_the_kernel", "shared_folded_or_a_slot"])
+@pytest.mark.parametrize("name", ["x_quantized_in_the_kernel", "shared_folded_or_a_slot", "by_expert_or_by_pair"])
 def test_kernel_runs_that_must_agree(interpreted, name):
     assert interpreted[name]["same"], interpreted[name]
 
@@ -153,7 +159,7 @@ def test_opcheck_and_errors():
 
 
 _UP = dict(x_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i64", w1_ptr="*bf16", w3_ptr="*bf16", h_ptr="*bf16",
-           T="i32", KK="i32", SLOTS="i32", shared="i32", I="i32", D="i32", limit="fp32")
+           T="i32", KK="i32", SLOTS="i32", shared="i32", G="i32", I="i32", D="i32", limit="fp32")
 _DOWN = dict(h_ptr="*bf16", ids_ptr="*i64", w2_ptr="*bf16", out_ptr="*bf16", y_ptr="*fp32", counter_ptr="*i32",
              T="i32", KK="i32", SLOTS="i32", shared="i32", G="i32", I="i32", D="i32")
 
@@ -161,14 +167,16 @@ _DOWN = dict(h_ptr="*bf16", ids_ptr="*i64", w2_ptr="*bf16", out_ptr="*bf16", y_p
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 def test_kernels_compile_for_hopper_without_spills(block_m):
     """Each token tile's launches (routed_experts_triton.launches) at top-6 + shared, with the release's FP8 of x
-    and h."""
+    and h, the programs' rows as by_expert_grid picks them for flash-40l-e8 (9 stacked experts)."""
     from dsflash_compile.custom_ops import routed_experts_triton as module
 
     up, down = module.launches(block_m)
+    by_expert = module.by_expert_grid(block_m, 9, 7)
+    assert by_expert == (block_m > 16)
     for name, arg_types, launch, extra in (("_up_kernel", _UP, up, dict(QUANT_X=True, QUANT_H=True)),
                                            ("_down_kernel", _DOWN, down, {})):
         constexprs = dict(BLOCK_M=block_m, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"], KK_PAD=8,
-                          P_PAD=8 * block_m, FP32_DOT=False, **extra)
+                          P_PAD=8 * block_m, G_PAD=16, BY_EXPERT=by_expert, FP32_DOT=False, **extra)
         check_compiles_for_hopper(module, (name, arg_types, constexprs, launch["num_warps"]))
 
 
