@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from . import mhc_rows_triton
+from .attention_triton import _num_sms
 from .block_counters import block_counters
 from .mhc import ROWS_MIN_TOKENS
 from .mhc_finish_triton import _finish_token
@@ -132,7 +133,7 @@ def _may_share_finish(device: torch.device, blocks: int) -> bool:
     the waiters could fill every slot before the last programs are scheduled (they come last: the grid runs
     block-major) and the launch would hang, as it did at 1024 tokens (rows=False, H200, 12-02 o). With at
     most one waiter per SM and two or more programs resident per SM, a slot is always free."""
-    return device.type == "cuda" and blocks <= torch.cuda.get_device_properties(device).multi_processor_count
+    return device.type == "cuda" and blocks <= _num_sms(device)
 
 
 def kernel_fits(streams, fn=None) -> bool:

@@ -36,7 +36,7 @@ from .routed_experts import MAX_TOKENS
 
 UP_BLOCK_N = 32  # one FP8 group of h per row and program; 72 column blocks at I = 2304
 DOWN_BLOCK_N = 32  # 160 column blocks at D = 5120
-BLOCK_K = 128  # 64 above 32 tokens: the 64-row tiles spill at 128 (ptxas, sm_90)
+BLOCK_K = 128  # 64 above 32 tokens (the down kernel: above 16): larger tiles spill at 128 (ptxas, sm_90)
 # Above this many tokens the programs' rows are the stacked experts (by_expert_grid). Not timed yet: MoE runs
 # this op up to CompileOptions.moe_few_tokens tokens (16 by default), so only a raised cutoff takes it
 BY_EXPERT_ABOVE = 16
@@ -79,7 +79,7 @@ def _slot_ids(ids_ptr, t, s, T, KK, shared):
 
 
 @triton.jit
-def _pair_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M: tl.constexpr, KK_PAD: tl.constexpr,
+def _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M: tl.constexpr, KK_PAD: tl.constexpr,
                  P_PAD: tl.constexpr, G_PAD: tl.constexpr, BY_EXPERT: tl.constexpr):
     """Program row `prog`'s expert e; whether it computes e (for all of e's tokens at once); the tile's [token,
     slot] hits of e; per token row, whether it is routed to e and its slot. By pair (grid rows: the pairs): e is
@@ -111,7 +111,7 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS,
                BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr, P_PAD: tl.constexpr, G_PAD: tl.constexpr,
                BY_EXPERT: tl.constexpr, FP32_DOT: tl.constexpr):
     prog, pid_n = tl.program_id(0), tl.program_id(1)
-    e, mine, hit, routed, slot = _pair_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M, KK_PAD, P_PAD, G_PAD,
+    e, mine, hit, routed, slot = _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M, KK_PAD, P_PAD, G_PAD,
                                               BY_EXPERT)
     t = tl.arange(0, BLOCK_M)
     s = tl.arange(0, KK_PAD)
@@ -148,10 +148,11 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS,
 def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, y_ptr, counter_ptr, T, KK, SLOTS, shared, G, I, D,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr,
                  P_PAD: tl.constexpr, G_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, FP32_DOT: tl.constexpr):
-    """out[t, slot] = bf16(h[t, slot] @ W2[e]^T) for the tokens routed to e, over the programs of e's first pair;
-    then the last program of each column block adds every token's pair outputs there into y (_ordered_sum)."""
+    """out[t, slot] = bf16(h[t, slot] @ W2[e]^T) for the tokens routed to e, over the programs that compute e
+    (_program_expert); then the last program of each column block adds every token's pair outputs there into y
+    (_ordered_sum)."""
     prog, pid_n = tl.program_id(0), tl.program_id(1)
-    e, mine, _, routed, slot = _pair_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M, KK_PAD, P_PAD, G_PAD,
+    e, mine, _, routed, slot = _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M, KK_PAD, P_PAD, G_PAD,
                                             BY_EXPERT)
     t = tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -183,7 +184,7 @@ def _ordered_sum(out_ptr, ids_ptr, y_ptr, n, T, KK, SLOTS, shared, G, D, BLOCK_M
     n_in = n < D
     y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     e = tl.min(tl.where(ids >= 0, ids, G), 1)  # [BLOCK_M]; ids < G: G means none left
-    for _ in tl.static_range(KK_PAD):  # a token's distinct ids: at most its slots (unrolled: loads in flight together)
+    for _ in tl.static_range(KK_PAD):  # a token's distinct ids: at most its slots (unrolled: the loads may overlap)
         live = e < G
         slot = tl.sum(tl.where(ids == e[:, None], s[None, :], 0), 1)
         # .cg: bypass L1 (not coherent across SMs) to read what the other programs wrote

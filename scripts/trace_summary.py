@@ -53,10 +53,15 @@ def load_events(path: str) -> list[dict]:
     return trace["traceEvents"] if isinstance(trace, dict) else trace
 
 
+def device_events(events: list[dict]) -> list[dict]:
+    """The trace's kernels and copies on the GPU, in time order."""
+    return sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES),
+                  key=lambda e: e["ts"])
+
+
 def summarize(events: list[dict], floor_bytes: dict | None = None, bandwidth: float = H200_COPY_BANDWIDTH) -> dict:
     """The step's device work by family and its idle time; floor_bytes: family -> bytes it must move."""
-    device = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES),
-                    key=lambda e: e["ts"])
+    device = device_events(events)
     families: dict[str, dict] = {}
     configs: dict[tuple, dict] = {}
     for e in device:
@@ -98,8 +103,7 @@ def summarize(events: list[dict], floor_bytes: dict | None = None, bandwidth: fl
 def layer_kernels(events: list[dict], marker: str = "_router_kernel", index: int = 0) -> list[dict]:
     """The device work from the index-th launch of `marker` (once per layer: the router) up to the next, in
     order: each kernel's name, grid, duration and the idle gap before it (where one layer's time goes)."""
-    device = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES),
-                    key=lambda e: e["ts"])
+    device = device_events(events)
     marks = [i for i, e in enumerate(device) if e["name"] == marker]
     if index + 1 >= len(marks):
         raise ValueError(f"trace_summary: {len(marks)} launches of {marker}; layer {index} needs {index + 2}")
@@ -159,14 +163,15 @@ def main(argv=None) -> None:
     parser.add_argument("--layer", type=int, help="also list this layer's kernels in order (router to router)")
     args = parser.parse_args(argv)
     floor_bytes = model_floor_bytes(args.preset, args.batch, args.context, args.weights) if args.preset else None
-    summary = summarize(load_events(args.trace), floor_bytes, args.bandwidth)
+    events = load_events(args.trace)
+    summary = summarize(events, floor_bytes, args.bandwidth)
     summary.update(trace=args.trace, preset=args.preset, batch=args.batch, context=args.context,
                    bandwidth=args.bandwidth, floor_bytes=floor_bytes)
     print_summary(summary, args.configs)
     if args.layer is not None:
         from dsflash_compile.benchmarking import print_table
 
-        rows = layer_kernels(load_events(args.trace), index=args.layer)
+        rows = layer_kernels(events, index=args.layer)
         print(f"\nlayer {args.layer}: {sum(r['us'] + r['gap_us'] for r in rows):.1f} us, {len(rows)} kernels")
         print_table(rows, [("gap us", "gap_us", ".1f"), ("us", "us", ".1f"), ("grid", "grid", ""),
                            ("kernel", "name", "")])
