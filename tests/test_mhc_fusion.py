@@ -19,6 +19,7 @@ from interp import report, run_interpreted, requires_interpreter
 from hopper import check_compiles_for_hopper
 
 NORM_EPS, HC_EPS, ITERS = 1e-20, 1e-6, 20  # the tiny preset's (and the release's)
+EPS32 = torch.finfo(torch.float32).eps
 SEAM_OPS = ("dsflash.mhc_seam.default", "dsflash.mhc_entry_seam.default")
 
 
@@ -93,6 +94,35 @@ def bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs() / torch.exp2(exponent.float() - 8)).max().item()
 
 
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    _, exponent = torch.frexp(x)
+    return torch.exp2(exponent.double() - 8)
+
+
+def post_error_ratio(got, out, streams, post, comb) -> float:
+    """Largest |got - Y| over its bound, for new streams Y = post * out + sum_i comb_i * X_i: half a bf16 ulp
+    (the cast) plus 8 fp32 epsilons of the terms' absolute sum (the sum's order). Where the five terms cancel
+    near zero, bf16_ulps between two fp32 sums in different orders is large (7 at 64 release-size tokens)."""
+    terms = torch.cat([(post.double().unsqueeze(-1) * out.double().unsqueeze(-2)).unsqueeze(-3),
+                       comb.double().unsqueeze(-1) * streams.double().unsqueeze(-2)], dim=-3)
+    exact = terms.sum(-3)
+    bound = _bf16_ulp(torch.maximum(exact.abs(), got.double().abs())) / 2 + 8 * EPS32 * terms.abs().sum(-3)
+    return ((got.double() - exact).abs() / bound).max().item()
+
+
+def normed_error_ratio(got, streams, pre_lagged, weight, eps) -> float:
+    """The same for normed = w * x * rsqrt(mean(x^2) + eps), x = bf16(sum_i p_i * X_i): two bf16 ulps of normed
+    (its cast, the statistic's order) plus x's bound (half an ulp, 8 fp32 epsilons of the collapse's absolute
+    sum) carried through w * rsqrt. Where the collapse cancels, bf16_ulps reached 153 at 300 tokens."""
+    terms = pre_lagged.double().unsqueeze(-1) * streams.double()
+    x = terms.sum(-2)
+    scale = weight.double() * torch.rsqrt(x.bfloat16().double().square().mean(-1, keepdim=True) + eps)
+    exact = scale * x
+    bound = (2 * _bf16_ulp(torch.maximum(exact.abs(), got.double().abs()))
+             + scale.abs() * (_bf16_ulp(x.abs()) / 2 + 8 * EPS32 * terms.abs().sum(-2)))
+    return ((got.double() - exact).abs() / bound).max().item()
+
+
 def interpreter_checks():
     """Entry point of the subprocess: kernel vs reference. The new streams against the reference's; the
     rest against the reference applied to the kernel's own new streams (so one truncated bf16 cast of the
@@ -146,8 +176,8 @@ KERNEL_ARGS = dict(out_ptr="*bf16", streams_ptr="*bf16", post_ptr="*fp32", comb_
 def test_seam_kernel_on_cuda_two_finishing_programs_give_one_programs_bits(tokens):
     """On CUDA two programs finish a block (the Sinkhorn and the RMSNorm side by side; the interpreter runs one):
     the same bits as one finishing program, again on a second call (the counters reset), and the reference's
-    values (bf16 outputs within the interpreter test's 3 ulps; the mixes within bench_mhc's 1e-5, the sums of
-    the release's 20480 products running in another order)."""
+    values (bf16 outputs within post_error_ratio's and normed_error_ratio's bounds; the mixes within
+    bench_mhc's 1e-5, the sums of the release's 20480 products running in another order)."""
     from dsflash_compile.custom_ops.mhc_triton import mhc_seam_triton
 
     out, streams, post, comb, pre_lagged, *params = (t.cuda() for t in seam_args((tokens,), dim=5120))
@@ -156,9 +186,9 @@ def test_seam_kernel_on_cuda_two_finishing_programs_give_one_programs_bits(token
     single = mhc_seam_triton(*args, share_finish=False)
     for got in (shared[1], single):
         assert all(torch.equal(a, b) for a, b in zip(shared[0], got, strict=True))
-    want_new = seam_reference(*args)[0]
     want = entry_seam_reference(shared[0][0], pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)
-    assert max(bf16_ulps(shared[0][0], want_new), bf16_ulps(shared[0][1], want[0])) <= 3
+    assert post_error_ratio(shared[0][0], out, streams, post, comb) <= 1
+    assert normed_error_ratio(shared[0][1], shared[0][0], pre_lagged, params[-1], NORM_EPS) <= 1
     assert max((g - w).abs().max().item() for g, w in zip(shared[0][2:], want[1:])) <= 1e-5
 
 
@@ -175,9 +205,9 @@ def test_rows_kernels_on_cuda(tokens):
     got = mhc_seam_triton(*args, rows=True)
     whole = mhc_seam_triton(*args, rows=True, rows_launch={"finish_split": False})
     assert all(torch.equal(a, b) for a, b in zip(got, whole, strict=True))
-    want_new = seam_reference(*args)[0]
     want = entry_seam_reference(got[0], pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)
-    assert max(bf16_ulps(got[0], want_new), bf16_ulps(got[1], want[0])) <= 3
+    assert post_error_ratio(got[0], out, streams, post, comb) <= 1
+    assert normed_error_ratio(got[1], got[0], pre_lagged, params[-1], NORM_EPS) <= 1
     assert max((g - w).abs().max().item() for g, w in zip(got[2:], want[1:])) <= 1e-5
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
