@@ -20,8 +20,8 @@ import triton.language as tl
 
 from .attention_triton import _dot, _num_sms
 from .bf16_linear import MAX_ROWS
+from . import pdl
 from .block_counters import block_counters
-from .prefetch_triton import prefetch_bytes_l2
 from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
 
 # Launch defaults from the H200 sweep at one row (scripts/sweep_linear.py, 12-01 l; us, against cuBLAS's GEMV and
@@ -39,11 +39,10 @@ PROGRAMS_PER_SM = 3.7
 def _bf16_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K, n_per_group, k_blocks_per_split,
                         splits, QUANT_X: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr,
-                        PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                        PDL: tl.constexpr):
     """x [M, groups * K] and out [M, N] contiguous; weight [N, K]. BLOCK_N divides n_per_group (so N too).
-    ONE_ROW (M = 1, decode batch 1): x's FP8 runs on the one row, not on the dot's 16-row tile. PDL (launched
-    with launch_pdl): wait for the previous kernel before reading x, after asking L2 for the program's weight
-    slice with PREFETCH."""
+    ONE_ROW (M = 1, decode batch 1): x's FP8 runs on the one row, not on the dot's 16-row tile."""
+    pdl.start(PDL)
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -52,12 +51,6 @@ def _bf16_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K
     x_rows = x_ptr + m[:, None].to(tl.int64) * (K * (N // n_per_group)) + group * K
     w_rows = w_ptr + n[:, None].to(tl.int64) * K
     first = split * k_blocks_per_split
-    if PDL:
-        if PREFETCH:
-            cols = tl.minimum(k_blocks_per_split * BLOCK_K, K - first * BLOCK_K)
-            prefetch_bytes_l2(w_ptr + n.to(tl.int64) * K + first * BLOCK_K, cols * 2)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(tl.minimum(k_blocks_per_split, tl.cdiv(K, BLOCK_K) - first)):
         k = (first + i) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -117,8 +110,7 @@ def launch(rows: int, n: int, k: int, groups: int, device: torch.device, **overr
     few = block_m <= 16 and block_n == 32  # 64-wide blocks spill at 2 warps (ptxas, sm_90): 4 warps, 2 stages
     return {"block_m": block_m, "block_n": block_n, "block_k": block_k, "splits": splits,
             "num_warps": overrides.get("num_warps") or (2 if few else 4),
-            "num_stages": overrides.get("num_stages") or (4 if few else 2 if block_m <= 16 else 3),
-            "pdl": overrides.get("pdl", False), "prefetch": overrides.get("prefetch", False)}
+            "num_stages": overrides.get("num_stages") or (4 if few else 2 if block_m <= 16 else 3)}
 
 
 def bf16_linear_triton(x, weight, groups, quantize_x, **overrides):
@@ -144,6 +136,5 @@ def bf16_linear_triton(x, weight, groups, quantize_x, **overrides):
     _bf16_linear_kernel[grid](rows, weight.contiguous(), out, partial, counters, m, n, k, n // groups, per_split,
                               splits, QUANT_X=quantize_x, ONE_ROW=m == 1, BLOCK_M=block_m, BLOCK_N=block_n,
                               BLOCK_K=block_k, EVEN_K=k % block_k == 0, FP32_DOT=x.device.type != "cuda",
-                              PDL=settings["pdl"], PREFETCH=settings["prefetch"], launch_pdl=settings["pdl"],
-                              num_warps=settings["num_warps"], num_stages=settings["num_stages"])
+                              **pdl.launch(x.device), num_warps=settings["num_warps"], num_stages=settings["num_stages"])
     return out.view(*x.shape[:-1], n)

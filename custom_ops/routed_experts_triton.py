@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _dot
+from . import pdl
 from .block_counters import block_counters
 from .routed_experts import MAX_TOKENS
 
@@ -109,7 +110,8 @@ def _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M: tl.constexp
 def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS, shared, G, I, D, limit,
                QUANT_X: tl.constexpr, QUANT_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr, P_PAD: tl.constexpr, G_PAD: tl.constexpr,
-               BY_EXPERT: tl.constexpr, FP32_DOT: tl.constexpr):
+               BY_EXPERT: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     prog, pid_n = tl.program_id(0), tl.program_id(1)
     e, mine, hit, routed, slot = _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M, KK_PAD, P_PAD, G_PAD,
                                               BY_EXPERT)
@@ -147,10 +149,12 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS,
 @triton.jit
 def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, y_ptr, counter_ptr, T, KK, SLOTS, shared, G, I, D,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr,
-                 P_PAD: tl.constexpr, G_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, FP32_DOT: tl.constexpr):
+                 P_PAD: tl.constexpr, G_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, FP32_DOT: tl.constexpr,
+                 PDL: tl.constexpr):
     """out[t, slot] = bf16(h[t, slot] @ W2[e]^T) for the tokens routed to e, over the programs that compute e
     (_program_expert); then the last program of each column block adds every token's pair outputs there into y
     (_ordered_sum)."""
+    pdl.start(PDL)
     prog, pid_n = tl.program_id(0), tl.program_id(1)
     e, mine, _, routed, slot = _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M, KK_PAD, P_PAD, G_PAD,
                                             BY_EXPERT)
@@ -253,7 +257,7 @@ def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_x, quanti
     by_expert = by_expert_grid(tokens, experts, slots) if by_expert is None else by_expert
     rows = experts if by_expert else tokens * slots
     fixed = dict(BLOCK_M=block_m, KK_PAD=kk_pad, P_PAD=p_pad, G_PAD=g_pad, BY_EXPERT=by_expert,
-                 FP32_DOT=x.device.type != "cuda")
+                 FP32_DOT=x.device.type != "cuda", **pdl.launch(x.device))
     _up_kernel[(rows, triton.cdiv(inter, up["block_n"]))](
         x, weights, ids, w1, w3, h, tokens, k, slots, shared_expert, experts, inter, dim, float(limit),
         QUANT_X=quantize_x, QUANT_H=quantize_h, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], **fixed,

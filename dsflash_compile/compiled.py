@@ -37,11 +37,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch._inductor import config as inductor_config
 
 from . import passes
 from .cache import CacheCapacityError
 from .context import check_left_padding
 from .custom_ops.bf16_linear import MAX_ROWS as LINEAR_MAX_ROWS
+from .custom_ops import pdl
 from .custom_ops.mhc import ROWS_MIN_TOKENS
 from .custom_ops.routed_experts import MAX_TOKENS as ROUTED_MAX_TOKENS
 from .layers import QuantLinear
@@ -114,6 +116,13 @@ class CompileOptions:
     # only for the first piece's cudaGraphLaunch, not the whole step's. 1: one graph, as with mhc_overlap (whose
     # side-stream forks join after the block boundaries the pieces are cut at)
     decode_graph_pieces: int = 4
+    # our Triton kernels launched with programmatic dependent launch (custom_ops/pdl.py; Hopper and later): each
+    # may be scheduled before the previous kernel ends and waits for it on the GPU. A process-wide switch that
+    # compile() sets; graphs keep the launches they were captured with
+    pdl: bool = True
+    # Inductor's own kernels with PDL too (torch._inductor.config.triton.enable_pdl, process-wide; ignored where
+    # this torch has no such setting)
+    inductor_pdl: bool = False
     # bounded replay's trimmed layers as CUDA graphs too (with cuda_graphs), in chunks longer than
     # prefill_graph_tokens (a shorter chunk's graph holds them)
     trimmed_graphs: bool = True
@@ -226,6 +235,9 @@ class CompiledRunner:
         # Round where the model rounds (its bf16 casts are the reference's rounding points); by default
         # Inductor keeps fused intermediates in fp32, which moves FP8/FP4 quantization steps.
         passes.keep_model_rounding()
+        pdl.set_enabled(options.pdl)
+        if hasattr(inductor_config.triton, "enable_pdl"):
+            inductor_config.triton.enable_pdl = options.inductor_pdl
         for layer in model.model.layers:
             layer.ffn.ensure_grouped(options.moe_shared_stacked and layer.ffn.can_stack_shared())
             layer.ffn.few_rows = options.moe_few_rows

@@ -1,16 +1,20 @@
-"""Does reading a GEMV's weight into L2 while latency-bound kernels run pay, and does PDL close launch gaps?
+"""What programmatic dependent launch (custom_ops/pdl.py) saves between decode kernels in a CUDA graph.
 
-    python scripts/sweep_prefetch.py --out benchmarks/results
+    python scripts/sweep_pdl.py --out benchmarks/results
 
 In one CUDA graph per case, `--layers` distinct weights of a decode projection (so L2 keeps none of them from
 one layer to the next), each layer: a one-program kernel that spins `--spin-us` (standing for a seam, the
 router or attention), then `dsflash::bf16_linear`'s kernel at one row. Cases:
-- base: spin, GEMV;
-- sep-<MB>: prefetch_triton.prefetch_l2 of the weight's first MB, then spin, GEMV;
-- pdl: the spin lets dependents launch at once; the GEMV launches with PDL and waits before reading x;
-- pdl-prefetch: as pdl, each GEMV program asking L2 for its own weight slice before the wait;
-- chain, chain-pdl, chain-pdl-prefetch: GEMVs back to back (no spin), plain or with PDL.
+- spin<us>-base: spin, GEMV, launched plainly;
+- spin<us>-pdl: the spin releases its dependents at once; the GEMV launches with PDL (waits before reading x);
+- chain, chain-pdl: the GEMVs back to back, plainly or with PDL;
+- spin<us>-only: the spins alone.
 Prints and writes us per layer; every GEMV output is checked against the plain launch's bits.
+
+H200, 12-02 p (prefetch-sweep-2026-12-02-p.json, with an L2-prefetch experiment since dropped: a kernel asking
+L2 for the next weight with cp.async.bulk.prefetch.L2, alone or in the GEMV before its PDL wait, cost 2-10 us
+a layer and saved nothing): PDL after a 5 or 10 us spin saved 1.0-1.2 us a layer on wq_b, wo_b and wq_a+wkv;
+back-to-back GEMVs 0.4-0.8 us, except wo_b (+4.6 us: its programs were released at their start then).
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ import triton
 import triton.language as tl
 
 from dsflash_compile.benchmarking import run_metadata
+from dsflash_compile.custom_ops import pdl
 from dsflash_compile.custom_ops.bf16_linear_triton import bf16_linear_triton
-from dsflash_compile.custom_ops.prefetch_triton import prefetch_l2
 
 SHAPES = {"wq_b": (32768, 1280), "wo_b": (5120, 8192), "wq_a+wkv": (1792, 5120)}  # (N, K) of the release
 
@@ -68,7 +72,6 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=10)
     parser.add_argument("--spin-us", type=float, nargs="+", default=[5.0, 10.0])
-    parser.add_argument("--prefetch-mb", type=float, nargs="+", default=[8, 16, 32])
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
     parser.add_argument("--out")
@@ -80,42 +83,35 @@ def main():
         n, k = SHAPES[shape]
         weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5 for _ in range(args.layers)]
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-        want = [bf16_linear_triton(x, w, 1, False) for w in weights]
 
-        def gemvs(**launch):
-            outs = [bf16_linear_triton(x, w, 1, False, **launch) for w in weights]
-            assert all(torch.equal(o, w) for o, w in zip(outs, want)), f"{shape} {launch}: bits differ"
-
-        def layers(spin_ns, trigger=False, mb=0.0, **launch):
+        def layers(spin_ns, with_pdl):
             def run():
+                pdl.set_enabled(with_pdl)
+                outs = []
                 for w in weights:
-                    if mb:
-                        prefetch_l2(w, int(mb * 2 ** 20))
                     if spin_ns:
-                        _spin_kernel[(1,)](flag, spin_ns, TRIGGER=trigger, num_warps=1)
-                    bf16_linear_triton(x, w, 1, False, **launch)
+                        _spin_kernel[(1,)](flag, spin_ns, TRIGGER=with_pdl, num_warps=1)
+                    outs.append(bf16_linear_triton(x, w, 1, False))
+                pdl.set_enabled(True)
+                return outs
             return run
 
-        for launch in ({}, {"pdl": True}, {"pdl": True, "prefetch": True}):
-            gemvs(**launch)
-        cases = {"chain": layers(0), "chain-pdl": layers(0, pdl=True),
-                 "chain-pdl-prefetch": layers(0, pdl=True, prefetch=True)}
+        want, got = layers(0, False)(), layers(0, True)()
+        assert all(torch.equal(o, w) for o, w in zip(got, want)), f"{shape}: PDL launches give other bits"
+        cases = {"chain": layers(0, False), "chain-pdl": layers(0, True)}
         for spin in args.spin_us:
             ns = int(spin * 1e3)
             cases[f"spin{spin:g}-only"] = lambda ns=ns: [_spin_kernel[(1,)](flag, ns, TRIGGER=False, num_warps=1)
                                                         for _ in weights]
-            cases[f"spin{spin:g}-base"] = layers(ns)
-            for mb in args.prefetch_mb:
-                cases[f"spin{spin:g}-sep-{mb:g}"] = layers(ns, mb=mb)
-            cases[f"spin{spin:g}-pdl"] = layers(ns, trigger=True, pdl=True)
-            cases[f"spin{spin:g}-pdl-prefetch"] = layers(ns, trigger=True, pdl=True, prefetch=True)
+            cases[f"spin{spin:g}-base"] = layers(ns, False)
+            cases[f"spin{spin:g}-pdl"] = layers(ns, True)
         for name, fn in cases.items():
             us = graph_us(fn, args.replays) / args.layers
             rows.append({"shape": shape, "case": name, "us_per_layer": us})
             print(f"{shape:10s} {name:24s} {us:8.2f} us/layer", flush=True)
         del weights
     if args.out:
-        path = f"{args.out}/prefetch-sweep.json"
+        path = f"{args.out}/pdl-sweep.json"
         with open(path, "w") as f:
             json.dump({**run_metadata(), "args": vars(args), "rows": rows}, f, indent=1)
         print("wrote", path)
