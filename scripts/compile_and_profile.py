@@ -205,6 +205,7 @@ def main() -> None:
     # the routed experts (most of the model's bytes). The batches fill in ascending order, so every
     # row of the largest holds --context tokens when the rounds time them all.
     steps, alive = {}, []  # variant -> batch -> its decode step; the tensors its graphs read
+    first_logits = {}  # batch -> (the first compiled variant, its third step's logits)
     for variant in [v for v in VARIANTS if v in variants or (v == "warm" and "passes" in variants)]:
         key = variant.replace("-", "_")
         torch._dynamo.reset()
@@ -216,19 +217,23 @@ def main() -> None:
         for batch, (ids, mask) in inputs.items():
             row = rows[batch]
             runner.cache.reset()
-            fill_cache(runner.cache, batch, args.context, gen)
+            # the same cache for every variant, so their logits compare
+            fill_cache(runner.cache, batch, args.context, torch.Generator(device="cuda").manual_seed(batch))
             compiled_step = decode_step(runner, ids, mask, args.context)
             if variant != "warm":
                 steps.setdefault(key, {})[batch] = compiled_step
             start = time.perf_counter()
             for _ in range(3):  # compile, record the CUDA graph, first replay
-                compiled_step()
+                logits = compiled_step()
             torch.cuda.synchronize()
             row[f"{key}_compile_s"] = time.perf_counter() - start
             print(f"{variant} batch {batch}: first three calls (compile + capture) {row[f'{key}_compile_s']:.1f} s",
                   flush=True)
             if variant == "warm":
                 continue
+            first = first_logits.setdefault(batch, (key, logits[:batch].clone()))
+            row[f"{key}_logits_vs_{first[0]}"] = {"equal": torch.equal(logits[:batch], first[1]),
+                                                  "max_abs": (logits[:batch] - first[1]).abs().max().item()}
             graphs = counters["stats"]["unique_graphs"]
             step_time(compiled_step, args.steps)  # steps after warm-up for the recompile count; the rounds time them
             trace = os.path.join(args.out, f"decode-trace-{args.preset}-b{batch}.json") if variant == "passes" else None
@@ -272,6 +277,7 @@ def main() -> None:
         for k in ["day_zero_profile"] + [f"{v.replace('-', '_')}_profile" for v in VARIANTS]:
             if k in row:
                 print(f"  {k}: {row[k]['kernels']} kernels, {row[k]['device_us']:.0f} us device time")
+        print("  logits against the first variant's:", {k: v for k, v in row.items() if "_logits_vs_" in k})
         print(f"  pass matches {row.get('pass_matches')}, graph breaks {row.get('passes_graph_breaks')}, "
               f"recompiles after warm-up {row.get('passes_recompiles_after_warmup')}")
         for t in row.get("passes_profile", {}).get("top", []):
