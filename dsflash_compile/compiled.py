@@ -120,6 +120,7 @@ class CompileOptions:
     # may be scheduled before the previous kernel ends and waits for it on the GPU. A process-wide switch that
     # compile() sets; graphs keep the launches they were captured with
     pdl: bool = True
+    pdl_streaming: bool = True  # the weight-streaming kernels (GEMVs, experts) with PDL too
     # Inductor's own kernels with PDL too (torch._inductor.config.triton.enable_pdl, process-wide; ignored where
     # this torch has no such setting)
     inductor_pdl: bool = False
@@ -235,7 +236,7 @@ class CompiledRunner:
         # Round where the model rounds (its bf16 casts are the reference's rounding points); by default
         # Inductor keeps fused intermediates in fp32, which moves FP8/FP4 quantization steps.
         passes.keep_model_rounding()
-        pdl.set_enabled(options.pdl)
+        pdl.set_enabled(options.pdl, options.pdl_streaming)
         if hasattr(inductor_config.triton, "enable_pdl"):
             inductor_config.triton.enable_pdl = options.inductor_pdl
         for layer in model.model.layers:
