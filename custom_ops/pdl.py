@@ -8,10 +8,14 @@ once (`start`), weight-streaming ones after their main loop. Because each kernel
 after its own wait, a kernel never starts its reads before all kernels two or more back have finished
 (Inductor's PDL code, `torch._inductor.config.triton.enable_pdl`, keeps the same order).
 
-What it buys: inside a CUDA graph the next kernel's launch and its programs' start overlap the end of the
-previous one (H200, scripts/sweep_pdl.py: ~1 us a boundary after a latency-bound kernel). A process-wide
+What it was to buy: inside a CUDA graph the next kernel's launch and its programs' start overlap the end of
+the previous one. In isolation it does (H200, scripts/sweep_pdl.py: a GEMV after a 5-10 us one-program kernel
+1.0-1.2 us sooner; GEMVs back to back 0.4-0.8 us, wo_b's 1.8 us later), but not in the model: flash-40l-e8
+decode at batch 1, same machine, rounds in turns (12-02 p), 11.56 ms without PDL, 11.58 with the short kernels'
+launches only, 11.70 with every kernel's (11.72 when the GEMVs released their successor at their start), the
+logits bit-identical. So it is off by default (CompileOptions.pdl): untried at larger batches. A process-wide
 switch (`set_enabled`; `dsflash_compile.compile(pdl=...)`), read at launch: graphs keep the launches they
-were captured with. Off on the CPU (the interpreter has no griddepcontrol) and before sm_90.
+were captured with. Never on the CPU (the interpreter has no griddepcontrol) or before sm_90.
 """
 
 from functools import lru_cache
@@ -24,7 +28,7 @@ try:  # Triton is optional on CPU machines; the switch is not
 except ImportError:  # pragma: no cover - CPU machines without triton
     triton = None
 
-_enabled = [True, True]  # any kernel; the weight-streaming ones too
+_enabled = [False, False]  # any kernel; the weight-streaming ones too (off: see the module's docstring)
 
 
 def set_enabled(on: bool, streaming: bool = True) -> None:

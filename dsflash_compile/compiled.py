@@ -118,11 +118,13 @@ class CompileOptions:
     decode_graph_pieces: int = 4
     # our Triton kernels launched with programmatic dependent launch (custom_ops/pdl.py; Hopper and later): each
     # may be scheduled before the previous kernel ends and waits for it on the GPU. A process-wide switch that
-    # compile() sets; graphs keep the launches they were captured with
-    pdl: bool = True
-    pdl_streaming: bool = True  # the weight-streaming kernels (GEMVs, experts) with PDL too
-    # Inductor's own kernels with PDL too (torch._inductor.config.triton.enable_pdl, process-wide; ignored where
-    # this torch has no such setting)
+    # compile() sets; graphs keep the launches they were captured with. Off: H200, flash-40l-e8 bf16 decode B1
+    # (12-02 p, compile-profile-flash-40l-e8-b1-pdl-2026-12-02-p.json): 11.56 ms off, 11.58 with pdl_streaming
+    # off, 11.70 on; Inductor's kernels with PDL too (inductor_pdl) 11.59 against 11.49 off in another run
+    pdl: bool = False
+    pdl_streaming: bool = True  # with pdl: the weight-streaming kernels (GEMVs, experts) too
+    # Inductor's own kernels with PDL (torch._inductor.config.triton.enable_pdl, process-wide; ignored where this
+    # torch has no such setting)
     inductor_pdl: bool = False
     # bounded replay's trimmed layers as CUDA graphs too (with cuda_graphs), in chunks longer than
     # prefill_graph_tokens (a shorter chunk's graph holds them)

@@ -14,7 +14,8 @@ Prints and writes us per layer; every GEMV output is checked against the plain l
 H200, 12-02 p (prefetch-sweep-2026-12-02-p.json, with an L2-prefetch experiment since dropped: a kernel asking
 L2 for the next weight with cp.async.bulk.prefetch.L2, alone or in the GEMV before its PDL wait, cost 2-10 us
 a layer and saved nothing): PDL after a 5 or 10 us spin saved 1.0-1.2 us a layer on wq_b, wo_b and wq_a+wkv;
-back-to-back GEMVs 0.4-0.8 us, except wo_b (+4.6 us: its programs were released at their start then).
+back-to-back GEMVs 0.4-0.8 us, except wo_b: +4.5 us with each GEMV releasing the next at its start, +1.8 us
+releasing it after its main loop (pdl-sweep-2026-12-02-p.json). The model did not gain (custom_ops/pdl.py).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def main():
                     if spin_ns:
                         _spin_kernel[(1,)](flag, spin_ns, TRIGGER=with_pdl, num_warps=1)
                     outs.append(bf16_linear_triton(x, w, 1, False))
-                pdl.set_enabled(True)
+                pdl.set_enabled(False)
                 return outs
             return run
 
