@@ -10,3 +10,4 @@ from . import fp8_linear, mxfp4_experts  # noqa: F401  (registration side effect
 from . import routed_experts  # noqa: F401  (registration side effects: the few-token routed experts)
 from . import bf16_linear  # noqa: F401  (registration side effects: the few-row bf16 projections)
 from . import kv_norm_rope  # noqa: F401  (registration side effects: the attention's key/value row)
+from . import expert_order  # noqa: F401  (registration side effects: the sorted MoE path's orders)

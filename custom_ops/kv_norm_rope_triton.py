@@ -10,7 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
 from .mhc_finish_triton import _rms_norm_f32
 from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
 
@@ -19,9 +18,8 @@ MAX_DIM = 4096  # a row in registers (the release's 512 at 4 warps: 4 values a t
 
 @triton.jit
 def _kv_norm_rope_kernel(kv_ptr, w_ptr, rot_ptr, out_ptr, row_stride, eps, D: tl.constexpr, PAIRS: tl.constexpr,
-                         QUANT: tl.constexpr, PDL: tl.constexpr):
+                         QUANT: tl.constexpr):
     """kv rows [N, D] (stride row_stride, unit column stride), rot [N, PAIRS, 2] and out [N, D] contiguous."""
-    pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D)
     x = tl.load(kv_ptr + row * row_stride + d).to(tl.float32)
@@ -56,5 +54,5 @@ def kv_norm_rope_triton(kv, weight, eps, rot, quantize):
     if rows.shape[0]:
         _kv_norm_rope_kernel[(rows.shape[0],)](rows, weight.contiguous(), rot.contiguous(), out, rows.stride(0),
                                                eps, D=dim, PAIRS=pairs, QUANT=quantize,
-                                               num_warps=4 if dim <= 1024 else 8, **pdl.launch(kv.device))
+                                               num_warps=4 if dim <= 1024 else 8)
     return out

@@ -31,7 +31,6 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _dot
-from . import pdl
 from .block_counters import block_counters
 from .routed_experts import MAX_TOKENS
 
@@ -110,8 +109,7 @@ def _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M: tl.constexp
 def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS, shared, G, I, D, limit,
                QUANT_X: tl.constexpr, QUANT_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr, P_PAD: tl.constexpr, G_PAD: tl.constexpr,
-               BY_EXPERT: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
+               BY_EXPERT: tl.constexpr, FP32_DOT: tl.constexpr):
     prog, pid_n = tl.program_id(0), tl.program_id(1)
     e, mine, hit, routed, slot = _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M, KK_PAD, P_PAD, G_PAD,
                                               BY_EXPERT)
@@ -134,7 +132,6 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS,
         w_mask = n_in[:, None] & (k < D)[None, :]
         gate += _dot(x, tl.trans(tl.load(w1_ptr + rows + k[None, :], mask=w_mask, other=0.0)), FP32_DOT)
         up += _dot(x, tl.trans(tl.load(w3_ptr + rows + k[None, :], mask=w_mask, other=0.0)), FP32_DOT)
-    pdl.release(PDL)
     gate = _round_bf16(gate)  # the GEMMs' bf16 outputs
     up = _round_bf16(up)
     if limit > 0:
@@ -150,12 +147,10 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS,
 @triton.jit
 def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, y_ptr, counter_ptr, T, KK, SLOTS, shared, G, I, D,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr,
-                 P_PAD: tl.constexpr, G_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, FP32_DOT: tl.constexpr,
-                 PDL: tl.constexpr):
+                 P_PAD: tl.constexpr, G_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, FP32_DOT: tl.constexpr):
     """out[t, slot] = bf16(h[t, slot] @ W2[e]^T) for the tokens routed to e, over the programs that compute e
     (_program_expert); then the last program of each column block adds every token's pair outputs there into y
     (_ordered_sum)."""
-    pdl.wait(PDL)
     prog, pid_n = tl.program_id(0), tl.program_id(1)
     e, mine, _, routed, slot = _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M, KK_PAD, P_PAD, G_PAD,
                                             BY_EXPERT)
@@ -170,7 +165,6 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, y_ptr, counter_ptr, T, KK, SLO
         h = tl.load(h_ptr + rows * I + k[None, :], mask=routed[:, None] & (k < I)[None, :], other=0.0)
         w = tl.load(w_rows + k[None, :], mask=n_in[:, None] & (k < I)[None, :], other=0.0)
         acc += _dot(h, tl.trans(w), FP32_DOT)
-    pdl.release(PDL)
     tl.store(out_ptr + rows * D + n[None, :], _round_bf16(acc).to(tl.bfloat16),
              mask=(mine & routed)[:, None] & n_in[None, :])
     tl.debug_barrier()  # every thread's stores are issued before the release below
@@ -259,7 +253,7 @@ def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_x, quanti
     by_expert = by_expert_grid(tokens, experts, slots) if by_expert is None else by_expert
     rows = experts if by_expert else tokens * slots
     fixed = dict(BLOCK_M=block_m, KK_PAD=kk_pad, P_PAD=p_pad, G_PAD=g_pad, BY_EXPERT=by_expert,
-                 FP32_DOT=x.device.type != "cuda", **pdl.launch(x.device, streaming=True))
+                 FP32_DOT=x.device.type != "cuda")
     _up_kernel[(rows, triton.cdiv(inter, up["block_n"]))](
         x, weights, ids, w1, w3, h, tokens, k, slots, shared_expert, experts, inter, dim, float(limit),
         QUANT_X=quantize_x, QUANT_H=quantize_h, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], **fixed,

@@ -37,13 +37,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch._inductor import config as inductor_config
 
 from . import passes
 from .cache import CacheCapacityError
 from .context import check_left_padding
 from .custom_ops.bf16_linear import MAX_ROWS as LINEAR_MAX_ROWS
-from .custom_ops import pdl
 from .custom_ops.mhc import ROWS_MIN_TOKENS
 from .custom_ops.routed_experts import MAX_TOKENS as ROUTED_MAX_TOKENS
 from .layers import QuantLinear
@@ -88,6 +86,11 @@ class CompileOptions:
     # argsort into one single-program kernel (39 us per layer at B64); counting: decode step 23.8 ms against
     # 26.4 at B64 (H200, flash-40l-e8 bf16, 11-30, compile-profile-flash-40l-e8-b64-count-moe-2026-11-30.json)
     moe_count_order: int = COUNT_ORDER_BOUND
+    # issue 5: with moe_count_order, the pairs' order, its inverse, the GEMMs' offsets and the slots' order as
+    # dsflash::expert_order (one launch) where its kernel fits (custom_ops/expert_order.py: flash-40l-e8 decode
+    # up to batch 146; not the release's 384 experts), instead of the ~12 small Inductor kernels of the counting
+    # code (~20 us a layer with their gaps at B64 on the H200, 12-02 o/p traces). Same bits. Not yet timed
+    moe_order_op: bool = True
     # issue 5: bf16 weights: the shared expert as one more slice of the routed stacks (every token's last pair,
     # weight 1: the same bits), so its three GEMVs and two split-K reduces per layer (28 us at B1 on the H200,
     # floor 17) ride in the grouped GEMMs. No effect on native weights (FP8 shared, MXFP4 routed) or ParallelMoE
@@ -116,16 +119,6 @@ class CompileOptions:
     # only for the first piece's cudaGraphLaunch, not the whole step's. 1: one graph, as with mhc_overlap (whose
     # side-stream forks join after the block boundaries the pieces are cut at)
     decode_graph_pieces: int = 4
-    # our Triton kernels launched with programmatic dependent launch (custom_ops/pdl.py; Hopper and later): each
-    # may be scheduled before the previous kernel ends and waits for it on the GPU. A process-wide switch that
-    # compile() sets; graphs keep the launches they were captured with. Off: H200, flash-40l-e8 bf16 decode B1
-    # (12-02 p, compile-profile-flash-40l-e8-b1-pdl-2026-12-02-p.json): 11.56 ms off, 11.58 with pdl_streaming
-    # off, 11.70 on; Inductor's kernels with PDL too (inductor_pdl) 11.59 against 11.49 off in another run
-    pdl: bool = False
-    pdl_streaming: bool = True  # with pdl: the weight-streaming kernels (GEMVs, experts) too
-    # Inductor's own kernels with PDL (torch._inductor.config.triton.enable_pdl, process-wide; ignored where this
-    # torch has no such setting)
-    inductor_pdl: bool = False
     # bounded replay's trimmed layers as CUDA graphs too (with cuda_graphs), in chunks longer than
     # prefill_graph_tokens (a shorter chunk's graph holds them)
     trimmed_graphs: bool = True
@@ -238,14 +231,12 @@ class CompiledRunner:
         # Round where the model rounds (its bf16 casts are the reference's rounding points); by default
         # Inductor keeps fused intermediates in fp32, which moves FP8/FP4 quantization steps.
         passes.keep_model_rounding()
-        pdl.set_enabled(options.pdl, options.pdl_streaming)
-        if hasattr(inductor_config.triton, "enable_pdl"):
-            inductor_config.triton.enable_pdl = options.inductor_pdl
         for layer in model.model.layers:
             layer.ffn.ensure_grouped(options.moe_shared_stacked and layer.ffn.can_stack_shared())
             layer.ffn.few_rows = options.moe_few_rows
             layer.ffn.few_tokens = options.moe_few_tokens
             layer.ffn.count_order = options.moe_count_order
+            layer.ffn.order_op = options.moe_order_op
             layer.attn.fuse_input_projections(options.fuse_input_projections)
         for module in model.modules():  # after the fusion above, whose projections are new modules
             if type(module) is QuantLinear and module.weight.dtype == torch.bfloat16:

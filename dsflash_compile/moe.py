@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_deepseek_v41 import DeepseekV41TextConfig
+from .custom_ops import expert_order
 from .custom_ops.routed_experts import with_shared_expert
 from .layers import hold, quant_linear, same_storage
 from .quant import fp8_qdq
@@ -98,6 +99,7 @@ class MoE(nn.Module):
         self.shared_stacked = False  # the shared expert is the stacks' last slice (stack_experts(shared=True))
         self.few_rows = 0  # bf16 grouped GEMMs of at most this many rows run dsflash::grouped_mm (see _grouped_mm)
         self.count_order = 0  # pairs x (groups + 1) up to this: sorts by counting (see _expert_order); 0: argsort
+        self.order_op = False  # with count_order: dsflash::expert_order where its kernel fits (compile() sets it)
         self.few_tokens = 0  # bf16 grouped: up to this many tokens run dsflash::routed_experts (compile() sets it)
         if self.native:
             self.stack_experts()
@@ -239,10 +241,14 @@ class MoE(nn.Module):
         expert = ids.flatten()
         here = expert >= 0
         groups = len(self.experts) + self.shared_stacked
-        order, rank = self._expert_order(torch.where(here, expert, groups), groups)
-        counts = torch.zeros(groups, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, expert.clamp(min=0), here.to(torch.int32))
-        offsets = counts.cumsum(0, dtype=torch.int32)
+        if self.order_op and self.count_order and expert_order.kernel_fits(expert.numel(), groups):
+            order, rank, offsets, ascending = torch.ops.dsflash.expert_order(ids, groups)  # one launch on CUDA
+        else:
+            order, rank = self._expert_order(torch.where(here, expert, groups), groups)
+            counts = torch.zeros(groups, dtype=torch.int32, device=x.device)
+            counts.scatter_add_(0, expert.clamp(min=0), here.to(torch.int32))
+            offsets = counts.cumsum(0, dtype=torch.int32)
+            ascending = self._slot_order(ids)  # each token's slots in ascending expert id (the sum's order below)
         xs = (fp8_qdq(x) if first.w1.quantize_input else x)[order // k]
         gate = self._grouped_mm(xs, "w1", offsets).float()
         up = self._grouped_mm(xs, "w3", offsets).float()
@@ -251,7 +257,6 @@ class MoE(nn.Module):
         h = (weights.flatten()[order].unsqueeze(1) * (F.silu(gate) * up)).to(x.dtype)
         out = self._grouped_mm(fp8_qdq(h) if first.w2.quantize_input else h, "w2", offsets)
         # Back to each token's slots in ascending expert id, summed one by one (the loop's order).
-        ascending = self._slot_order(ids)
         picked = out[rank[ascending + k * torch.arange(tokens, device=x.device).unsqueeze(1)]]  # [tokens, k, D]
         if elsewhere:  # rows past the last offset are undefined for torch._grouped_mm
             picked = torch.where(here.view(tokens, k).gather(1, ascending).unsqueeze(-1), picked, 0.0)

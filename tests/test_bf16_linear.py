@@ -128,7 +128,7 @@ def test_kernel_compiles_for_hopper_without_spills(rows, name, monkeypatch):
     launch = module.launch(rows, n, k, groups, torch.device("cuda"))
     assert launch["block_n"] == (64 if name == "wq_b" else 32)
     constexprs = dict(QUANT_X=True, ONE_ROW=rows == 1, BLOCK_M=launch["block_m"], BLOCK_N=launch["block_n"],
-                      BLOCK_K=launch["block_k"], EVEN_K=True, FP32_DOT=False, PDL=True)
+                      BLOCK_K=launch["block_k"], EVEN_K=True, FP32_DOT=False)
     check_compiles_for_hopper(module, ("_bf16_linear_kernel", _KERNEL, constexprs, launch["num_warps"]))
 
 

@@ -225,7 +225,7 @@ def test_seam_kernel_compiles_for_hopper(block_t, block_d):
     from dsflash_compile.custom_ops import mhc_triton
 
     constexprs = dict(HC=4, D=5120, BLOCK_D=block_d, BLOCK_T=block_t, PART=32, CHUNKS_PAD=128,
-                      NORM_BLOCK=mhc_triton.NORM_BLOCK, PDL=True)
+                      NORM_BLOCK=mhc_triton.NORM_BLOCK)
     check_compiles_for_hopper(mhc_triton, ("_seam_kernel", KERNEL_ARGS, constexprs, 4))
 
 
@@ -240,11 +240,11 @@ def test_rows_kernels_compile_for_hopper(has_post, split):
 
     launch = mhc_rows_triton.LAUNCH
     constexprs = dict(HC=4, D=5120, BLOCK_T=launch["block_t"], BLOCK_D=launch["block_d"], MIX_PAD=32,
-                      HAS_POST=has_post, PRECISION=launch["precision"], SPLIT=split, PDL=True)
+                      HAS_POST=has_post, PRECISION=launch["precision"], SPLIT=split)
     args = {name: KERNEL_ARGS.get(name, "i32") for name in mhc_rows_triton._seam_rows_kernel.arg_names
             if name not in constexprs}  # span: i32
     finish_constexprs = dict(HC=4, D=5120, MIX_PAD=32, SPLITS_PAD=64 if split else 1,
-                             NORM_BLOCK=launch["finish_norm_block"], PDL=True)
+                             NORM_BLOCK=launch["finish_norm_block"])
     finish_args = {name: KERNEL_ARGS.get(name, "i32") for name in mhc_rows_triton._finish_rows_kernel.arg_names
                    if name not in finish_constexprs}  # splits: i32
     check_compiles_for_hopper(mhc_rows_triton, ("_seam_rows_kernel", args, constexprs, launch["num_warps"]),

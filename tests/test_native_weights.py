@@ -499,7 +499,7 @@ def test_grouped_kernel_compiles_for_hopper_without_spills(mxfp4, ptx, block_m, 
                 out_ptr="*bf16", P="i32", E="i32", N="i32", K="i32")
     # E_PAD 512: the release's 384 experts
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, E_PAD=512, MXFP4=mxfp4, FP32_DOT=False,
-                      PTX=ptx, PDL=True)
+                      PTX=ptx)
     check_compiles_for_hopper(mxfp4_experts_triton, ("_grouped_kernel", args, constexprs, warps),
                               ("x_ptr", "w_ptr", "s_ptr", "offsets_ptr", "out_ptr", "N", "K"))
 

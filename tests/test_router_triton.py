@@ -80,7 +80,7 @@ _ARGS = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*fp32", partial_ptr="*fp32"
              counter_ptr="*i32", weights_ptr="*fp32", ids_ptr="*i64", N="i32", D="i32", E="i32",
              k_blocks_per_split="i32", scale="fp32")
 _RELEASE = dict(TOPK=6, K_PAD=8, E_PAD=512, SPLITS_PAD=16, BLOCK_T=16, BLOCK_E=16, BLOCK_K=128, NORMALIZE=True,
-                FP32_DOT=False, PDL=True)
+                FP32_DOT=False)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
