@@ -89,8 +89,9 @@ class CompileOptions:
     # issue 5: with moe_count_order, the pairs' order, its inverse, the GEMMs' offsets and the slots' order as
     # dsflash::expert_order (one launch) where its kernel fits (custom_ops/expert_order.py: flash-40l-e8 decode
     # up to batch 146; not the release's 384 experts), instead of the ~12 small Inductor kernels of the counting
-    # code (~20 us a layer with their gaps at B64 on the H200, 12-02 o/p traces). Same bits. Not yet timed
-    moe_order_op: bool = True
+    # code (~20 us a layer with their gaps at B64 on the H200, 12-02 o/p traces). Same bits. Off until the H200
+    # has run it (its CUDA test, then compile_and_profile's order-op variant against passes: logits, step time)
+    moe_order_op: bool = False
     # issue 5: bf16 weights: the shared expert as one more slice of the routed stacks (every token's last pair,
     # weight 1: the same bits), so its three GEMVs and two split-K reduces per layer (28 us at B1 on the H200,
     # floor 17) ride in the grouped GEMMs. No effect on native weights (FP8 shared, MXFP4 routed) or ParallelMoE
