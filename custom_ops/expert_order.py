@@ -50,7 +50,9 @@ def expert_order_reference(ids: Tensor, groups: int):
     expert = ids.flatten()
     order = torch.where(expert >= 0, expert, groups).argsort(stable=True)
     rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=ids.device))
-    counts = torch.bincount(expert[expert >= 0], minlength=groups)[:groups]
+    # pairs per expert by comparison: no host sync (bincount of the masked ids would need one), graph-safe where
+    # the CUDA kernel does not fit and this runs instead
+    counts = (expert.unsqueeze(1) == torch.arange(groups, device=ids.device)).sum(0)
     return order, rank, counts.cumsum(0).to(torch.int32), ids.argsort(dim=1, stable=True)
 
 

@@ -37,7 +37,8 @@ def _expert_order_kernel(ids_ptr, order_ptr, rank_ptr, offsets_ptr, ascending_pt
     before = ((other < mine) | ((other == mine) & (i < j))) & (i < KK)
     place = tl.sum(before.to(tl.int32), 2)  # [T_PAD, K_PAD]
     t2, j2 = tl.arange(0, T_PAD)[:, None], tl.arange(0, K_PAD)[None, :]
-    tl.store(ascending_ptr + t2 * KK + place, (j2 + 0 * t2).to(tl.int64), mask=(t2 < T) & (j2 < KK))
+    slots = tl.broadcast_to(j2, (T_PAD, K_PAD)).to(tl.int64)
+    tl.store(ascending_ptr + t2 * KK + place, slots, mask=(t2 < T) & (j2 < KK))
 
 
 def expert_order_triton(ids: torch.Tensor, groups: int):
