@@ -71,6 +71,22 @@ def _fp8_qdq_groups(v, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
+def _swiglu_h(gate, up, weight, limit, QUANT_H: tl.constexpr):
+    """The fp32 GEMM accumulators gate, up [M, N] and each row's routing weight [M] -> h (fp32 holding bf16
+    values): rounded as the GEMMs' bf16 outputs, clamped (limit > 0), SwiGLU times the weight rounded to bf16,
+    then FP8 quantize-dequantized in groups of 32 columns (QUANT_H)."""
+    gate = _round_bf16(gate)
+    up = _round_bf16(up)
+    if limit > 0:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = _round_bf16(weight[:, None] * (gate / (1.0 + tl.exp(-gate)) * up))
+    if QUANT_H:
+        h = _fp8_qdq_groups(h, h.shape[0], h.shape[1])  # E4M3 values times a power of two: exact in bf16
+    return h
+
+
+@triton.jit
 def _slot_ids(ids_ptr, t, s, T, KK, shared):
     """Expert ids of (token t, slot s) (broadcast tensors or scalars): the stored ids in slots < KK, the shared
     expert (`shared`; -1: none) in slot KK, -1 beyond them and for tokens past T."""
@@ -132,14 +148,7 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS,
         w_mask = n_in[:, None] & (k < D)[None, :]
         gate += _dot(x, tl.trans(tl.load(w1_ptr + rows + k[None, :], mask=w_mask, other=0.0)), FP32_DOT)
         up += _dot(x, tl.trans(tl.load(w3_ptr + rows + k[None, :], mask=w_mask, other=0.0)), FP32_DOT)
-    gate = _round_bf16(gate)  # the GEMMs' bf16 outputs
-    up = _round_bf16(up)
-    if limit > 0:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = _round_bf16(weight[:, None] * (gate / (1.0 + tl.exp(-gate)) * up))
-    if QUANT_H:
-        h = _fp8_qdq_groups(h, BLOCK_M, BLOCK_N)  # E4M3 values times a power of two: exact in bf16
+    h = _swiglu_h(gate, up, weight, limit, QUANT_H)
     out = h_ptr + (t * SLOTS + slot).to(tl.int64)[:, None] * I + n[None, :]
     tl.store(out, h.to(tl.bfloat16), mask=(mine & routed)[:, None] & n_in[None, :])
 

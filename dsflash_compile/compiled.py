@@ -89,9 +89,14 @@ class CompileOptions:
     # issue 5: with moe_count_order, the pairs' order, its inverse, the GEMMs' offsets and the slots' order as
     # dsflash::expert_order (one launch) where its kernel fits (custom_ops/expert_order.py: flash-40l-e8 decode
     # up to batch 146; not the release's 384 experts), instead of the ~12 small Inductor kernels of the counting
-    # code (~20 us a layer with their gaps at B64 on the H200, 12-02 o/p traces). Same bits. Off until the H200
-    # has run it (its CUDA test, then compile_and_profile's order-op variant against passes: logits, step time)
-    moe_order_op: bool = False
+    # code. Same bits. H200, flash-40l-e8 bf16, B64 decode step 18.40 ms against 19.13 without, 1489 kernels
+    # against 1889, logits equal (12-02 q, compile-profile-flash-40l-e8-b64-order-op-2026-12-02-q.json)
+    moe_order_op: bool = True
+    # issue 5: the sorted path's gather of x, w1 and w3 grouped GEMMs, clamps, SwiGLU, routing weight and FP8 of h
+    # as dsflash::grouped_swiglu (one launch) wherever its GEMMs run dsflash::grouped_mm (up to moe_few_rows
+    # pairs, static shapes), where Inductor ran a gather, two grouped GEMMs and an epilogue kernel (H200 B64 trace,
+    # 12-02 p: 2.8 + 58 + 58 + 4.9-8.8 us a layer)
+    moe_swiglu_op: bool = True
     # issue 5: bf16 weights: the shared expert as one more slice of the routed stacks (every token's last pair,
     # weight 1: the same bits), so its three GEMVs and two split-K reduces per layer (28 us at B1 on the H200,
     # floor 17) ride in the grouped GEMMs. No effect on native weights (FP8 shared, MXFP4 routed) or ParallelMoE
@@ -238,6 +243,7 @@ class CompiledRunner:
             layer.ffn.few_tokens = options.moe_few_tokens
             layer.ffn.count_order = options.moe_count_order
             layer.ffn.order_op = options.moe_order_op
+            layer.ffn.swiglu_op = options.moe_swiglu_op
             layer.attn.fuse_input_projections(options.fuse_input_projections)
         for module in model.modules():  # after the fusion above, whose projections are new modules
             if type(module) is QuantLinear and module.weight.dtype == torch.bfloat16:

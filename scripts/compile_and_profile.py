@@ -44,7 +44,8 @@ VARIANTS = {
     "cutlass-moe": {"moe_few_rows": 112},  # torch._grouped_mm from batch 17 (before the tall row tiles, 12-02 n)
     "sorted-moe": {"moe_few_tokens": 0},  # decode's routed experts sorted and grouped (before dsflash::routed_experts)
     "routed-moe": {"moe_few_tokens": 64},  # dsflash::routed_experts at every decode batch (by expert above 16)
-    "order-op": {"moe_order_op": True},  # the sorted MoE path's orders as dsflash::expert_order (12-02 p)
+    "inductor-swiglu": {"moe_swiglu_op": False},  # the sorted path's gate/up as two GEMMs + Inductor (before 12-02 q)
+    "inductor-order": {"moe_order_op": False},  # the sorted path's counting orders in Inductor (before 12-02 q)
     "cublas-linear": {"linear_few_rows": 0},  # decode's bf16 projections on cuBLAS (before dsflash::bf16_linear)
     "one-graph": {"decode_graph_pieces": 1},  # the decode step as one CUDA graph (before piecewise_graph.py)
     # issue 5's decode fusions off: shared expert on its own GEMMs, wq_a and wkv apart, Engram and set-up eager

@@ -9,6 +9,10 @@ largest output: a GEMM's summation order); then CUDA-graph times and the bandwid
 
     python scripts/sweep_linear.py --out benchmarks/results
     python scripts/sweep_linear.py --rows 1 --only wo_b
+    python scripts/sweep_linear.py --rows 64 --grid tall --prequantized   # decode batch 64: the GEMM alone
+
+--prequantized gives the op the FP8-rounded input with quantize_x off (as cuBLAS gets it): at 64 rows every
+output block would round the whole row tile again, so there the rounding belongs in the kernel before it.
 
 At the first row count every variant runs; at the others the default and the `--top` fastest of the first.
 """
@@ -31,14 +35,15 @@ PROJECTIONS = {"wq_a+wkv": (5120, 1792, 1, True), "wq_b": (1280, 32768, 1, True)
                "wo_b": (8192, 5120, 1, True), "indexer_wq_b": (1280, 4096, 1, True)}
 ROWS = [1, 8, 16]
 # (block_n, block_k, splits as a multiple of the default's, warps, stages)
-VARIANTS = list(itertools.product((32, 64, 128), (64, 128, 256), (0.5, 1, 2), (2, 4), (2, 4)))
+GRIDS = {"few": list(itertools.product((32, 64, 128), (64, 128, 256), (0.5, 1, 2), (2, 4), (2, 4))),
+         "tall": list(itertools.product((32, 64, 128), (64, 128), (1, 2), (4, 8), (3, 4)))}  # 33-64 rows
 COLUMNS = [("proj", "proj", ""), ("rows", "rows", "d"), ("block_n", "block_n", ""), ("block_k", "block_k", ""),
            ("splits", "splits", ""), ("warps", "num_warps", ""), ("stages", "num_stages", ""),
            ("us", "s", ".2f", 1e6), ("TB/s", "tbps", ".2f"), ("vs cuBLAS", "vs_cublas", ".2f"),
            ("agrees", "agrees", "")]
 
 
-def sweep(name: str, rows: int, variants: list, gen: torch.Generator) -> list[dict]:
+def sweep(name: str, rows: int, variants: list, gen: torch.Generator, prequantized: bool) -> list[dict]:
     k, n, groups, quantize = PROJECTIONS[name]
     x = torch.randn(rows, groups * k, device="cuda", generator=gen).bfloat16()
     w = (torch.randn(n, k, device="cuda", generator=gen) / 64).bfloat16()
@@ -50,8 +55,10 @@ def sweep(name: str, rows: int, variants: list, gen: torch.Generator) -> list[di
         return ((got - want).abs().max() / scale).item() <= 2 ** -7
 
     ready = fp8_qdq(x) if quantize else x
+    if prequantized:
+        x, quantize = ready, False
     cublas = time_graph(lambda: block_diagonal_linear(ready, w, groups))
-    base = {"proj": name, "rows": rows}
+    base = {"proj": name, "rows": rows, "prequantized": prequantized}
     measured = [{**base, "block_n": "cuBLAS", "s": cublas, "tbps": weight_bytes / cublas / 1e12, "vs_cublas": 1.0,
                  "agrees": True}]
     default = kernels.launch(rows, n, k, groups, x.device)
@@ -81,6 +88,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", nargs="+", type=int, default=ROWS)
     parser.add_argument("--only", nargs="+", choices=sorted(PROJECTIONS), default=list(PROJECTIONS))
+    parser.add_argument("--grid", choices=sorted(GRIDS), default="few", help="launch variants at the first row count")
+    parser.add_argument("--prequantized", action="store_true", help="the op gets the FP8-rounded input")
     parser.add_argument("--top", type=int, default=4, help="variants of the first row count timed at the others")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
@@ -91,12 +100,12 @@ def main() -> None:
     for i, rows in enumerate(args.rows):  # saved after each row count so a cut run keeps what it measured
         for name in args.only:
             if i == 0:
-                variants = ["default", *VARIANTS]
+                variants = ["default", *GRIDS[args.grid]]
             else:
                 timed = fastest(r for r in results if r["proj"] == name and r["rows"] == args.rows[0]
                                 and "variant" in r)  # not the cuBLAS row
                 variants = ["default"] + [r["variant"] for r in timed[:args.top] if r["variant"] != "default"]
-            measured = sweep(name, rows, variants, gen)
+            measured = sweep(name, rows, variants, gen, args.prequantized)
             print_table(fastest(measured)[:6] + [r for r in measured if r.get("variant") == "default"], COLUMNS)
             results += measured
         save_results({**run_metadata(), "rows": results}, "linear-sweep", args.out)
