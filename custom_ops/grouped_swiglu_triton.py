@@ -18,10 +18,12 @@ from .mxfp4_experts_triton import _tile_of
 from .routed_experts_triton import _swiglu_h
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by the mean rows per stacked slice, the first entry up to its bound,
-# and so on: the grouped GEMM's row tiles (mxfp4_experts_triton.BF16_LAUNCHES) with the blocks that compile for
-# sm_90 without spills (two accumulators and the FP8 epilogue: at 4 warps 64 x 64 tiles and 128-wide K blocks
-# spill; tests/test_grouped_swiglu.py). The 64-row entry: H200 sweep (scripts/sweep_experts.py --swiglu)
-LAUNCHES = ((8, (16, 32, 64, 4, 3)), (32, (32, 32, 64, 4, 3)), (None, (64, 32, 64, 4, 4)))
+# and so on; blocks that compile for sm_90 without spills (two accumulators and the FP8 epilogue: at 4 warps
+# 64 x 64 tiles and 128-wide K blocks spill; tests/test_grouped_swiglu.py). H200 sweep (scripts/sweep_experts.py
+# --swiglu, flash-40l-e8 stacks, 12-02 q), us against w1 + w3 as two grouped GEMMs alone: 64 tokens 111.1 at
+# (64, 64, 64, 8, 3) against 115.2 (116.4 at 64 x 32, 4 warps); 32 tokens (25 rows a slice) 112.8 against
+# 109.7, 153 at 32-row tiles. The 16-row entry is untimed (decode below 17 tokens runs dsflash::routed_experts)
+LAUNCHES = ((8, (16, 32, 64, 4, 3)), (None, (64, 64, 64, 8, 3)))
 
 
 @triton.jit

@@ -232,8 +232,12 @@ def main() -> None:
             if variant == "warm":
                 continue
             first = first_logits.setdefault(batch, (key, logits[:batch].clone()))
-            row[f"{key}_logits_vs_{first[0]}"] = {"equal": torch.equal(logits[:batch], first[1]),
-                                                  "max_abs": (logits[:batch] - first[1]).abs().max().item()}
+            # beside max_abs: the first's largest |logit| (its scale) and the share of rows with the same top token
+            row[f"{key}_logits_vs_{first[0]}"] = {
+                "equal": torch.equal(logits[:batch], first[1]),
+                "max_abs": (logits[:batch] - first[1]).abs().max().item(),
+                "first_max_abs": first[1].abs().max().item(),
+                "same_argmax": (logits[:batch].argmax(-1) == first[1].argmax(-1)).float().mean().item()}
             graphs = counters["stats"]["unique_graphs"]
             step_time(compiled_step, args.steps)  # steps after warm-up for the recompile count; the rounds time them
             trace = os.path.join(args.out, f"decode-trace-{args.preset}-b{batch}.json") if variant == "passes" else None
