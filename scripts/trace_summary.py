@@ -22,7 +22,8 @@ from pathlib import Path
 
 # first match wins; names are those of the kernels (Triton: the @triton.jit function's name)
 FAMILIES = (
-    ("moe", r"GroupProblem|prepare_grouped_gemm_data|_grouped_kernel|^_up_kernel|^_down_kernel"),
+    ("moe", r"GroupProblem|prepare_grouped_gemm_data|_grouped_kernel|_grouped_swiglu_kernel|^_up_kernel|^_down_kernel|"
+            r"_expert_order_kernel"),
     ("gemm", r"nvjet|gemv|splitKreduce|cublas|cutlass|xmma|gemm|_fp8_linear_kernel|_bf16_linear_kernel"),
     ("mhc", r"_seam|sinkhorn|_finish_rows_kernel"),
     ("router", r"_router_kernel"),
