@@ -9,7 +9,6 @@ before its one store. The epilogue is routed_experts_triton's up kernel's (_swig
 round alike.
 """
 
-import torch
 import triton
 import triton.language as tl
 

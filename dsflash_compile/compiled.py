@@ -97,6 +97,11 @@ class CompileOptions:
     # pairs, static shapes), where Inductor ran a gather, two grouped GEMMs and an epilogue kernel (H200 B64 trace,
     # 12-02 p: 2.8 + 58 + 58 + 4.9-8.8 us a layer)
     moe_swiglu_op: bool = True
+    # issue 5: likewise the w2 grouped GEMM, the un-sort and each token's ordered sum as dsflash::grouped_token_sum
+    # (one launch: the GEMM's last program per column block sums the tokens there), where Inductor ran two
+    # kernels after the GEMM (H200 B64 trace, 12-02 q: 4.0 + 3.7 us a layer). Same bits. Off until the H200 has
+    # run it (its CUDA tests, then compile_and_profile's token-sum variant against passes: logits, step time)
+    moe_token_sum_op: bool = False
     # issue 5: bf16 weights: the shared expert as one more slice of the routed stacks (every token's last pair,
     # weight 1: the same bits), so its three GEMVs and two split-K reduces per layer (28 us at B1 on the H200,
     # floor 17) ride in the grouped GEMMs. No effect on native weights (FP8 shared, MXFP4 routed) or ParallelMoE
@@ -244,6 +249,7 @@ class CompiledRunner:
             layer.ffn.count_order = options.moe_count_order
             layer.ffn.order_op = options.moe_order_op
             layer.ffn.swiglu_op = options.moe_swiglu_op
+            layer.ffn.token_sum_op = options.moe_token_sum_op
             layer.attn.fuse_input_projections(options.fuse_input_projections)
         for module in model.modules():  # after the fusion above, whose projections are new modules
             if type(module) is QuantLinear and module.weight.dtype == torch.bfloat16:

@@ -14,7 +14,6 @@ from dsflash_compile.custom_ops.expert_order import expert_order_reference
 from dsflash_compile.custom_ops.grouped_swiglu import grouped_swiglu_reference
 from dsflash_compile.custom_ops.grouped_swiglu_triton import LAUNCHES
 from dsflash_compile.custom_ops.mxfp4_experts import grouped_mm_reference
-from dsflash_compile.moe import MoE
 from dsflash_compile.quant import fp8_qdq
 
 # name: (tokens, slots, experts, D, I, limit, quantize_h, exact data); the last slot is the shared expert
@@ -111,7 +110,8 @@ def test_kernel_compiles_for_hopper(launch):
                 offsets_ptr="*i32", h_ptr="*bf16", P="i32", E="i32", I="i32", D="i32", KK="i32", limit="fp32")
     constexprs = dict(QUANT_H=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, E_PAD=16, FP32_DOT=False)
     check_compiles_for_hopper(grouped_swiglu_triton, ("_grouped_swiglu_kernel", args, constexprs, warps),
-                              divisible_by_16=("D", "I"))
+                              ("x_ptr", "weights_ptr", "order_ptr", "w1_ptr", "w3_ptr", "offsets_ptr", "h_ptr", "D",
+                               "I"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -125,27 +125,32 @@ def test_release_sizes_on_cuda(tokens):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("shared", [False, True])
-def test_moe_takes_the_op_where_it_applies(shared, monkeypatch):
-    """With swiglu_op (compile() sets it) the sorted path runs the op up to few_rows pairs and gives the expert
-    loop's bits (CPU: the reference), also compiled; above few_rows the unfused path runs."""
+def check_moe_takes_op(monkeypatch, shared: bool, flag: str, op: str) -> None:
+    """With MoE's `flag` set the sorted path runs dsflash::`op` up to few_rows pairs and gives the expert loop's
+    bits (CPU: the reference), also compiled; above few_rows the unfused path runs."""
     from test_native_weights import tiny_moe
 
     moe = tiny_moe()
     x = torch.randn(4, 1, moe.gate.weight.shape[1]).bfloat16()
     want = moe(x)
     moe.stack_experts(shared=shared and moe.can_stack_shared())
-    moe.few_rows, moe.count_order, moe.swiglu_op = 64, 1 << 22, True
+    moe.few_rows, moe.count_order = 64, 1 << 22
+    setattr(moe, flag, True)
     calls = []
-    real = torch.ops.dsflash.grouped_swiglu
+    real = getattr(torch.ops.dsflash, op)
 
     def counted(*args):
-        calls.append(args[2].shape[0])
+        calls.append(args)
         return real(*args)
-    monkeypatch.setattr(torch.ops.dsflash, "grouped_swiglu", counted)
+    monkeypatch.setattr(torch.ops.dsflash, op, counted)
     assert torch.equal(moe(x), want) and calls
     moe.few_rows, calls[:] = 1, []
     assert torch.equal(moe(x), want) and not calls
     monkeypatch.undo()  # Dynamo traces the op itself, not a Python wrapper
     moe.few_rows = 64
     assert torch.equal(torch.compile(moe, backend="aot_eager", fullgraph=True)(x), want)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_moe_takes_the_op_where_it_applies(shared, monkeypatch):
+    check_moe_takes_op(monkeypatch, shared, "swiglu_op", "grouped_swiglu")
