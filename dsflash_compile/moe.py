@@ -15,10 +15,9 @@ Two ways to run the routed experts, with the same math and the same summation or
     else torch._grouped_mm (`dsflash::grouped_mm_by_rows` picks when it runs); with
     `count_order` set, the sorts are counts (see _expert_order, _slot_order); with `swiglu_op`, up to
     `few_rows` pairs the gather of x, the w1 and w3 GEMMs and the SwiGLU are `dsflash::grouped_swiglu`, and with
-    `token_sum_op` the w2 GEMM and each token's ordered sum `dsflash::grouped_token_sum`. Up to
-    `few_tokens` tokens
-    (compile() sets it: decode) skip the sort: `dsflash::routed_experts` runs the three projections per picked
-    expert and sums each token's terms in ascending id, in two launches on CUDA (the FP8 of x, the shared
+    `token_sum_op` the w2 GEMM and each token's ordered sum `dsflash::grouped_token_sum`. Up to `few_tokens`
+    tokens (compile() sets it: decode) skip the sort: `dsflash::routed_experts` runs the three projections per
+    picked expert and sums each token's terms in ascending id, in two launches on CUDA (the FP8 of x, the shared
     expert's pair and the sum inside them).
     With bf16 weights the shared expert can be stacked too (`stack_experts(shared=True)`):
     it is then every token's last pair, with weight 1 (exact), and added last as before, so the same bits
@@ -104,7 +103,7 @@ class MoE(nn.Module):
         self.count_order = 0  # pairs x (groups + 1) up to this: sorts by counting (see _expert_order); 0: argsort
         self.order_op = False  # with count_order: dsflash::expert_order where its kernel fits (compile() sets it)
         self.few_tokens = 0  # bf16 grouped: up to this many tokens run dsflash::routed_experts (compile() sets it)
-        self.swiglu_op = False  # up to few_rows pairs: dsflash::grouped_swiglu (see _few_static_rows; compile() sets it)
+        self.swiglu_op = False  # up to few_rows pairs: dsflash::grouped_swiglu (_few_static_rows; compile() sets it)
         self.token_sum_op = False  # likewise dsflash::grouped_token_sum (the down GEMM and each token's ordered sum)
         if self.native:
             self.stack_experts()
