@@ -36,7 +36,6 @@ def _grouped_token_sum_kernel(x_ptr, w_ptr, offsets_ptr, out_ptr, rank_ptr, asce
             slot = tl.load(ascending_ptr + t[:, None] * KK + s[None, :], mask=pairs, other=0)
             rows = tl.load(rank_ptr + t[:, None] * KK + slot, mask=pairs, other=0)  # [BLOCK_T, KK_PAD]
             live = (t < T)[:, None] & n_in[None, :]
-            y = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
             for j in tl.static_range(KK_PAD):
                 row = tl.sum(tl.where(s[None, :] == j, rows, 0), 1)
                 # .cg: bypass L1 (not coherent across SMs) to read what the other programs wrote
