@@ -12,4 +12,4 @@ from . import bf16_linear  # noqa: F401  (registration side effects: the few-row
 from . import kv_norm_rope  # noqa: F401  (registration side effects: the attention's key/value row)
 from . import expert_order  # noqa: F401  (registration side effects: the sorted MoE path's orders)
 from . import grouped_swiglu  # noqa: F401  (registration side effects: the sorted MoE path's gate/up/SwiGLU)
-from . import grouped_token_sum  # noqa: F401  (registration side effects: the sorted MoE path's down + sum)
+from . import rope_tail  # noqa: F401  (registration side effects: RoPE of the query heads in place)

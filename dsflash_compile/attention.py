@@ -135,6 +135,7 @@ class Attention(nn.Module):
         self.compressor = Compressor(config, role.ratio) if role.is_kv_source else None
         self.indexer = Indexer(config, role) if role.is_index_source else None
         self.wqkv_a = None  # wq_a and wkv as one projection (fuse_input_projections)
+        self.rope_op = False  # q's RoPE as dsflash::rope_, in place (compile() sets it)
 
     def fuse_input_projections(self, fuse: bool = True) -> None:
         """wq_a and wkv read the same quantized input: hold them as one projection (their tensors become views of
@@ -183,7 +184,11 @@ class Attention(nn.Module):
         if queries is not None:
             x, q_a, ctx = x[:, -queries:], q_a[:, -queries:], ctx.last_columns(queries)
         qr = self.q_norm(q_a)
-        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), ctx.rotations[role.rope_kind])
+        q = self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim))
+        if self.rope_op:  # in place: the compiled step touches the rotated dims only
+            ops.rope_(q, ctx.rotations[role.rope_kind])
+        else:
+            q = apply_rope(q, ctx.rotations[role.rope_kind])
         if role.ratio:
             if self.indexer is not None:
                 topk = self.indexer(x, qr, ctx, keys)

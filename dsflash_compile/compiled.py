@@ -97,11 +97,12 @@ class CompileOptions:
     # pairs, static shapes), where Inductor ran a gather, two grouped GEMMs and an epilogue kernel (H200 B64 trace,
     # 12-02 p: 2.8 + 58 + 58 + 4.9-8.8 us a layer)
     moe_swiglu_op: bool = True
-    # issue 5: likewise the w2 grouped GEMM, the un-sort and each token's ordered sum as dsflash::grouped_token_sum
-    # (one launch: the GEMM's last program per column block sums the tokens there), where Inductor ran two
-    # kernels after the GEMM (H200 B64 trace, 12-02 q: 4.0 + 3.7 us a layer). Same bits. Off until the H200 has
-    # run it (its CUDA tests, then compile_and_profile's token-sum variant against passes: logits, step time)
-    moe_token_sum_op: bool = False
+    # issue 5: the query heads' RoPE as dsflash::rope_, in place on wq_b's output: written functionally (a cat or
+    # a slice_scatter) Inductor's kernel reads and writes all of q's columns, 64 of 512 of which rotate (H200 B64
+    # trace, 12-02 q/r: 6.7-6.8 us a layer; the op 3.8)
+    q_rope_op: bool = True
+    # (H200, 12-02 r: the w2 GEMM with each token's ordered sum in one launch, dsflash::grouped_token_sum, was
+    # 18.21 ms a B64 step against 18.03 with Inductor's two kernels after the GEMM; dropped)
     # issue 5: bf16 weights: the shared expert as one more slice of the routed stacks (every token's last pair,
     # weight 1: the same bits), so its three GEMVs and two split-K reduces per layer (28 us at B1 on the H200,
     # floor 17) ride in the grouped GEMMs. No effect on native weights (FP8 shared, MXFP4 routed) or ParallelMoE
@@ -249,8 +250,8 @@ class CompiledRunner:
             layer.ffn.count_order = options.moe_count_order
             layer.ffn.order_op = options.moe_order_op
             layer.ffn.swiglu_op = options.moe_swiglu_op
-            layer.ffn.token_sum_op = options.moe_token_sum_op
             layer.attn.fuse_input_projections(options.fuse_input_projections)
+            layer.attn.rope_op = options.q_rope_op
         for module in model.modules():  # after the fusion above, whose projections are new modules
             if type(module) is QuantLinear and module.weight.dtype == torch.bfloat16:
                 module.few_rows = options.linear_few_rows

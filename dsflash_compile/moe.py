@@ -14,8 +14,8 @@ Two ways to run the routed experts, with the same math and the same summation or
     up to `few_rows` (token, slot) pairs (compile() sets it: the decode step) run `dsflash::grouped_mm`,
     else torch._grouped_mm (`dsflash::grouped_mm_by_rows` picks when it runs); with
     `count_order` set, the sorts are counts (see _expert_order, _slot_order); with `swiglu_op`, up to
-    `few_rows` pairs the gather of x, the w1 and w3 GEMMs and the SwiGLU are `dsflash::grouped_swiglu`, and with
-    `token_sum_op` the w2 GEMM and each token's ordered sum `dsflash::grouped_token_sum`. Up to `few_tokens`
+    `few_rows` pairs the gather of x, the w1 and w3 GEMMs and the SwiGLU are `dsflash::grouped_swiglu` (one
+    launch on CUDA). Up to `few_tokens`
     tokens (compile() sets it: decode) skip the sort: `dsflash::routed_experts` runs the three projections per
     picked expert and sums each token's terms in ascending id, in two launches on CUDA (the FP8 of x, the shared
     expert's pair and the sum inside them).
@@ -104,7 +104,6 @@ class MoE(nn.Module):
         self.order_op = False  # with count_order: dsflash::expert_order where its kernel fits (compile() sets it)
         self.few_tokens = 0  # bf16 grouped: up to this many tokens run dsflash::routed_experts (compile() sets it)
         self.swiglu_op = False  # up to few_rows pairs: dsflash::grouped_swiglu (_few_static_rows; compile() sets it)
-        self.token_sum_op = False  # likewise dsflash::grouped_token_sum (the down GEMM and each token's ordered sum)
         if self.native:
             self.stack_experts()
 
@@ -200,7 +199,7 @@ class MoE(nn.Module):
                                                     self.few_rows)
 
     def _few_static_rows(self, pairs) -> bool:
-        """Whether the sorted path may take its fused ops (dsflash::grouped_swiglu, dsflash::grouped_token_sum):
+        """Whether the sorted path may take its fused op (dsflash::grouped_swiglu):
         bf16 stacks and a static pair count the few-row grouped GEMM takes (decode; a symbolic count, dynamic
         shapes, keeps the unfused path rather than guarding the graph on it)."""
         return not self.native and isinstance(pairs, int) and pairs <= self.few_rows
@@ -271,8 +270,6 @@ class MoE(nn.Module):
                 gate, up = gate.clamp(max=first.limit), up.clamp(-first.limit, first.limit)
             h = (weights.flatten()[order].unsqueeze(1) * (F.silu(gate) * up)).to(x.dtype)
             h = fp8_qdq(h) if first.w2.quantize_input else h
-        if self.token_sum_op and self._few_static_rows(order.shape[0]):  # one launch on CUDA: down GEMM and sum
-            return torch.ops.dsflash.grouped_token_sum(h, self.w2_weight_stacked, offsets, rank, ascending)
         out = self._grouped_mm(h, "w2", offsets)
         # Back to each token's slots in ascending expert id, summed one by one (the loop's order).
         picked = out[rank[ascending + k * torch.arange(tokens, device=x.device).unsqueeze(1)]]  # [tokens, k, D]

@@ -44,7 +44,7 @@ VARIANTS = {
     "cutlass-moe": {"moe_few_rows": 112},  # torch._grouped_mm from batch 17 (before the tall row tiles, 12-02 n)
     "sorted-moe": {"moe_few_tokens": 0},  # decode's routed experts sorted and grouped (before dsflash::routed_experts)
     "routed-moe": {"moe_few_tokens": 64},  # dsflash::routed_experts at every decode batch (by expert above 16)
-    "token-sum": {"moe_token_sum_op": True},  # the sorted path's down GEMM and token sum in one launch (12-02 q)
+    "inductor-rope": {"q_rope_op": False},  # q's RoPE in Inductor's kernel over all of q's columns (before 12-02 r)
     "inductor-swiglu": {"moe_swiglu_op": False},  # the sorted path's gate/up as two GEMMs + Inductor (before 12-02 q)
     "inductor-order": {"moe_order_op": False},  # the sorted path's counting orders in Inductor (before 12-02 q)
     "cublas-linear": {"linear_few_rows": 0},  # decode's bf16 projections on cuBLAS (before dsflash::bf16_linear)

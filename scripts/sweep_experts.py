@@ -37,13 +37,10 @@ VARIANTS = [(DEFAULT[0], *v) for v in itertools.product((16, 32, 64), (64, 128, 
             if v[:3] != (64, 256, 4)]
 TALL_VARIANTS = list(itertools.product((32, 64), (32, 64, 128), (64, 128), (4, 8), (3, 4)))
 # dsflash::grouped_swiglu: the launches that compile without spills (tests/test_grouped_swiglu.py)
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, K splits)
-SWIGLU_VARIANTS = [(64, 32, 64, 4, 4, 1), (64, 64, 64, 8, 3, 1), (64, 64, 64, 8, 4, 1), (32, 32, 64, 4, 3, 1),
-                   (64, 64, 64, 8, 3, 2), (64, 64, 64, 8, 4, 2), (64, 64, 64, 8, 3, 3), (64, 32, 64, 4, 4, 2),
-                   (64, 32, 64, 4, 3, 2)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+SWIGLU_VARIANTS = [(64, 32, 64, 4, 4), (64, 64, 64, 8, 3), (64, 64, 64, 8, 4), (32, 32, 64, 4, 3)]
 COLUMNS = [("tokens", "tokens", "d"), ("proj", "proj", ""), ("block_m", "block_m", "d"), ("block_n", "block_n", "d"),
            ("block_k", "block_k", "d"), ("warps", "num_warps", "d"), ("stages", "num_stages", "d"),
-           ("splits", "splits", ""),
            ("us", "s", ".1f", 1e6), ("TB/s", "tb_per_s", ".2f"), ("x torch", "vs_torch", ".2f"),
            ("agrees", "agrees", "")]
 
@@ -95,7 +92,7 @@ def sweep_swiglu(tokens: int, variants: list[tuple], gen: torch.Generator) -> li
     rows = [{"tokens": tokens, "proj": "w1+w3", "path": "two grouped_mm", "s": gemms_s, "vs_torch": 1.0,
              "tb_per_s": nbytes / gemms_s / 1e12, "agrees": True}]
     for variant in variants:  # None: the default launch
-        keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "splits")
+        keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
         launch = dict(zip(keys, variant)) if variant else default_launch(order.numel(), EXPERTS + 1)
         row = {"tokens": tokens, "proj": "w1+w3", "path": "grouped_swiglu" + ("" if variant else " (default)"),
                **launch}
