@@ -78,6 +78,14 @@ def fill_cache(cache, batch: int, context: int, gen: torch.Generator) -> None:
     cache.seen_columns = context
 
 
+def compare_logits(logits: torch.Tensor, reference: torch.Tensor) -> dict:
+    """Equality and max |difference|; beside them the reference's largest |logit| (its scale) and the share of
+    rows with the same top token."""
+    return {"equal": torch.equal(logits, reference), "max_abs": (logits - reference).abs().max().item(),
+            "first_max_abs": reference.abs().max().item(),
+            "same_argmax": (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()}
+
+
 def step_time(step, steps: int) -> float:
     """Median seconds per decode step over `steps` consecutive steps (host work included)."""
     step()
@@ -150,6 +158,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="override num_hidden_layers (keeps the preset's schedule prefix)")
     parser.add_argument("--weights", choices=["native", "bf16"], default="bf16",
                         help="FP8/MXFP4 projections kept as stored (native) or dequantized to bf16")
+    parser.add_argument("--eager-logits", action="store_true",
+                        help="also compare every compiled variant's logits with the model's own uncompiled forward "
+                             "(the same ops, formats and MoE layout, no Inductor; after the last variant's compile)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     args.batch = sorted(set(args.batch))
@@ -207,6 +218,7 @@ def main() -> None:
     # row of the largest holds --context tokens when the rounds time them all.
     steps, alive = {}, []  # variant -> batch -> its decode step; the tensors its graphs read
     first_logits = {}  # batch -> (the first compiled variant, its third step's logits)
+    all_logits = {batch: {} for batch in args.batch}  # batch -> variant -> its third step's logits (--eager-logits)
     for variant in [v for v in VARIANTS if v in variants or (v == "warm" and "passes" in variants)]:
         key = variant.replace("-", "_")
         torch._dynamo.reset()
@@ -233,12 +245,9 @@ def main() -> None:
             if variant == "warm":
                 continue
             first = first_logits.setdefault(batch, (key, logits[:batch].clone()))
-            # beside max_abs: the first's largest |logit| (its scale) and the share of rows with the same top token
-            row[f"{key}_logits_vs_{first[0]}"] = {
-                "equal": torch.equal(logits[:batch], first[1]),
-                "max_abs": (logits[:batch] - first[1]).abs().max().item(),
-                "first_max_abs": first[1].abs().max().item(),
-                "same_argmax": (logits[:batch].argmax(-1) == first[1].argmax(-1)).float().mean().item()}
+            row[f"{key}_logits_vs_{first[0]}"] = compare_logits(logits[:batch], first[1])
+            if args.eager_logits:
+                all_logits[batch][key] = logits[:batch].clone()
             graphs = counters["stats"]["unique_graphs"]
             step_time(compiled_step, args.steps)  # steps after warm-up for the recompile count; the rounds time them
             trace = os.path.join(args.out, f"decode-trace-{args.preset}-b{batch}.json") if variant == "passes" else None
@@ -256,6 +265,21 @@ def main() -> None:
                   f"{row[f'{key}_profile']['device_us']:.0f} us of kernel time", flush=True)
             save_results(result, f"compile-profile-{args.preset}", args.out)  # partial results survive a timeout
         alive.append([*model.parameters(), *model.buffers()])
+
+    if args.eager_logits and model.compiled_runner is not None:
+        # the uncompiled forward on a cache filled alike (the runner's formats), three steps as the variants took
+        runner, model.compiled_runner = model.compiled_runner, None
+        for batch, (ids, mask) in inputs.items():
+            cache = model.new_cache(batch, max_length, window_format=runner.cache.window_format,
+                                    compressed_format=runner.cache.compressed_format,
+                                    index_format=runner.cache.index_format)
+            fill_cache(cache, batch, args.context, torch.Generator(device="cuda").manual_seed(batch))
+            for _ in range(3):
+                eager = model(ids, mask, cache=cache, logits_to_keep=1).logits
+            for key, logits in all_logits[batch].items():
+                rows[batch][f"{key}_logits_vs_eager"] = compare_logits(logits, eager[:batch].to(logits.dtype))
+            del cache
+        model.compiled_runner = runner
 
     # step times: every variant in each of --rounds rounds, the order rotating per round, so a slower stretch
     # of the machine (or whatever follows a compile) hits each alike; per variant the median over rounds
@@ -282,7 +306,7 @@ def main() -> None:
         for k in ["day_zero_profile"] + [f"{v.replace('-', '_')}_profile" for v in VARIANTS]:
             if k in row:
                 print(f"  {k}: {row[k]['kernels']} kernels, {row[k]['device_us']:.0f} us device time")
-        print("  logits against the first variant's:", {k: v for k, v in row.items() if "_logits_vs_" in k})
+        print("  logits against the first variant's (and eager):", {k: v for k, v in row.items() if "_logits_vs_" in k})
         print(f"  pass matches {row.get('pass_matches')}, graph breaks {row.get('passes_graph_breaks')}, "
               f"recompiles after warm-up {row.get('passes_recompiles_after_warmup')}")
         for t in row.get("passes_profile", {}).get("top", []):
