@@ -11,8 +11,9 @@ recompiles (torch._dynamo counters); pattern-match counts per pass; the top kern
 physical floor of the step (bytes that must move over the measured copy bandwidth, or FLOPs over the
 measured bf16 matmul rate, whichever is larger). The compiled variants are all compiled and captured
 first, then timed in --rounds rounds whose order rotates (timed one after the other, the variant timed
-second ran 1.4-1.9 ms slower on the H200 whichever it was); day-zero is timed once, before them. Writes a
-Chrome trace and a JSON summary under benchmarks/results/. The cache is filled with `--context` random rows
+second ran 1.4-1.9 ms slower on the H200 whichever it was); day-zero is timed once, before them. Writes each
+compiled variant's Chrome trace (decode-trace-PRESET-bBATCH[-VARIANT].json; no suffix for passes) and a JSON
+summary under benchmarks/results/. The cache is filled with `--context` random rows
 per row (the step's cost does not depend on what the rows hold).
 """
 
@@ -250,7 +251,9 @@ def main() -> None:
                 all_logits[batch][key] = logits[:batch].clone()
             graphs = counters["stats"]["unique_graphs"]
             step_time(compiled_step, args.steps)  # steps after warm-up for the recompile count; the rounds time them
-            trace = os.path.join(args.out, f"decode-trace-{args.preset}-b{batch}.json") if variant == "passes" else None
+            # every variant's trace (the passes' without a suffix): two compiles' kernels side by side
+            suffix = "" if variant == "passes" else f"-{variant}"
+            trace = os.path.join(args.out, f"decode-trace-{args.preset}-b{batch}{suffix}.json")
             row[f"{key}_profile"] = profile_step(compiled_step, trace, top=15 if variant == "passes" else 0)
             row[f"{key}_recompiles_after_warmup"] = counters["stats"]["unique_graphs"] - graphs
             row[f"{key}_graph_breaks"] = sum(counters["graph_break"].values())
