@@ -2,7 +2,7 @@
 
 A program loads its heads' trailing pairs (one contiguous run a head, split into even and odd values in registers)
 and the token's (cos, sin), and writes the rotated pairs back in place; the other columns are never read. The
-products round to bf16 in integer arithmetic (_round_bf16), which the interpreter runs as the GPU does.
+rotated values round to bf16 in integer arithmetic (_round_bf16), which the interpreter runs as the GPU does.
 """
 
 import triton
@@ -10,7 +10,7 @@ import triton.language as tl
 
 from .routed_experts_triton import _round_bf16
 
-HEADS_PER_PROGRAM = 16  # 64 heads x 32 pairs at the release shape: 4 programs a token, 512 values each
+HEADS_PER_PROGRAM = 16  # 64 heads x 32 pairs at the release shape: 4 programs a token, 1024 values each
 
 
 @triton.jit

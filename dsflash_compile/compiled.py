@@ -99,8 +99,10 @@ class CompileOptions:
     moe_swiglu_op: bool = True
     # issue 5: the query heads' RoPE as dsflash::rope_, in place on wq_b's output: written functionally (a cat or
     # a slice_scatter) Inductor's kernel reads and writes all of q's columns, 64 of 512 of which rotate (H200 B64
-    # trace, 12-02 q/r: 6.7-6.8 us a layer; the op 3.8). H200 side by side (12-02 r): B64 18.29 ms against 18.44,
-    # B1 11.34 against 11.35 (compile-profile-flash-40l-e8-b1-b64-rope-op-vs-inductor-2026-12-02-r.json)
+    # trace, 12-02 q/r: 6.7-6.8 us a layer; the op 1.6, 1.2 at B1 as Inductor's). H200 side by side (12-02 r): B64
+    # 18.29 ms against 18.44, B1 11.34 against 11.35 (compile-profile-flash-40l-e8-b1-b64-rope-op-vs-inductor-
+    # 2026-12-02-r.json). The op's bits equal Inductor's RoPE there, yet the two compiles' logits differ (B64 3.98
+    # apart, same top token in 67% of rows; B1 0.08): from their other kernels, not yet pinned (the session note)
     q_rope_op: bool = True
     # (H200, 12-02 r: the w2 GEMM with each token's ordered sum in one launch, dsflash::grouped_token_sum, was
     # 18.21 ms a B64 step against 18.03 with Inductor's two kernels after the GEMM; dropped)

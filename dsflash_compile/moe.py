@@ -15,10 +15,9 @@ Two ways to run the routed experts, with the same math and the same summation or
     else torch._grouped_mm (`dsflash::grouped_mm_by_rows` picks when it runs); with
     `count_order` set, the sorts are counts (see _expert_order, _slot_order); with `swiglu_op`, up to
     `few_rows` pairs the gather of x, the w1 and w3 GEMMs and the SwiGLU are `dsflash::grouped_swiglu` (one
-    launch on CUDA). Up to `few_tokens`
-    tokens (compile() sets it: decode) skip the sort: `dsflash::routed_experts` runs the three projections per
-    picked expert and sums each token's terms in ascending id, in two launches on CUDA (the FP8 of x, the shared
-    expert's pair and the sum inside them).
+    launch on CUDA). Up to `few_tokens` tokens (compile() sets it: decode) skip the sort:
+    `dsflash::routed_experts` runs the three projections per picked expert and sums each token's terms in
+    ascending id, in two launches on CUDA (the FP8 of x, the shared expert's pair and the sum inside them).
     With bf16 weights the shared expert can be stacked too (`stack_experts(shared=True)`):
     it is then every token's last pair, with weight 1 (exact), and added last as before, so the same bits
     with three projections fewer per layer.

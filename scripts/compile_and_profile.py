@@ -270,8 +270,10 @@ def main() -> None:
         alive.append([*model.parameters(), *model.buffers()])
 
     if args.eager_logits and model.compiled_runner is not None:
-        # the uncompiled forward on a cache filled alike (the runner's formats), three steps as the variants took
-        runner, model.compiled_runner = model.compiled_runner, None
+        # the uncompiled forward (a cache not the runner's runs the blocks under force_eager) on a cache filled
+        # alike (the runner's formats), three steps as the variants took; on the ops' kernels as the last variant
+        # set them (q's RoPE: dsflash::rope_ and apply_rope give the same bits on the H200)
+        runner = model.compiled_runner
         for batch, (ids, mask) in inputs.items():
             cache = model.new_cache(batch, max_length, window_format=runner.cache.window_format,
                                     compressed_format=runner.cache.compressed_format,
@@ -282,7 +284,6 @@ def main() -> None:
             for key, logits in all_logits[batch].items():
                 rows[batch][f"{key}_logits_vs_eager"] = compare_logits(logits, eager[:batch].to(logits.dtype))
             del cache
-        model.compiled_runner = runner
 
     # step times: every variant in each of --rounds rounds, the order rotating per round, so a slower stretch
     # of the machine (or whatever follows a compile) hits each alike; per variant the median over rounds

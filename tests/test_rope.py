@@ -17,4 +17,3 @@ def test_rotation_is_complex_multiplication():
     torch.testing.assert_close(got[..., -16:].double(), torch.view_as_real(turned).flatten(-2), rtol=0,
                                atol=1e-5)  # fp32 angles
     torch.testing.assert_close(apply_rope(got, rot, inverse=True), x, rtol=1e-6, atol=1e-6)
-
