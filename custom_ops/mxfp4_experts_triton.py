@@ -104,11 +104,12 @@ def _tile_of(slot, offsets_ptr, E, P, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr
 
 
 @triton.jit
-def _grouped_tile(x_ptr, w_ptr, s_ptr, offsets_ptr, P, E, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, E_PAD: tl.constexpr, MXFP4: tl.constexpr, FP32_DOT: tl.constexpr,
-                  PTX: tl.constexpr):
-    """This program's output tile: (fp32 acc [BLOCK_M, BLOCK_N], rows m, columns n, m < its expert's row end).
-    A slot past the last tile has a zero accumulator over the u-th block of the rows past the last expert."""
+def _grouped_kernel(x_ptr, w_ptr, s_ptr, offsets_ptr, out_ptr, P, E, N, K, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr, MXFP4: tl.constexpr,
+                    FP32_DOT: tl.constexpr, PTX: tl.constexpr):
+    """MXFP4: w packed E2M1 [E, N, K/2] with UE8M0 scales s [E, N, K/32]; else w bf16 [E, N, K] (s unused).
+    out [P, N]: the slots past the last tile write zeros into the rows past the last expert (u-th such slot:
+    u-th block of those rows), so the output needs no zero fill beforehand."""
     slot, pid_n = tl.program_id(0), tl.program_id(1)
     expert, first_row, row_end = _tile_of(slot, offsets_ptr, E, P, BLOCK_M, E_PAD)
     used = expert < E
@@ -140,18 +141,6 @@ def _grouped_tile(x_ptr, w_ptr, s_ptr, offsets_ptr, P, E, N, K, BLOCK_M: tl.cons
         else:
             w = tl.load(w_rows + k[None, :], mask=n_in[:, None] & (k < K)[None, :], other=0.0)
         acc += _dot(x, tl.trans(w), FP32_DOT)
-    return acc, m, n, m_in, n_in
-
-
-@triton.jit
-def _grouped_kernel(x_ptr, w_ptr, s_ptr, offsets_ptr, out_ptr, P, E, N, K, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr, MXFP4: tl.constexpr,
-                    FP32_DOT: tl.constexpr, PTX: tl.constexpr):
-    """MXFP4: w packed E2M1 [E, N, K/2] with UE8M0 scales s [E, N, K/32]; else w bf16 [E, N, K] (s unused).
-    out [P, N]: the slots past the last tile write zeros into the rows past the last expert (u-th such slot:
-    u-th block of those rows), so the output needs no zero fill beforehand."""
-    acc, m, n, m_in, n_in = _grouped_tile(x_ptr, w_ptr, s_ptr, offsets_ptr, P, E, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                                          E_PAD, MXFP4, FP32_DOT, PTX)
     tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(tl.bfloat16), mask=m_in[:, None] & n_in[None, :])
 
 

@@ -102,7 +102,7 @@ class MoE(nn.Module):
         self.count_order = 0  # pairs x (groups + 1) up to this: sorts by counting (see _expert_order); 0: argsort
         self.order_op = False  # with count_order: dsflash::expert_order where its kernel fits (compile() sets it)
         self.few_tokens = 0  # bf16 grouped: up to this many tokens run dsflash::routed_experts (compile() sets it)
-        self.swiglu_op = False  # up to few_rows pairs: dsflash::grouped_swiglu (_few_static_rows; compile() sets it)
+        self.swiglu_op = False  # up to few_rows pairs: dsflash::grouped_swiglu (see _fused_swiglu; compile() sets it)
         if self.native:
             self.stack_experts()
 
@@ -197,11 +197,11 @@ class MoE(nn.Module):
         return torch.ops.dsflash.grouped_mm_by_rows(xs, getattr(self, f"{name}_weight_stacked"), offsets,
                                                     self.few_rows)
 
-    def _few_static_rows(self, pairs) -> bool:
-        """Whether the sorted path may take its fused op (dsflash::grouped_swiglu):
-        bf16 stacks and a static pair count the few-row grouped GEMM takes (decode; a symbolic count, dynamic
-        shapes, keeps the unfused path rather than guarding the graph on it)."""
-        return not self.native and isinstance(pairs, int) and pairs <= self.few_rows
+    def _fused_swiglu(self, pairs) -> bool:
+        """Whether the sorted path's gate/up half runs as dsflash::grouped_swiglu: bf16 stacks, swiglu_op set
+        (compile() sets it) and a static pair count the few-row grouped GEMM takes (decode; a symbolic count,
+        dynamic shapes, keeps the unfused path rather than guarding the graph on it)."""
+        return self.swiglu_op and not self.native and isinstance(pairs, int) and pairs <= self.few_rows
 
     def _expert_order(self, key: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The pairs sorted stably by key (expert id, `groups` for a pair no GEMM computes): order [pairs] and
@@ -258,7 +258,7 @@ class MoE(nn.Module):
             offsets = counts.cumsum(0, dtype=torch.int32)
             ascending = self._slot_order(ids)  # each token's slots in ascending expert id (the sum's order below)
         xq = fp8_qdq(x) if first.w1.quantize_input else x
-        if self.swiglu_op and self._few_static_rows(order.shape[0]):  # one launch on CUDA: gathers, w1, w3, SwiGLU
+        if self._fused_swiglu(order.shape[0]):  # one launch on CUDA: gathers, two GEMMs, SwiGLU and FP8 of h
             h = torch.ops.dsflash.grouped_swiglu(xq, weights, order, self.w1_weight_stacked, self.w3_weight_stacked,
                                                  offsets, first.limit, first.w2.quantize_input)
         else:

@@ -218,8 +218,7 @@ def main() -> None:
     # the routed experts (most of the model's bytes). The batches fill in ascending order, so every
     # row of the largest holds --context tokens when the rounds time them all.
     steps, alive = {}, []  # variant -> batch -> its decode step; the tensors its graphs read
-    first_logits = {}  # batch -> (the first compiled variant, its third step's logits)
-    all_logits = {batch: {} for batch in args.batch}  # batch -> variant -> its third step's logits (--eager-logits)
+    all_logits = {batch: {} for batch in args.batch}  # batch -> variant -> its third step's logits, in run order
     for variant in [v for v in VARIANTS if v in variants or (v == "warm" and "passes" in variants)]:
         key = variant.replace("-", "_")
         torch._dynamo.reset()
@@ -245,10 +244,9 @@ def main() -> None:
                   flush=True)
             if variant == "warm":
                 continue
-            first = first_logits.setdefault(batch, (key, logits[:batch].clone()))
-            row[f"{key}_logits_vs_{first[0]}"] = compare_logits(logits[:batch], first[1])
-            if args.eager_logits:
-                all_logits[batch][key] = logits[:batch].clone()
+            all_logits[batch][key] = logits[:batch].clone()
+            first, first_logits = next(iter(all_logits[batch].items()))
+            row[f"{key}_logits_vs_{first}"] = compare_logits(logits[:batch], first_logits)
             graphs = counters["stats"]["unique_graphs"]
             step_time(compiled_step, args.steps)  # steps after warm-up for the recompile count; the rounds time them
             # every variant's trace (the passes' without a suffix): two compiles' kernels side by side

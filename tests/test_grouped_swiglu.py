@@ -140,32 +140,27 @@ def test_release_sizes_on_cuda(tokens):
 
 
 @torch.no_grad()
-def check_moe_takes_op(monkeypatch, shared: bool, flag: str, op: str) -> None:
-    """With MoE's `flag` set the sorted path runs dsflash::`op` up to few_rows pairs and gives the expert loop's
-    bits (CPU: the reference), also compiled; above few_rows the unfused path runs."""
+@pytest.mark.parametrize("shared", [False, True])
+def test_moe_takes_the_op_where_it_applies(shared, monkeypatch):
+    """With swiglu_op (compile() sets it) the sorted path runs the op up to few_rows pairs and gives the expert
+    loop's bits (CPU: the reference), also compiled; above few_rows the unfused path runs."""
     from test_native_weights import tiny_moe
 
     moe = tiny_moe()
     x = torch.randn(4, 1, moe.gate.weight.shape[1]).bfloat16()
     want = moe(x)
     moe.stack_experts(shared=shared and moe.can_stack_shared())
-    moe.few_rows, moe.count_order = 64, 1 << 22
-    setattr(moe, flag, True)
+    moe.few_rows, moe.count_order, moe.swiglu_op = 64, 1 << 22, True
     calls = []
-    real = getattr(torch.ops.dsflash, op)
+    real = torch.ops.dsflash.grouped_swiglu
 
     def counted(*args):
-        calls.append(args)
+        calls.append(args[2].shape[0])
         return real(*args)
-    monkeypatch.setattr(torch.ops.dsflash, op, counted)
+    monkeypatch.setattr(torch.ops.dsflash, "grouped_swiglu", counted)
     assert torch.equal(moe(x), want) and calls
     moe.few_rows, calls[:] = 1, []
     assert torch.equal(moe(x), want) and not calls
     monkeypatch.undo()  # Dynamo traces the op itself, not a Python wrapper
     moe.few_rows = 64
     assert torch.equal(torch.compile(moe, backend="aot_eager", fullgraph=True)(x), want)
-
-
-@pytest.mark.parametrize("shared", [False, True])
-def test_moe_takes_the_op_where_it_applies(shared, monkeypatch):
-    check_moe_takes_op(monkeypatch, shared, "swiglu_op", "grouped_swiglu")
