@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, pdl_wait
+
 _FMT_ID = {"bf16": 0, "fp8": 1, "nvfp4": 2}
 BLOCK_N = 64  # keys per step; 64 halves the per-key cost of re-reading Q from shared memory for Q K^T
 SMALL_BLOCK_N = 32  # below SMALL_BATCH (token, head group) pairs, for twice the key splits
@@ -191,7 +193,9 @@ def _attention_kernel(q_ptr, ring_ptr, chunk_ptr, widx_ptr, comp_ptr, cidx_ptr, 
                       S, K, chunk_sb, ring_sb, ring_sr, comp_sb, comp_sr, scale, blocks_per_split,
                       H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, NW: tl.constexpr,
                       HALF_ROPE: tl.constexpr, HG: tl.constexpr, BLOCK_N: tl.constexpr,
-                      WIN_FMT: tl.constexpr, CMP_FMT: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
+                      WIN_FMT: tl.constexpr, CMP_FMT: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
+                      PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     tok = tl.program_id(0)
     group = tl.program_id(1)
     split = tl.program_id(2)
@@ -238,9 +242,10 @@ def _attention_kernel(q_ptr, ring_ptr, chunk_ptr, widx_ptr, comp_ptr, cidx_ptr, 
 
 @triton.jit
 def _merge_kernel(part_acc_ptr, part_ml_ptr, sink_ptr, pos_ptr, freq_ptr, out_ptr, nsplit,
-                  H: tl.constexpr, D: tl.constexpr, HALF_ROPE: tl.constexpr, NSPLIT: tl.constexpr):
+                  H: tl.constexpr, D: tl.constexpr, HALF_ROPE: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr):
     """One (token, head): all its splits' partials loaded at once ([NSPLIT, D], NSPLIT a power of two >= the
     split count), combined by log-sum-exp, then finished like an unsplit program."""
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     tok = tl.program_id(0)
     head = tl.program_id(1)
     i = tl.arange(0, NSPLIT)
@@ -308,8 +313,8 @@ def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, posit
         compressed.stride(1),
         scale, per, H=heads, D=dim, W=window, NW=nw, HALF_ROPE=inv_freq.shape[0], HG=head_group, BLOCK_N=block_n,
         WIN_FMT=_FMT_ID[window_fmt], CMP_FMT=_FMT_ID[compressed_fmt], SPLIT=split,
-        INTERPRET=q.device.type != "cuda", num_warps=num_warps, num_stages=num_stages)
+        INTERPRET=q.device.type != "cuda", num_warps=num_warps, num_stages=num_stages, **launch_options(q.device))
     if split:
         _merge_kernel[(tokens, heads)](part_acc, part_ml, sink, positions, inv_freq, out, num_splits, H=heads, D=dim,
                                        HALF_ROPE=inv_freq.shape[0], NSPLIT=triton.next_power_of_2(num_splits),
-                                       num_warps=4)
+                                       num_warps=4, **launch_options(out.device))

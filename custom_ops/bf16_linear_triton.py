@@ -21,6 +21,7 @@ import triton.language as tl
 from .attention_triton import _dot, _num_sms
 from .bf16_linear import MAX_ROWS
 from .block_counters import block_counters
+from .pdl import launch_options, pdl_wait
 from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
 
 # Launch defaults from the H200 sweep at one row (scripts/sweep_linear.py, 12-01 l; us, against cuBLAS's GEMV and
@@ -37,9 +38,11 @@ PROGRAMS_PER_SM = 3.7
 @triton.jit
 def _bf16_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K, n_per_group, k_blocks_per_split,
                         splits, QUANT_X: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr,
+                        PDL: tl.constexpr):
     """x [M, groups * K] and out [M, N] contiguous; weight [N, K]. BLOCK_N divides n_per_group (so N too).
     ONE_ROW (M = 1, decode batch 1): x's FP8 runs on the one row, not on the dot's 16-row tile."""
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -133,5 +136,6 @@ def bf16_linear_triton(x, weight, groups, quantize_x, **overrides):
     _bf16_linear_kernel[grid](rows, weight.contiguous(), out, partial, counters, m, n, k, n // groups, per_split,
                               splits, QUANT_X=quantize_x, ONE_ROW=m == 1, BLOCK_M=block_m, BLOCK_N=block_n,
                               BLOCK_K=block_k, EVEN_K=k % block_k == 0, FP32_DOT=x.device.type != "cuda",
-                              num_warps=settings["num_warps"], num_stages=settings["num_stages"])
+                              num_warps=settings["num_warps"], num_stages=settings["num_stages"],
+                              **launch_options(x.device))
     return out.view(*x.shape[:-1], n)

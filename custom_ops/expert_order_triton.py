@@ -11,10 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, pdl_wait
+
 
 @triton.jit
 def _expert_order_kernel(ids_ptr, order_ptr, rank_ptr, offsets_ptr, ascending_ptr, T, KK, G,
-                         BLOCK_P: tl.constexpr, G_PAD: tl.constexpr, T_PAD: tl.constexpr, K_PAD: tl.constexpr):
+                         BLOCK_P: tl.constexpr, G_PAD: tl.constexpr, T_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     p = tl.arange(0, BLOCK_P)
     live = p < T * KK
     expert = tl.load(ids_ptr + p, mask=live, other=-1)
@@ -52,5 +56,6 @@ def expert_order_triton(ids: torch.Tensor, groups: int):
     block_p = triton.next_power_of_2(pairs)
     _expert_order_kernel[(1,)](ids, order, rank, offsets, ascending, tokens, k, groups, BLOCK_P=block_p,
                                G_PAD=triton.next_power_of_2(groups + 1), T_PAD=triton.next_power_of_2(tokens),
-                               K_PAD=triton.next_power_of_2(k), num_warps=4 if block_p <= 512 else 8)
+                               K_PAD=triton.next_power_of_2(k), num_warps=4 if block_p <= 512 else 8,
+                               **launch_options(ids.device))
     return order, rank, offsets, ascending

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _dot, _e4m3_rows, _num_sms, _ue8m0_bf16, _ue8m0_f32
+from .pdl import launch_options, pdl_wait
 
 BLOCK_K = 128
 PROGRAMS_PER_SM = 2
@@ -82,9 +83,10 @@ def _e4m3_bf16(codes, exps, PTX: tl.constexpr):
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, x_stride, n_per_group, k_blocks_per_split,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        PARTIAL: tl.constexpr, FP32_DOT: tl.constexpr, PTX: tl.constexpr,
-                       EVEN_K: tl.constexpr):
+                       EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """BLOCK_N divides N (a multiple of 32 per group), so weight rows need no mask; EVEN_K: BLOCK_K divides K,
     so no column mask either (every release shape)."""
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -119,8 +121,9 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, x_stride, n_per_gr
 
 
 @triton.jit
-def _sum_splits_kernel(partial_ptr, out_ptr, numel, splits, BLOCK: tl.constexpr):
+def _sum_splits_kernel(partial_ptr, out_ptr, numel, splits, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out (bf16) = the fp32 partials [splits, numel] added in split order: one launch, deterministic."""
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = i < numel
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -172,7 +175,8 @@ def fp8_block_linear_triton(x, weight, scale, groups=1, splits=None, block_m=Non
         rows, weight.view(torch.uint8), scale.view(torch.uint8), partial, m, n, k, rows.stride(0), n // groups,
         per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=splits > 1, FP32_DOT=not on_gpu,
         PTX=on_gpu and PTX and m <= PTX_MAX_ROWS if ptx is None else ptx, EVEN_K=k % block_k == 0, num_warps=num_warps,
-        num_stages=num_stages)
+        num_stages=num_stages, **launch_options(x.device))
     if splits > 1:
-        _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](partial, out, m * n, splits, BLOCK=SUM_BLOCK)
+        _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](partial, out, m * n, splits, BLOCK=SUM_BLOCK,
+                                                             **launch_options(x.device))
     return out.view(*x.shape[:-1], n)

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from .attention_triton import _dot
 from .mxfp4_experts_triton import _tile_of
+from .pdl import launch_options, pdl_wait
 from .routed_experts_triton import _swiglu_h
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by the mean rows per stacked slice, the first entry up to its bound,
@@ -33,7 +34,8 @@ LAUNCHES = ((8, (16, 32, 64, 4, 3)), (None, (64, 64, 64, 8, 3)))
 @triton.jit
 def _grouped_swiglu_kernel(x_ptr, weights_ptr, order_ptr, w1_ptr, w3_ptr, offsets_ptr, h_ptr, P, E, I, D, KK, limit,
                            QUANT_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           E_PAD: tl.constexpr, FP32_DOT: tl.constexpr):
+                           E_PAD: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     slot, pid_n = tl.program_id(0), tl.program_id(1)
     expert, first_row, row_end = _tile_of(slot, offsets_ptr, E, P, BLOCK_M, E_PAD)
     used = expert < E
@@ -85,5 +87,6 @@ def grouped_swiglu_triton(x, weights, order, w1, w3, offsets, limit, quantize_h,
         x.contiguous(), weights.contiguous(), order.contiguous(), w1.contiguous(), w3.contiguous(), offsets, h,
         pairs, experts, inter, dim, weights.shape[1], float(limit), QUANT_H=quantize_h, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=settings["block_k"], E_PAD=triton.next_power_of_2(experts),
-        FP32_DOT=x.device.type != "cuda", num_warps=settings["num_warps"], num_stages=settings["num_stages"])
+        FP32_DOT=x.device.type != "cuda", num_warps=settings["num_warps"], num_stages=settings["num_stages"],
+        **launch_options(x.device))
     return h

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _dot, _e2m1_rows, _num_sms, _ue8m0_f32
+from .pdl import launch_options, pdl_wait
 from .topk_triton import top_blocks_triton
 
 BLOCK_C = 32  # candidate columns per tile
@@ -103,7 +104,8 @@ def _index_scores(q, w, k, TQ: tl.constexpr, HP: tl.constexpr, FP32_DOT: tl.cons
 @triton.jit
 def _dense_scores_kernel(q_ptr, w_ptr, keys_ptr, visible_ptr, out_ptr, S, num_rows, tiles_per_program,
                          keys_sb, keys_sr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, TQ: tl.constexpr,
-                         BLOCK_N: tl.constexpr, MXFP4: tl.constexpr, FP32_DOT: tl.constexpr):
+                         BLOCK_N: tl.constexpr, MXFP4: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     query_tile = tl.program_id(0)
     part = tl.program_id(1)
     tiles_per_seq = tl.cdiv(S, TQ)
@@ -147,7 +149,8 @@ def _candidate_tile(q, w, keys_base, keys_sr, blocks_row, out_row, visible, c, N
 @triton.jit
 def _candidate_scores_kernel(q_ptr, w_ptr, keys_ptr, blocks_ptr, visible_ptr, out_ptr, S, NB, tiles_per_program,
                              keys_sb, keys_sr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                             BLOCK_C: tl.constexpr, MXFP4: tl.constexpr, FP32_DOT: tl.constexpr):
+                             BLOCK_C: tl.constexpr, MXFP4: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     tok = tl.program_id(0)
     part = tl.program_id(1)
     b = tok // S
@@ -165,7 +168,8 @@ def _candidate_scores_kernel(q_ptr, w_ptr, keys_ptr, blocks_ptr, visible_ptr, ou
 def _candidate_union_kernel(q_ptr, w_ptr, keys_ptr, blocks_ptr, visible_ptr, out_ptr, S, NB, parts, keys_sb,
                             keys_sr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                             TQ: tl.constexpr, NU: tl.constexpr, SCAN: tl.constexpr, BLOCK_C: tl.constexpr,
-                            MXFP4: tl.constexpr, FP32_DOT: tl.constexpr):
+                            MXFP4: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     BIG: tl.constexpr = 2147483647  # no block (-1 entries, past the list or past this program's range)
     N: tl.constexpr = NU * BS
     group = tl.program_id(0)
@@ -260,7 +264,8 @@ def _candidate_union_kernel(q_ptr, w_ptr, keys_ptr, blocks_ptr, visible_ptr, out
 
 @triton.jit
 def _block_max_kernel(scores_ptr, visible_ptr, out_ptr, width, n_blocks, BS: tl.constexpr, BS_P2: tl.constexpr,
-                      BLOCK_B: tl.constexpr):
+                      BLOCK_B: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     row = tl.program_id(0)
     blk = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     e = tl.arange(0, BS_P2)
@@ -315,7 +320,7 @@ def indexer_scores_triton(q, weights, keys, visible, num_rows, fmt, tokens_per_t
     _dense_scores_kernel[(query_tiles, triton.cdiv(key_tiles, per))](
         q.contiguous(), weights.contiguous(), keys, visible.contiguous(), out, seq, num_rows, per,
         keys.stride(0), keys.stride(1), H=heads, HP=hp, D=dim, TQ=tq, BLOCK_N=BLOCK_N, MXFP4=fmt == "mxfp4",
-        FP32_DOT=q.device.type != "cuda", num_warps=4 if tq * hp <= 64 else 8)
+        FP32_DOT=q.device.type != "cuda", num_warps=4 if tq * hp <= 64 else 8, **launch_options(q.device))
     return out
 
 
@@ -349,7 +354,7 @@ def candidate_scores_triton(q, weights, keys, blocks, block_size, visible, fmt, 
             q.contiguous(), weights.contiguous(), keys, blocks.contiguous(), visible.contiguous(), out, seq, nb, parts,
             keys.stride(0), keys.stride(1), H=heads, HP=hp, D=dim, BS=block_size, TQ=tokens_per_group, NU=union_blocks,
             SCAN=SCAN, BLOCK_C=BLOCK_C, MXFP4=fmt == "mxfp4", FP32_DOT=q.device.type != "cuda",
-            num_warps=8 if tokens_per_group * hp >= 128 else 4)
+            num_warps=8 if tokens_per_group * hp >= 128 else 4, **launch_options(q.device))
         return out
     tiles = triton.cdiv(nb * block_size, BLOCK_C)
     per = tiles_per_program or _tiles_per_program(batch * seq, tiles, q.device)
@@ -357,7 +362,7 @@ def candidate_scores_triton(q, weights, keys, blocks, block_size, visible, fmt, 
         q.contiguous(), weights.contiguous(), keys, blocks.contiguous(),
         visible.contiguous(), out, seq, nb, per, keys.stride(0), keys.stride(1),
         H=heads, HP=_padded_heads(heads), D=dim, BS=block_size, BLOCK_C=BLOCK_C, MXFP4=fmt == "mxfp4",
-        FP32_DOT=q.device.type != "cuda")
+        FP32_DOT=q.device.type != "cuda", **launch_options(q.device))
     return out
 
 
@@ -371,7 +376,7 @@ def candidate_blocks_triton(scores, visible, topk_blocks, block_size, split=None
     if block_scores.numel():
         _block_max_kernel[(rows, triton.cdiv(n_blocks, BLOCK_B))](
             scores.contiguous(), visible.contiguous(), block_scores, width, n_blocks, BS=block_size,
-            BS_P2=triton.next_power_of_2(block_size), BLOCK_B=BLOCK_B)
+            BS_P2=triton.next_power_of_2(block_size), BLOCK_B=BLOCK_B, **launch_options(scores.device))
     k = min(topk_blocks, n_blocks)
     picks = top_blocks_triton(block_scores, k, split, block)
     return picks.view(*scores.shape[:-1], k)

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from .mhc_finish_triton import _rms_norm_f32
+from .pdl import launch_options, pdl_wait
 from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
 
 MAX_DIM = 4096  # a row in registers (the release's 512 at 4 warps: 4 values a thread)
@@ -18,8 +19,9 @@ MAX_DIM = 4096  # a row in registers (the release's 512 at 4 warps: 4 values a t
 
 @triton.jit
 def _kv_norm_rope_kernel(kv_ptr, w_ptr, rot_ptr, out_ptr, row_stride, eps, D: tl.constexpr, PAIRS: tl.constexpr,
-                         QUANT: tl.constexpr):
+                         QUANT: tl.constexpr, PDL: tl.constexpr):
     """kv rows [N, D] (stride row_stride, unit column stride), rot [N, PAIRS, 2] and out [N, D] contiguous."""
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D)
     x = tl.load(kv_ptr + row * row_stride + d).to(tl.float32)
@@ -54,5 +56,5 @@ def kv_norm_rope_triton(kv, weight, eps, rot, quantize):
     if rows.shape[0]:
         _kv_norm_rope_kernel[(rows.shape[0],)](rows, weight.contiguous(), rot.contiguous(), out, rows.stride(0),
                                                eps, D=dim, PAIRS=pairs, QUANT=quantize,
-                                               num_warps=4 if dim <= 1024 else 8)
+                                               num_warps=4 if dim <= 1024 else 8, **launch_options(rows.device))
     return out

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .mhc_finish_triton import _finish_token
+from .pdl import launch_options, pdl_wait
 
 # The fastest launch at every count swept; TF32x3 on tensor cores is 2.7-3.5x faster than "ieee" (fp32 FMAs)
 # and agreed with the reference as closely (the sweep's check). splits: D splits per token block; None:
@@ -61,7 +62,9 @@ TARGET_PROGRAMS = 264
 def _seam_rows_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr,
                       new_streams_ptr, normed_ptr, partial_ptr, N, span,
                       HC: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                      MIX_PAD: tl.constexpr, HAS_POST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+                      MIX_PAD: tl.constexpr, HAS_POST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+                      PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     MIX: tl.constexpr = (2 + HC) * HC
     block = tl.program_id(0)
     split = tl.program_id(1)
@@ -118,11 +121,12 @@ def _seam_rows_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_
 @triton.jit
 def _finish_rows_kernel(partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr, pre_out_ptr, post_out_ptr,
                         comb_out_ptr, splits, norm_eps, hc_eps, iters, HC: tl.constexpr, D: tl.constexpr,
-                        MIX_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr):
+                        MIX_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Grid (token, half): its partials summed over the splits, its mixes (sigmoids, Sinkhorn) and its collapsed
     row normalised in place (mhc_triton.py's finish). With one half a program does both; with two (the launch's
     finish_split) half 0 runs the mixes and half 1 the RMSNorm side by side, each computing what one program
     would: the same bits."""
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     half = tl.program_id(1)
     both = tl.num_programs(1) == 1
     _finish_token(tl.program_id(0).to(tl.int64), splits, partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr,
@@ -160,8 +164,9 @@ def seam_rows(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight
     _seam_rows_kernel[(blocks, splits)](
         out, streams, post, comb, pre_lagged, fn, new_streams, normed, partial, tokens, span, HC=hc, D=dim,
         BLOCK_T=block_t, BLOCK_D=block_d, MIX_PAD=mix_pad, HAS_POST=has_post, PRECISION=launch["precision"],
-        SPLIT=splits > 1, num_warps=launch["num_warps"])
+        SPLIT=splits > 1, num_warps=launch["num_warps"], **launch_options(out.device))
     _finish_rows_kernel[(tokens, 2 if launch["finish_split"] else 1)](
         partial, scale, base, norm_weight, normed, pre_out, post_out, comb_out, splits, norm_eps, hc_eps, iters,
         HC=hc, D=dim, MIX_PAD=mix_pad, SPLITS_PAD=triton.next_power_of_2(splits),
-        NORM_BLOCK=min(launch["finish_norm_block"], triton.next_power_of_2(dim)), num_warps=launch["finish_warps"])
+        NORM_BLOCK=min(launch["finish_norm_block"], triton.next_power_of_2(dim)), num_warps=launch["finish_warps"],
+        **launch_options(out.device))

@@ -34,6 +34,7 @@ from .attention_triton import _num_sms
 from .block_counters import block_counters
 from .mhc import ROWS_MIN_TOKENS
 from .mhc_finish_triton import _finish_token
+from .pdl import launch_options, pdl_wait
 
 
 # has_post, mixes, collapse are runtime flags, never specialized (do_not_specialize: Triton would compile a 1
@@ -45,7 +46,8 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
                  new_streams_ptr, normed_ptr, pre_out_ptr, post_out_ptr, comb_out_ptr, partial_ptr, counter_ptr,
                  N, norm_eps, hc_eps, iters, has_post, mixes, collapse, share_finish,
                  HC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                 PART: tl.constexpr, CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr):
+                 PART: tl.constexpr, CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     block = tl.program_id(0)
     chunk = tl.program_id(1)
     chunks = tl.num_programs(1)
@@ -204,7 +206,8 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
             norm_eps, hc_eps, iters, int(has_post), int(mixes), int(collapse),
             int(_may_share_finish(flat.device, blocks) if share_finish is None else share_finish),
             HC=hc, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, PART=part, CHUNKS_PAD=triton.next_power_of_2(chunks),
-            NORM_BLOCK=min(norm_block or NORM_BLOCK, triton.next_power_of_2(dim)), num_warps=num_warps)
+            NORM_BLOCK=min(norm_block or NORM_BLOCK, triton.next_power_of_2(dim)), num_warps=num_warps,
+            **launch_options(flat.device))
     lead = tuple(lead)
     outputs = [new_streams.view(lead + (hc, dim))] if has_post else []
     if collapse:

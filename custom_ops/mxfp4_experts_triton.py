@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _dot, _e2m1_rows, _ue8m0_bf16, _ue8m0_f32
+from .pdl import launch_options, pdl_wait
 
 BLOCK_N = 64
 BLOCK_K = 128
@@ -106,10 +107,11 @@ def _tile_of(slot, offsets_ptr, E, P, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr
 @triton.jit
 def _grouped_kernel(x_ptr, w_ptr, s_ptr, offsets_ptr, out_ptr, P, E, N, K, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr, MXFP4: tl.constexpr,
-                    FP32_DOT: tl.constexpr, PTX: tl.constexpr):
+                    FP32_DOT: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
     """MXFP4: w packed E2M1 [E, N, K/2] with UE8M0 scales s [E, N, K/32]; else w bf16 [E, N, K] (s unused).
     out [P, N]: the slots past the last tile write zeros into the rows past the last expert (u-th such slot:
     u-th block of those rows), so the output needs no zero fill beforehand."""
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     slot, pid_n = tl.program_id(0), tl.program_id(1)
     expert, first_row, row_end = _tile_of(slot, offsets_ptr, E, P, BLOCK_M, E_PAD)
     used = expert < E
@@ -194,5 +196,6 @@ def grouped_mm_triton(x, weight, scale, offsets, block_m=None, block_n=None, blo
     _grouped_kernel[(slots, triton.cdiv(n, block_n))](
         x.contiguous(), w, s, offsets, out, rows, experts, n, k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         E_PAD=triton.next_power_of_2(experts), MXFP4=mxfp4, FP32_DOT=x.device.type != "cuda",
-        PTX=x.device.type == "cuda" and PTX if ptx is None else ptx, num_warps=num_warps, num_stages=num_stages)
+        PTX=x.device.type == "cuda" and PTX if ptx is None else ptx, num_warps=num_warps, num_stages=num_stages,
+        **launch_options(x.device))
     return out

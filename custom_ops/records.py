@@ -244,6 +244,8 @@ except ImportError:  # pragma: no cover - CPU machines without triton
 
 
 if triton is not None:  # defined only with triton (its annotations need tl)
+    from .pdl import launch_options, pdl_wait
+
     # the QDQ constants, as the fp32 values the torch reference rounds them to
     _FP8_FLOOR = tl.constexpr(_FP8_AMAX_FLOOR)
     _FP8_INV = tl.constexpr(_FP8_MAX_INV)
@@ -255,8 +257,9 @@ if triton is not None:  # defined only with triton (its annotations need tl)
     def _record_write_kernel(cache_ptr, rows_ptr, slots_ptr, S, N,
                              c_sb, c_sn, c_sd, r_sb, r_ss, r_sd, s_sb, s_ss,
                              DIM: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
-                             NGP: tl.constexpr, DP: tl.constexpr):
+                             NGP: tl.constexpr, DP: tl.constexpr, PDL: tl.constexpr):
         """One program per (b, s) row: quantize the row in registers and store its record at cache[b, slot]."""
+        pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
         pid = tl.program_id(0).to(tl.int64)
         b = pid // S
         s = pid % S
@@ -349,7 +352,7 @@ def record_write_triton(cache: Tensor, rows: Tensor, slots: Tensor, fmt: str) ->
         cache.stride(0), cache.stride(1), cache.stride(2), rows.stride(0), rows.stride(1), rows.stride(2),
         slots.stride(0), slots.stride(1),
         DIM=dim, FMT=_FMT_ID[fmt], G=block, NG=groups, NGP=triton.next_power_of_2(groups),
-        DP=triton.next_power_of_2(dim), num_warps=4 if dim >= 256 else 2,
+        DP=triton.next_power_of_2(dim), num_warps=4 if dim >= 256 else 2, **launch_options(cache.device),
     )
 
 

@@ -8,14 +8,16 @@ rotated values round to bf16 in integer arithmetic (_round_bf16), which the inte
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, pdl_wait
 from .routed_experts_triton import _round_bf16
 
 HEADS_PER_PROGRAM = 16  # 64 heads x 32 pairs at the release shape: 4 programs a token, 1024 values each
 
 
 @triton.jit
-def _rope_tail_kernel(x_ptr, rot_ptr, H, D, HEADS: tl.constexpr, PAIRS: tl.constexpr):
+def _rope_tail_kernel(x_ptr, rot_ptr, H, D, HEADS: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
     """x [N, H, D] contiguous (tokens, heads), rot [N, PAIRS, 2]."""
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     live = (h < H)[:, None]
@@ -42,4 +44,4 @@ def rope_tail_triton_(x, rot):
     if tokens:
         block = min(HEADS_PER_PROGRAM, triton.next_power_of_2(heads))
         _rope_tail_kernel[(tokens, triton.cdiv(heads, block))](x, rot.contiguous(), heads, x.shape[-1], HEADS=block,
-                                                               PAIRS=pairs, num_warps=4)
+                                                               PAIRS=pairs, num_warps=4, **launch_options(x.device))

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from .attention_triton import _dot
 from .block_counters import block_counters
+from .pdl import launch_options, pdl_wait
 from .routed_experts import MAX_TOKENS
 
 UP_BLOCK_N = 32  # one FP8 group of h per row and program; 72 column blocks at I = 2304
@@ -125,7 +126,8 @@ def _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M: tl.constexp
 def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS, shared, G, I, D, limit,
                QUANT_X: tl.constexpr, QUANT_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr, P_PAD: tl.constexpr, G_PAD: tl.constexpr,
-               BY_EXPERT: tl.constexpr, FP32_DOT: tl.constexpr):
+               BY_EXPERT: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     prog, pid_n = tl.program_id(0), tl.program_id(1)
     e, mine, hit, routed, slot = _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M, KK_PAD, P_PAD, G_PAD,
                                               BY_EXPERT)
@@ -156,10 +158,12 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS,
 @triton.jit
 def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, y_ptr, counter_ptr, T, KK, SLOTS, shared, G, I, D,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr,
-                 P_PAD: tl.constexpr, G_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, FP32_DOT: tl.constexpr):
+                 P_PAD: tl.constexpr, G_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, FP32_DOT: tl.constexpr,
+                 PDL: tl.constexpr):
     """out[t, slot] = bf16(h[t, slot] @ W2[e]^T) for the tokens routed to e, over the programs that compute e
     (_program_expert); then the last program of each column block adds every token's pair outputs there into y
     (_ordered_sum)."""
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     prog, pid_n = tl.program_id(0), tl.program_id(1)
     e, mine, _, routed, slot = _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M, KK_PAD, P_PAD, G_PAD,
                                             BY_EXPERT)
@@ -266,10 +270,10 @@ def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_x, quanti
     _up_kernel[(rows, triton.cdiv(inter, up["block_n"]))](
         x, weights, ids, w1, w3, h, tokens, k, slots, shared_expert, experts, inter, dim, float(limit),
         QUANT_X=quantize_x, QUANT_H=quantize_h, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], **fixed,
-        num_warps=up["num_warps"], num_stages=up["num_stages"])
+        num_warps=up["num_warps"], num_stages=up["num_stages"], **launch_options(x.device, early=False))
     column_blocks = triton.cdiv(dim, down["block_n"])
     _down_kernel[(rows, column_blocks)](
         h, ids, w2, out, y, block_counters(x.device, column_blocks), tokens, k, slots, shared_expert, experts, inter,
         dim, BLOCK_N=down["block_n"], BLOCK_K=down["block_k"], **fixed, num_warps=down["num_warps"],
-        num_stages=down["num_stages"])
+        num_stages=down["num_stages"], **launch_options(x.device))
     return y

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from .attention_triton import _dot
 from .block_counters import COUNTER_SLOTS, block_counters
+from .pdl import launch_options, pdl_wait
 
 BLOCK_T = 16  # tokens per program: the smallest tl.dot tile, so decode batches up to 64 get 1-4 token blocks
 BLOCK_E = 16  # experts per program: the gate is split finely enough to spread one token's GEMV
@@ -71,7 +72,8 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, partial_ptr, scores_ptr, counter_ptr,
                    N, D, E, k_blocks_per_split, scale,
                    TOPK: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORMALIZE: tl.constexpr,
-                   X_FP32: tl.constexpr, FP32_DOT: tl.constexpr):
+                   X_FP32: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     token_block = tl.program_id(0)
     expert_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -189,4 +191,4 @@ def _launch(x, weight, bias, weights, ids, topk, normalize, scale, splits):
         TOPK=topk, K_PAD=triton.next_power_of_2(topk), E_PAD=triton.next_power_of_2(experts),
         SPLITS_PAD=triton.next_power_of_2(splits), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K,
         NORMALIZE=normalize, X_FP32=x.dtype == torch.float32, FP32_DOT=x.device.type != "cuda",
-        num_warps=warps_for(x.dtype))
+        num_warps=warps_for(x.dtype), **launch_options(x.device))

@@ -62,6 +62,7 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _num_sms
+from .pdl import launch_options, pdl_wait
 
 BLOCK = 4096  # entries per tile of a pass
 SMALL_BLOCK = 1024  # the tile when all rows together are small (decode): more programs per row
@@ -189,10 +190,12 @@ def _threshold(hist_ptr, row, k, PASSES: tl.constexpr, NPASS: tl.constexpr, KEY_
 
 @triton.jit
 def _histogram_kernel(bits_ptr, hist_ptr, ties_ptr, flags_ptr, width, chunk, k, SPLIT, P: tl.constexpr,
-                      NPASS: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr, FLAGGED: tl.constexpr):
+                      NPASS: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr, FLAGGED: tl.constexpr,
+                      PDL: tl.constexpr):
     """Pass P: histogram of digit P over this program's chunk of the row, among the entries that match
     the threshold's top P digits; merged per row with atomics (the last pass also keeps its own).
     FLAGGED: only rows whose flag is set (the filter path's overflows); the others return at once."""
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     row = tl.program_id(0)
     split = tl.program_id(1)
     if FLAGGED:
@@ -218,9 +221,10 @@ def _histogram_kernel(bits_ptr, hist_ptr, ties_ptr, flags_ptr, width, chunk, k, 
 @triton.jit
 def _compact_kernel(bits_ptr, hist_ptr, ties_ptr, count_ptr, picks_ptr, flags_ptr, width, chunk, k, SPLIT,
                     NPASS: tl.constexpr, KEY_BITS: tl.constexpr, SPLIT_P2: tl.constexpr, BLOCK: tl.constexpr,
-                    FLAGGED: tl.constexpr):
+                    FLAGGED: tl.constexpr, PDL: tl.constexpr):
     """Write the indices of this chunk's entries above the threshold and of its share of the ties
     (FLAGGED: as in _histogram_kernel)."""
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     row = tl.program_id(0)
     split = tl.program_id(1)
     if FLAGGED:
@@ -251,11 +255,12 @@ def _compact_kernel(bits_ptr, hist_ptr, ties_ptr, count_ptr, picks_ptr, flags_pt
 @triton.jit
 def _chunk_select_kernel(keys_ptr, index_ptr, out_keys_ptr, out_index_ptr, width, k, out_width,
                          FIRST: tl.constexpr, LAST: tl.constexpr, KEY_BITS: tl.constexpr, CHUNK: tl.constexpr,
-                         K_P2: tl.constexpr):
+                         K_P2: tl.constexpr, PDL: tl.constexpr):
     """Row-wise path, one (row, chunk of CHUNK entries) per program. FIRST: the entries are score bits
     (index = position); else unsigned keys (int32 bits) and their indices from the previous stage. Writes
     the chunk's k best in index order: LAST: the indices to out_index [rows, k]; else (key, index) pairs to
     slots chunk * k .. of out_keys / out_index [rows, out_width], padded with key 0."""
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     pos = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -284,7 +289,7 @@ def _chunk_select_kernel(keys_ptr, index_ptr, out_keys_ptr, out_index_ptr, width
 @triton.jit
 def _filter_kernel(bits_ptr, cand_ptr, picks_ptr, keys_ptr, flags_ptr, width, seg_width, k, KEY_BITS: tl.constexpr,
                    GROUPS: tl.constexpr, SAMPLE: tl.constexpr, CAND: tl.constexpr, K_P2: tl.constexpr,
-                   BLOCK: tl.constexpr, SEGMENTED: tl.constexpr):
+                   BLOCK: tl.constexpr, SEGMENTED: tl.constexpr, PDL: tl.constexpr):
     """Filter path, one (row, segment of seg_width entries) per program (see the module docstring): a
     threshold T <= the segment's k-th largest key from group maxima of a sample, the candidates' indices
     (keys above T, the first k equal to it) to cand [rows x segments, CAND], their k best to picks. Not
@@ -293,6 +298,7 @@ def _filter_kernel(bits_ptr, cand_ptr, picks_ptr, keys_ptr, flags_ptr, width, se
     SEGMENTED: the k best (index, key) pairs in candidate order to picks / keys [rows, segments x k], slots
     segment x k .. (padded with key 0, below every real key), for the row-wise stages; an overflow sets
     flags[row] (zeroed beforehand)."""
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     row = tl.program_id(0)
     if SEGMENTED:
         start = tl.program_id(1) * seg_width
@@ -371,9 +377,10 @@ def _filter_kernel(bits_ptr, cand_ptr, picks_ptr, keys_ptr, flags_ptr, width, se
 
 @triton.jit
 def _finish_kernel(picks_ptr, values_ptr, visible_ptr, blocks_ptr, out_ptr, width, k, NB, BS,
-                   MODE: tl.constexpr, K_P2: tl.constexpr):
+                   MODE: tl.constexpr, K_P2: tl.constexpr, PDL: tl.constexpr):
     """Sort a row's picks ascending and map them: VISIBLE: picks >= visible -> -1; FINITE: picks whose
     value is -inf -> -1 (last); CANDIDATE_ROWS: compact column -> row id (-1 for a -1 block), -inf -> -1."""
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     row = tl.program_id(0)
     i = tl.arange(0, K_P2)
     present = i < k
@@ -432,7 +439,8 @@ def _rowwise_stages(keys: torch.Tensor, index: torch.Tensor | None, k: int, key_
         # later stages carry the first stage's unsigned keys (< 2^KEY_BITS): the same bisection depth
         _chunk_select_kernel[(rows, chunks)](keys, keys if index is None else index, out_keys, out_index, width, k,
                                              out_width, FIRST=first, LAST=last, KEY_BITS=key_bits,
-                                             CHUNK=size, K_P2=k_p2, num_warps=num_warps or CHUNK_WARPS)
+                                             CHUNK=size, K_P2=k_p2, num_warps=num_warps or CHUNK_WARPS,
+                                             **launch_options(keys.device))
         if last:
             return picks
         keys, index, width, first = out_keys, out_index, out_width, False
@@ -501,7 +509,7 @@ def select_filtered(scores: torch.Tensor, k: int, groups: int = GROUPS, sample: 
         flags.zero_()
     _filter_kernel[(rows, segments)](bits, candidates, picks, keys, flags, width, seg_width, k, KEY_BITS=key_bits,
                                      GROUPS=groups, SAMPLE=sample, CAND=cand, K_P2=k_p2, BLOCK=block,
-                                     SEGMENTED=segments > 1, num_warps=num_warps)
+                                     SEGMENTED=segments > 1, num_warps=num_warps, **launch_options(bits.device))
     if segments > 1:
         picks = _rowwise_stages(keys, picks, k, key_bits)
     return _select_radix(bits, k, picks, flags=flags)
@@ -538,10 +546,11 @@ def _select_radix(bits: torch.Tensor, k: int, picks: torch.Tensor, split: int | 
     flags = picks if flags is None else flags  # (not read unless flagged)
     for p in range(npass):
         _histogram_kernel[(rows, split)](bits, hist, ties, flags, width, chunk, k, split, P=p, NPASS=npass,
-                                         KEY_BITS=key_bits, BLOCK=block, FLAGGED=flagged, num_warps=warps)
+                                         KEY_BITS=key_bits, BLOCK=block, FLAGGED=flagged, num_warps=warps,
+                                         **launch_options(bits.device))
     _compact_kernel[(rows, split)](bits, hist, ties, count, picks, flags, width, chunk, k, split, NPASS=npass,
                                    KEY_BITS=key_bits, SPLIT_P2=triton.next_power_of_2(split), BLOCK=block,
-                                   FLAGGED=flagged, num_warps=warps)
+                                   FLAGGED=flagged, num_warps=warps, **launch_options(bits.device))
     return picks
 
 
@@ -581,7 +590,7 @@ def finish(picks: torch.Tensor, mode: int, values: torch.Tensor | None = None, v
     width = values.shape[-1] if mode != VISIBLE else 0
     nb = blocks.shape[-1] if mode == CANDIDATE_ROWS else 0
     _finish_kernel[(rows,)](picks, values, visible, blocks, out, width, k, nb, block_size, MODE=mode.value,
-                            K_P2=max(16, triton.next_power_of_2(k)), num_warps=4)
+                            K_P2=max(16, triton.next_power_of_2(k)), num_warps=4, **launch_options(picks.device))
     return out
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -43,10 +44,11 @@ from .cache import CacheCapacityError
 from .context import check_left_padding
 from .custom_ops.bf16_linear import MAX_ROWS as LINEAR_MAX_ROWS
 from .custom_ops.mhc import ROWS_MIN_TOKENS
+from .custom_ops.pdl import launches
 from .custom_ops.routed_experts import MAX_TOKENS as ROUTED_MAX_TOKENS
 from .layers import QuantLinear
 from .moe import COUNT_ORDER_BOUND
-from .piecewise_graph import PiecewiseGraph
+from .piecewise_graph import PiecewiseGraph, piece_sizes
 from .trimmed_graphs import TrimmedGraphs
 
 
@@ -133,7 +135,11 @@ class CompileOptions:
     # the decode step's graph as this many graphs replayed back to back (piecewise_graph.py): the GPU then waits
     # only for the first piece's cudaGraphLaunch, not the whole step's. 1: one graph, as with mhc_overlap (whose
     # side-stream forks join after the block boundaries the pieces are cut at)
-    decode_graph_pieces: int = 4
+    decode_graph_pieces: int = 7
+    # the pieces' sizes in blocks grow by this factor (piecewise_graph.piece_sizes: flash's 40 blocks as 1, 2, 2,
+    # 3, 5, 9, 18), so the GPU waits only for a one-block piece's launch; 1: even pieces. H200, flash-40l-e8 bf16
+    # (12-02 s), against 4 even pieces side by side: B1 11.11 ms against 11.28, B64 17.77 against 18.10
+    decode_graph_growth: float = 2.0
     # bounded replay's trimmed layers as CUDA graphs too (with cuda_graphs), in chunks longer than
     # prefill_graph_tokens (a shorter chunk's graph holds them)
     trimmed_graphs: bool = True
@@ -143,6 +149,14 @@ class CompileOptions:
     # with it (prefill-1k-*-2026-12-01-h.json); as one graph 91.8 and 58.8 ms (prefill-1k-chunk-graphs-
     # 2026-12-01-i.json). Longer chunks keep the GPU busy on their own
     prefill_graph_tokens: int = 1024
+    # programmatic dependent launch (sm_90+; custom_ops/pdl.py): the dsflash kernels the runner launches start
+    # while the kernel before them finishes and wait for it on the GPU, hiding the launch gap between kernels.
+    # H200, flash-40l-e8 bf16, with inductor_pdl, side by side against neither (12-02 s): B1 11.11 ms against
+    # 11.59 and 11.25 against 11.51 in another run, B64 17.77 against 17.87; logits bit-equal
+    pdl: bool = True
+    # the same for Inductor's Triton kernels (its triton.enable_pdl, where this torch has it): B1 (12-02 s, with
+    # the up kernel still started early) 11.10 ms with both, 11.23 with ours alone
+    inductor_pdl: bool = True
     swa_bounded_replay: bool | None = None  # sets the model config's switch (None: keep the config's value)
     # automatic dynamic shapes for the blocks (torch.compile(dynamic=None)): the second size seen in a dimension
     # (batch bucket, prefill length) compiles one symbolic graph per role that every later size reuses, instead
@@ -167,6 +181,9 @@ class CompileOptions:
                              "(dsflash::bf16_linear's kernel takes at most that many rows)")
         if self.decode_graph_pieces < 1:
             raise ValueError(f"CompileOptions.decode_graph_pieces={self.decode_graph_pieces}: expected >= 1")
+        if self.decode_graph_growth < 1:
+            raise ValueError(f"CompileOptions.decode_graph_growth={self.decode_graph_growth}: expected >= 1 (pieces "
+                             "that grow, or even ones)")
         if self.mhc_overlap_max_tokens < 1:
             raise ValueError(f"CompileOptions.mhc_overlap_max_tokens={self.mhc_overlap_max_tokens}: expected >= 1 "
                              "(mhc_overlap=False turns the overlap off)")
@@ -276,11 +293,16 @@ class CompiledRunner:
             setattr(torch._dynamo.config, limit, getattr(torch._dynamo.config, limit) + graphs)
         compile_kwargs = dict(backend=options.backend, fullgraph=True,
                               dynamic=None if options.dynamic_shapes else False)
-        if options.dynamic_shapes and options.backend == "inductor":
+        inductor_options = {}
+        if options.dynamic_shapes:
             # Inductor's coalesce tiling analysis does not handle symbolic sizes: on the H200 (torch 2.11, 11-30)
             # it failed the serve compile with an AssertionError in tiling_utils.get_pw_red_splits (its config
             # note: "does not yet apply to dynamic shapes"; pytorch/pytorch#197077)
-            compile_kwargs["options"] = {"triton.coalesce_tiling_analysis": False}
+            inductor_options["triton.coalesce_tiling_analysis"] = False
+        if options.inductor_pdl and hasattr(torch._inductor.config.triton, "enable_pdl"):  # torch 2.11 has it
+            inductor_options["triton.enable_pdl"] = True
+        if inductor_options and options.backend == "inductor":
+            compile_kwargs["options"] = inductor_options
         for block in model.model.layers:
             block.compile(**compile_kwargs)
             if block.engram is not None and options.compile_engram:
@@ -303,8 +325,8 @@ class CompiledRunner:
         return self.model.logits(hidden)
 
     def _capture(self, step, pieces: int = 1) -> tuple:
-        """(CUDA graph, its output) of `step()` (a forward on static inputs), as `pieces` graphs cut before
-        evenly spaced blocks (PiecewiseGraph). The warm-up runs (which compile the blocks for these shapes)
+        """(CUDA graph, its output) of `step()` (a forward on static inputs), as `pieces` graphs of growing
+        numbers of blocks (PiecewiseGraph, piece_sizes). The warm-up runs (which compile the blocks for these shapes)
         change the cache, so its tensors are saved (a copy the size of the cache) and restored after each: a
         second run from where the first left off could pass max_length."""
         saved = self.cache.save_state()
@@ -317,7 +339,8 @@ class CompiledRunner:
             self.cache.restore_state(saved)
         del saved
         layers = self.model.model.layers
-        cuts = {layers[i * len(layers) // pieces] for i in range(1, pieces)}
+        starts = itertools.accumulate(piece_sizes(len(layers), pieces, self.options.decode_graph_growth)[:-1])
+        cuts = {layers[i] for i in starts}
         graph = PiecewiseGraph(self.pool)
         self.model.model.block_hook = lambda block: graph.cut() if block in cuts else None
         try:
@@ -372,6 +395,10 @@ class CompiledRunner:
         """input_ids, attention_mask [B, S]: the new columns for the cache's first B rows. Returns fp32
         logits of the last `logits_to_keep` columns (all with 0). replay_from: a prefix-cache hit (see
         DeepseekV41Model.run)."""
+        with launches(self.options.pdl):  # what graphs captured here launch (replays keep it)
+            return self._forward(input_ids, attention_mask, logits_to_keep, replay_from)
+
+    def _forward(self, input_ids, attention_mask, logits_to_keep, replay_from):
         batch, seq = input_ids.shape
         self.cache.check_fits(batch, seq)
         rows = _bucket(self.batch_buckets, batch) - batch
@@ -430,8 +457,11 @@ class CompiledRunner:
         batch sizes and prompt lengths now, on throwaway inputs (with bounded replay also every bucket as a
         chunk before a prompt's last, which stops at the last KV source's cache writes); the cache is emptied
         afterwards."""
-        lengths = prefill_lengths or self._warm_lengths()
-        for batch in batch_sizes or self.batch_buckets:
+        with launches(self.options.pdl):
+            self._warm_up(batch_sizes or self.batch_buckets, prefill_lengths or self._warm_lengths())
+
+    def _warm_up(self, batch_sizes, lengths) -> None:
+        for batch in batch_sizes:
             ids = torch.zeros(batch, max(lengths), dtype=torch.long, device=self.model.device)
             # with a prefix cache every prefill carries replay_from (zeros without a hit): the same graphs.
             # Contiguous like use_hits' (a column view's stride would fail the graphs' guards)

@@ -50,6 +50,7 @@ VARIANTS = {
     "inductor-order": {"moe_order_op": False},  # the sorted path's counting orders in Inductor (before 12-02 q)
     "cublas-linear": {"linear_few_rows": 0},  # decode's bf16 projections on cuBLAS (before dsflash::bf16_linear)
     "one-graph": {"decode_graph_pieces": 1},  # the decode step as one CUDA graph (before piecewise_graph.py)
+    "even-pieces": {"decode_graph_pieces": 4, "decode_graph_growth": 1.0},  # 4 even pieces (before 12-02 s)
     # issue 5's decode fusions off: shared expert on its own GEMMs, wq_a and wkv apart, Engram and set-up eager
     "unfused": {"moe_shared_stacked": False, "fuse_input_projections": False, "compile_engram": False,
                 "compile_setup": False},
@@ -57,6 +58,8 @@ VARIANTS = {
     "no-qkv-fusion": {"fuse_input_projections": False},
     "engram-eager": {"compile_engram": False},
     "setup-eager": {"compile_setup": False},
+    "no-pdl": {"pdl": False, "inductor_pdl": False},  # no programmatic dependent launch (before 12-02 s)
+    "no-inductor-pdl": {"inductor_pdl": False},  # the dsflash kernels with PDL, Inductor's without
     "passes": {},
     "warm": {},
 }

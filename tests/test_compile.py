@@ -13,6 +13,7 @@ from torch._inductor import config as inductor_config
 import dsflash_compile
 from dsflash_compile import DeepseekV41ForCausalLM, preset_config
 from dsflash_compile.cache import CacheCapacityError
+from dsflash_compile.piecewise_graph import piece_sizes
 
 
 @pytest.fixture
@@ -153,14 +154,20 @@ def test_dynamic_shapes_reuse_one_graph_from_the_second_batch_bucket_on(fresh_dy
     assert graphs[1] > graphs[0] and graphs[2] == graphs[1], graphs
 
 
-def test_dynamic_shapes_inductor_options_are_known(fresh_dynamo, monkeypatch):
-    """With Inductor, dynamic_shapes turns off its coalesce tiling analysis (which fails on symbolic sizes):
-    torch.compile checks the option's name when the blocks are wrapped, before anything runs."""
+@pytest.mark.parametrize("dynamic_shapes", [False, True])
+@pytest.mark.parametrize("inductor_pdl", [False, True])
+def test_inductor_options_are_known(fresh_dynamo, monkeypatch, dynamic_shapes, inductor_pdl):
+    """With Inductor, dynamic_shapes turns off its coalesce tiling analysis (which fails on symbolic sizes) and
+    inductor_pdl turns on its PDL launches (where this torch has the option): torch.compile checks the options'
+    names when the blocks are wrapped, before anything runs."""
     options, compile_ = [], torch.compile
     monkeypatch.setattr(torch, "compile", lambda *a, **k: options.append(k.get("options")) or compile_(*a, **k))
     dsflash_compile.compile(tiny_model(), max_batch=2, max_length=64, batch_buckets=(1, 2), prefill_buckets=(16,),
-                            dynamic_shapes=True)
-    assert options and all(o == {"triton.coalesce_tiling_analysis": False} for o in options), options
+                            dynamic_shapes=dynamic_shapes, inductor_pdl=inductor_pdl)
+    want = {"triton.coalesce_tiling_analysis": False} if dynamic_shapes else {}
+    if inductor_pdl and hasattr(inductor_config.triton, "enable_pdl"):
+        want["triton.enable_pdl"] = True
+    assert options and all(o == (want or None) for o in options), options
 
 
 @torch.no_grad()
@@ -286,6 +293,22 @@ def test_compile_refuses_what_it_cannot_capture(fresh_dynamo):
         dsflash_compile.compile(tiny_model(), prefill_graph_tokens=-1, backend="eager")
     with pytest.raises(ValueError, match="decode_graph_pieces=0"):
         dsflash_compile.compile(tiny_model(), decode_graph_pieces=0, backend="eager")
+    with pytest.raises(ValueError, match="decode_graph_growth=0.5"):
+        dsflash_compile.compile(tiny_model(), decode_graph_growth=0.5, backend="eager")
+
+
+def test_decode_graph_pieces_grow():
+    """The decode graph's pieces in blocks: every block in one piece, the first piece one block (its launch is
+    all the GPU waits for), none smaller than the one before; growth 1 gives even pieces."""
+    assert piece_sizes(40, 7, 2.0) == [1, 2, 2, 3, 5, 9, 18]
+    assert piece_sizes(40, 4, 1.0) == [10, 10, 10, 10]
+    for blocks in (1, 3, 9, 40, 61):
+        for pieces in (1, 2, 4, 7, 9):
+            for growth in (1.0, 1.5, 2.0, 4.0):
+                sizes = piece_sizes(blocks, pieces, growth)
+                assert sum(sizes) == blocks and len(sizes) == min(pieces, blocks), (blocks, pieces, growth)
+                assert min(sizes) >= 1 and sizes == sorted(sizes), (blocks, pieces, growth, sizes)
+                assert growth == 1.0 or pieces > blocks or sizes[0] <= max(1, blocks // pieces)
     model = dsflash_compile.compile(tiny_model(), max_batch=2, max_length=32, backend="eager", passes=False)
     with pytest.raises(CacheCapacityError, match="max_batch=2"):
         model.generate(prompts(3, 8), max_new_tokens=2, do_sample=False)
@@ -316,7 +339,7 @@ def test_cuda_graph_decode_follows_eager(fresh_dynamo, chunk_graph):
     runner = model.compiled_runner
     got = teacher_forced(runner.fresh_cache(2, 64))
     assert list(runner.graphs) == [2]
-    assert len(runner.graphs[2][0].graphs) == 4  # decode_graph_pieces: four graphs replayed back to back
+    assert len(runner.graphs[2][0].graphs) == 7  # decode_graph_pieces: seven graphs replayed back to back
     assert (len(runner.chunk_graphs), len(runner.trimmed.graphs)) == ((1, 0) if chunk_graph else (0, 1))
     # the first pass captured the graphs; a second replays them (tiny's layer 7 is an index source after
     # the cut: its top-k must not shift the trimmed graph's static inputs)

@@ -275,4 +275,4 @@ def test_kernel_halves_run_the_one_launch_binary():
     flags = {"has_post", "mixes", "collapse", "share_finish"}
     assert {p.name for p in kernel.params if p.do_not_specialize} == flags
     assert {p.name for p in kernel.params if p.is_constexpr} == {"HC", "D", "BLOCK_D", "BLOCK_T", "PART",
-                                                                 "CHUNKS_PAD", "NORM_BLOCK"}
+                                                                 "CHUNKS_PAD", "NORM_BLOCK", "PDL"}

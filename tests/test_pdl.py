@@ -1,0 +1,106 @@
+"""Programmatic dependent launch (custom_ops/pdl.py).
+
+Every dsflash kernel takes the PDL constexpr and waits first thing (the rule that keeps the stream's order); the
+switch is off on the CPU and restored after `launches`; on a GPU (sm_90+) a chain of dependent ops, with a kernel
+that rewrites in place what the kernel before it reads, gives the same bits with PDL as without, launched
+eagerly or replayed from a CUDA graph, and the kernels really carry the launch attribute."""
+
+import ast
+import importlib
+import inspect
+import pkgutil
+import textwrap
+
+import pytest
+import torch
+import triton
+
+import dsflash_compile.custom_ops as custom_ops
+from dsflash_compile.custom_ops import pdl, rope_tail_triton
+from dsflash_compile.custom_ops.pdl import launch_options, launches
+from dsflash_compile.rope import inverse_frequencies, rotation
+
+requires_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                                     reason="needs a CUDA device of sm_90 or later")
+
+
+def dsflash_kernels():
+    """(module name, kernel) for every Triton kernel (a jitted `*_kernel`) of the custom_ops package."""
+    found = []
+    for info in pkgutil.iter_modules(custom_ops.__path__):
+        module = importlib.import_module(f"{custom_ops.__name__}.{info.name}")
+        for name, obj in vars(module).items():
+            if isinstance(obj, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
+                if obj.__module__ == module.__name__:
+                    found.append((info.name, obj))
+    return found
+
+
+def test_every_kernel_waits_first():
+    kernels = dsflash_kernels()
+    assert len(kernels) >= 25, [k.fn.__name__ for _, k in kernels]  # the package's kernels were found
+    for module, kernel in kernels:
+        name = f"{module}.{kernel.fn.__name__}"
+        assert "PDL" in kernel.arg_names and kernel.params[kernel.arg_names.index("PDL")].is_constexpr, name
+        body = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn))).body[0].body
+        if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]  # the docstring
+        first = ast.unparse(body[0])
+        assert first == "pdl_wait(PDL)", f"{name} starts with {first!r}, not the wait (custom_ops/pdl.py)"
+
+
+def test_off_on_the_cpu_and_restored_after_launches():
+    assert launch_options(torch.device("cpu")) == {"PDL": False}
+    before = pdl._on
+    with launches(not before):
+        assert pdl._on is (not before)
+        with pytest.raises(RuntimeError):
+            with launches(before):
+                raise RuntimeError
+        assert pdl._on is (not before)
+    assert pdl._on is before
+
+
+def chain(x, weights, rot):
+    """Dependent dsflash kernels: each projection reads the previous one's output, and the RoPE rewrites in
+    place the tensor the projection before it just read."""
+    for w in weights:
+        y = torch.ops.dsflash.bf16_linear(x, w, 1, True)
+        torch.ops.dsflash.rope_(x, rot)  # x was the projection's input: rotated only after it finished reading
+        x = y + x[..., :1]
+    return x
+
+
+@requires_hopper
+def test_same_bits_with_and_without_pdl_eager_and_in_a_cuda_graph():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dim, pairs = 4096, 32
+    weights = [torch.randn(dim, dim, generator=g, device="cuda").bfloat16() / 64 for _ in range(6)]
+    x = torch.randn(1, dim, generator=g, device="cuda").bfloat16()
+    rot = rotation(torch.tensor([7], device="cuda"), inverse_frequencies(2 * pairs, 10000.0).cuda())
+    with launches(False):
+        want = chain(x.clone(), weights, rot)
+    assert pdl.enabled(x.device)
+    with launches(True):
+        eager = chain(x.clone(), weights, rot)
+        static = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(static, weights, rot)
+    assert torch.equal(eager, want)
+    for _ in range(3):
+        static.copy_(x)
+        graph.replay()
+        assert torch.equal(out, want)
+
+
+@requires_hopper
+def test_kernels_carry_the_launch_attribute():
+    x = torch.randn(1, 4, 64, device="cuda").bfloat16()
+    rot = rotation(torch.tensor([3], device="cuda"), inverse_frequencies(64, 10000.0).cuda())
+    for on in (True, False):
+        with launches(on):
+            compiled = rope_tail_triton._rope_tail_kernel[(1, 1)](x, rot, 4, 64, HEADS=4, PAIRS=32,
+                                                                  **launch_options(x.device))
+        assert compiled.metadata.launch_pdl is on
+        assert ("griddepcontrol.wait" in compiled.asm["ptx"]) is on
