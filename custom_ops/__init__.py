@@ -13,3 +13,4 @@ from . import kv_norm_rope  # noqa: F401  (registration side effects: the attent
 from . import expert_order  # noqa: F401  (registration side effects: the sorted MoE path's orders)
 from . import grouped_swiglu  # noqa: F401  (registration side effects: the sorted MoE path's gate/up/SwiGLU)
 from . import rope_tail  # noqa: F401  (registration side effects: RoPE of the query heads in place)
+from . import fp8_qdq  # noqa: F401  (registration side effects: the activations' FP8 before cuBLAS projections)

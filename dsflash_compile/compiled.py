@@ -121,6 +121,11 @@ class CompileOptions:
     # the small ones, and saves the kernels around them (H200 sweep, 12-01 l: custom_ops/bf16_linear_triton.py);
     # at 8 rows wq_b takes 28.3 us against 23.5, so the default is batch 1 only. 0: cuBLAS. At most MAX_ROWS (64)
     linear_few_rows: int = 1
+    # issue 5: bf16 QuantLinear inputs of at most this many rows (on cuBLAS: above linear_few_rows) take their FP8
+    # as dsflash::fp8_qdq, a fixed launch, instead of Inductor's persistent reduction, whose launch its runtime
+    # autotuner picks anew each compile (H200 B64: 1.8 us a launch in one compile, 7.2-8.2 in others, 74 a step).
+    # Same bits. H200, flash-40l-e8 bf16, B64 decode side by side (12-02 s): 17.31 ms against 17.49, logits equal
+    qdq_op_rows: int = 64
     # issue 5: the Engram modules (outside the blocks: they run before their layer's block) compiled too; eager
     # they were ~53 small aten kernels each. H200, flash-40l-e8 bf16 (12-01, f65d7ae): 0 graph breaks; decode
     # B1 1924 kernels against 2018, 12.34 ms of kernel time against 12.48; a 1K prefill's kernel time 60.9 ms
@@ -275,6 +280,7 @@ class CompiledRunner:
         for module in model.modules():  # after the fusion above, whose projections are new modules
             if type(module) is QuantLinear and module.weight.dtype == torch.bfloat16:
                 module.few_rows = options.linear_few_rows
+                module.qdq_op_rows = options.qdq_op_rows
         if options.swa_bounded_replay is not None:
             text.swa_bounded_replay = options.swa_bounded_replay
         self.cache = model.new_cache(options.max_batch, options.max_length)
