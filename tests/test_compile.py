@@ -5,8 +5,11 @@ Most tests use the "eager" backend (Dynamo capture with fullgraph, no code gener
 graphs and guards in seconds; one test runs Inductor with our passes on the tiny model.
 """
 
+from contextlib import contextmanager
+
 import pytest
 import torch
+from graph_caches import graph_caches_off
 from torch._dynamo.utils import counters
 from torch._inductor import config as inductor_config
 
@@ -38,6 +41,15 @@ def tiny_model(seed=0, **overrides):
 
 def prompts(batch, length, seed=1):
     return torch.randint(3, 500, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@contextmanager
+def counted_cpu_calls(op: str, reference):
+    """Within the block dsflash::`op` runs `reference` on CPU tensors; yields the list its calls append to."""
+    calls = []
+    with torch.library._scoped_library("dsflash", "IMPL") as lib:
+        lib.impl(op, lambda *args: (calls.append(1), reference(*args))[-1], "CPU")
+        yield calls
 
 
 def distinct_roles(model, layers=None) -> int:
@@ -273,7 +285,7 @@ def test_inductor_with_passes_matches_eager(fresh_dynamo):
     model = tiny_model()
     ids = prompts(2, 12)
     want = model(ids).logits
-    with inductor_config.patch(force_disable_caches=True):  # so the passes run (and count) here
+    with graph_caches_off():  # so the passes run (and count) here
         dsflash_compile.compile(model, max_batch=2, max_length=64, batch_buckets=(2,), prefill_buckets=(16,))
         got = model(ids, cache=model.compiled_runner.fresh_cache(2, 64)).logits
     matches = model.compiled_runner.pass_manager.matches

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hopper import check_compiles_for_hopper
 from interp import report, requires_interpreter, run_interpreted
-from test_compile import fresh_dynamo, prompts, tiny_model  # noqa: F401  (fresh_dynamo: a fixture)
+from test_compile import counted_cpu_calls, fresh_dynamo, prompts, tiny_model  # noqa: F401  (fresh_dynamo: a fixture)
 
 import dsflash_compile
 from dsflash_compile.layers import QuantLinear
@@ -79,9 +79,7 @@ def test_the_model_takes_the_op_where_compile_says(fresh_dynamo):
     dsflash_compile.compile(model, max_batch=2, max_length=32, backend="eager")
     linears = [m for m in model.modules() if type(m) is QuantLinear and m.quantize_input]
     assert linears and all(m.qdq_op_rows == 64 for m in linears)
-    calls = []
-    with torch.library._scoped_library("dsflash", "IMPL") as lib:  # counts the op's CPU calls, then runs it
-        lib.impl("fp8_qdq", lambda x: (calls.append(1), fp8_qdq(x))[-1], "CPU")
+    with counted_cpu_calls("fp8_qdq", fp8_qdq) as calls:
         got = model(ids, cache=model.compiled_runner.fresh_cache(2, 32)).logits
     assert calls and torch.equal(got, want)
     dsflash_compile.compile(model, max_batch=2, max_length=32, backend="eager", qdq_op_rows=0)

@@ -15,6 +15,7 @@ from dsflash_compile.modeling_deepseek_v41 import DeepseekV41Block
 from dsflash_compile.mhc import hc_mixes, hc_post, hc_pre
 from dsflash_compile.passes import MhcFusionPass
 from dsflash_compile.passes.mhc_fusion import trace_like_post_grad
+from graph_caches import graph_caches_off
 from interp import report, run_interpreted, requires_interpreter
 from hopper import check_compiles_for_hopper
 
@@ -356,8 +357,8 @@ def compiling():
         passes.use(seams)
         return torch.compile(fn, fullgraph=True)
 
-    with torch.no_grad(), inductor_config.patch(
-            force_disable_caches=True, post_grad_custom_post_pass=inductor_config.post_grad_custom_post_pass,
+    with torch.no_grad(), graph_caches_off(
+            post_grad_custom_post_pass=inductor_config.post_grad_custom_post_pass,
             online_softmax=inductor_config.online_softmax,
             emulate_precision_casts=inductor_config.emulate_precision_casts):
         yield compile_with

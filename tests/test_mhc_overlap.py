@@ -9,7 +9,6 @@ import re
 
 import pytest
 import torch
-from torch._inductor import config as inductor_config
 from torch._inductor.utils import run_and_get_code
 
 import dsflash_compile
@@ -19,6 +18,7 @@ from dsflash_compile.passes import MhcFusionPass, MhcOverlapPass
 from dsflash_compile.custom_ops.mhc import ROWS_MIN_TOKENS
 from dsflash_compile.passes.mhc_overlap import _views_and_readers
 from test_compile import distinct_roles, fresh_dynamo, prompts, tiny_model  # noqa: F401  (fresh_dynamo: a fixture)
+from graph_caches import graph_caches_off
 from interp import report, requires_interpreter, run_interpreted
 from test_mhc_fusion import (HC_EPS, ITERS, KERNEL_CASES, NORM_EPS, compiling,  # noqa: F401  (a fixture)
                              one_seam, seam_args, tiny_layer_loop)
@@ -190,7 +190,7 @@ def test_cuda_graph_decode_same_bits_with_overlap_on_and_off(fresh_dynamo):  # n
         dsflash_compile.compile(model, max_batch=2, max_length=64, batch_buckets=(2,), prefill_buckets=(32,),
                                 mhc_overlap=overlap)
         runner = model.compiled_runner
-        with inductor_config.patch(force_disable_caches=True):  # so the passes run (and count) here
+        with graph_caches_off():  # so the passes run (and count) here
             runs[overlap] = [teacher_forced(model, runner.fresh_cache(2, 64), ids, 20) for _ in range(2)]
         assert list(runner.graphs) == [2]
         # prefill (2 x 32 tokens) stays fused; the decode graph's blocks (2 tokens) split both seams

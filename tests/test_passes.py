@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from graph_caches import graph_caches_off
 from torch._inductor import config as inductor_config
 
 from dsflash_compile import DeepseekV41ForCausalLM, passes, preset_config
@@ -15,8 +16,8 @@ def installed():
     Inductor's caches are off here: a cache hit would serve the rewritten graph without running (and
     so without counting) the passes."""
     torch._dynamo.reset()
-    with inductor_config.patch(force_disable_caches=True, online_softmax=True, emulate_precision_casts=False,
-                               post_grad_custom_post_pass=inductor_config.post_grad_custom_post_pass):
+    with graph_caches_off(online_softmax=True, emulate_precision_casts=False,
+                          post_grad_custom_post_pass=inductor_config.post_grad_custom_post_pass):
         manager = passes.install(preset_config("tiny").text_config)
         # on CUDA Inductor's online-softmax rewrite would run before our passes and hide the Sinkhorn
         assert inductor_config.post_grad_custom_post_pass is manager and not inductor_config.online_softmax
@@ -110,7 +111,7 @@ def test_compiled_graphs_keep_the_models_rounding():
         return torch.rsqrt((x * 3).to(torch.bfloat16).float() + 1)
 
     torch._dynamo.reset()
-    with inductor_config.patch(force_disable_caches=True, post_grad_custom_post_pass=record_casts):
+    with graph_caches_off(post_grad_custom_post_pass=record_casts):
         torch.compile(round_trip, fullgraph=True)(torch.rand(64))
     torch._dynamo.reset()
     assert seen == [torch.bfloat16, torch.float32]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hopper import check_compiles_for_hopper
 from interp import report, requires_interpreter, run_interpreted
-from test_compile import fresh_dynamo, prompts, tiny_model  # noqa: F401  (fresh_dynamo: a fixture)
+from test_compile import counted_cpu_calls, fresh_dynamo, prompts, tiny_model  # noqa: F401  (fresh_dynamo: a fixture)
 from test_mhc_fusion import bf16_ulps
 from torch._inductor.utils import run_and_get_code
 
@@ -116,9 +116,7 @@ def test_the_model_takes_the_op_where_compile_says(fresh_dynamo):
     want = model(ids).logits
     dsflash_compile.compile(model, max_batch=2, max_length=32, backend="eager")
     assert all(layer.attn.rope_op for layer in model.model.layers)
-    calls = []
-    with torch.library._scoped_library("dsflash", "IMPL") as lib:  # counts the op's CPU calls, then runs it
-        lib.impl("rope_", lambda x, rot: (calls.append(1), rope_reference_(x, rot))[-1], "CPU")
+    with counted_cpu_calls("rope_", rope_reference_) as calls:
         got = model(ids, cache=model.compiled_runner.fresh_cache(2, 32)).logits
     assert calls and torch.equal(got, want)
     dsflash_compile.compile(model, max_batch=2, max_length=32, backend="eager", q_rope_op=False)
