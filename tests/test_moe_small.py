@@ -68,25 +68,31 @@ def interpreter_checks():
     kernel runs that must agree bit for bit: x quantized in the kernel against x quantized before it, and the
     shared expert folded against passed as a slot (with exact data the reference checks these, but the FP8 of
     x is then a no-op)."""
-    from dsflash_compile.custom_ops.routed_experts_triton import routed_experts_triton
+    from dsflash_compile.custom_ops.routed_experts_triton import by_expert_grid, routed_experts_triton
 
+    kernel = {}  # each case's output, on the grid by_expert_grid picks
     for name, case in CASES.items():
         args = op_args(*case)
-        got = routed_experts_triton(*args)
+        got = kernel[name] = routed_experts_triton(*args)
         want = routed_experts_reference(*args)
         report(dict(name=name, same=torch.equal(got, want), err=((got - want).abs().max() / want.abs().max()).item()))
-    x, weights, ids, w1, w3, w2, limit, _, quantize_h, shared = op_args(*CASES["random_data"])
-    got = routed_experts_triton(x, weights, ids, w1, w3, w2, limit, True, quantize_h, shared)
+    x, weights, ids, w1, w3, w2, limit, quantize_x, quantize_h, shared = op_args(*CASES["random_data"])
+    got = kernel["random_data"]  # x quantized in the kernel
+    assert quantize_x
     before = routed_experts_triton(fp8_qdq(x), weights, ids, w1, w3, w2, limit, False, quantize_h, shared)
     full = op_args(*CASES["random_data"][:8], False, False)
     slot = routed_experts_triton(*full)
     report(dict(name="x_quantized_in_the_kernel", same=torch.equal(got, before)))
     report(dict(name="shared_folded_or_a_slot", same=torch.equal(got, slot)))
-    # the programs' rows by expert or by pair (by_expert_grid picks by expert above 16 tokens): the same bits,
-    # also with pairs of ids -1
-    same = [torch.equal(routed_experts_triton(*op_args(*CASES[name]), by_expert=True),
-                        routed_experts_triton(*op_args(*CASES[name]), by_expert=False))
-            for name in ("random_data", "elsewhere_pairs", "most_tokens")]
+    # the programs' rows by expert or by pair (by_expert_grid picks by expert above 16 tokens): the other grid
+    # gives the same bits, also with pairs of ids -1
+    same = []
+    for name in ("random_data", "elsewhere_pairs", "most_tokens"):
+        args = op_args(*CASES[name])
+        slots = args[2].shape[1] + (args[-1] >= 0)
+        picked = by_expert_grid(args[0].shape[0], args[3].shape[0], slots)
+        same.append(torch.equal(routed_experts_triton(*args, by_expert=not picked), kernel[name]))
+    assert len({by_expert_grid(40, 9, 3), by_expert_grid(3, 9, 4)}) == 2  # both grids are exercised
     report(dict(name="by_expert_or_by_pair", same=all(same)))
 
 
