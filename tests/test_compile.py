@@ -5,8 +5,6 @@ Most tests use the "eager" backend (Dynamo capture with fullgraph, no code gener
 graphs and guards in seconds; one test runs Inductor with our passes on the tiny model.
 """
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 from graph_caches import graph_caches_off
@@ -43,13 +41,19 @@ def prompts(batch, length, seed=1):
     return torch.randint(3, 500, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-@contextmanager
-def counted_cpu_calls(op: str, reference):
-    """Within the block dsflash::`op` runs `reference` on CPU tensors; yields the list its calls append to."""
+@torch.no_grad()
+def compiled_with_op_counted(op: str, reference, **options):
+    """The tiny model on a 2 x 12 prompt, eager and through compile(**options) (eager backend) with dsflash::`op`
+    running `reference` on the CPU, counted: (model, eager logits, compiled logits, the op's calls)."""
+    model = tiny_model()
+    ids = prompts(2, 12)
+    want = model(ids).logits
+    dsflash_compile.compile(model, max_batch=2, max_length=32, backend="eager", **options)
     calls = []
     with torch.library._scoped_library("dsflash", "IMPL") as lib:
         lib.impl(op, lambda *args: (calls.append(1), reference(*args))[-1], "CPU")
-        yield calls
+        got = model(ids, cache=model.compiled_runner.fresh_cache(2, 32)).logits
+    return model, want, got, calls
 
 
 def distinct_roles(model, layers=None) -> int:

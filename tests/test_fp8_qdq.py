@@ -8,7 +8,7 @@ import pytest
 import torch
 from hopper import check_compiles_for_hopper
 from interp import report, requires_interpreter, run_interpreted
-from test_compile import counted_cpu_calls, fresh_dynamo, prompts, tiny_model  # noqa: F401  (fresh_dynamo: a fixture)
+from test_compile import compiled_with_op_counted, fresh_dynamo  # noqa: F401  (fresh_dynamo: a fixture)
 
 import dsflash_compile
 from dsflash_compile.layers import QuantLinear
@@ -73,14 +73,9 @@ def test_kernel_compiles_for_hopper_without_spills():
 
 @torch.no_grad()
 def test_the_model_takes_the_op_where_compile_says(fresh_dynamo):
-    model = tiny_model()
-    ids = prompts(2, 12)
-    want = model(ids).logits
-    dsflash_compile.compile(model, max_batch=2, max_length=32, backend="eager")
+    model, want, got, calls = compiled_with_op_counted("fp8_qdq", fp8_qdq)
     linears = [m for m in model.modules() if type(m) is QuantLinear and m.quantize_input]
     assert linears and all(m.qdq_op_rows == 64 for m in linears)
-    with counted_cpu_calls("fp8_qdq", fp8_qdq) as calls:
-        got = model(ids, cache=model.compiled_runner.fresh_cache(2, 32)).logits
     assert calls and torch.equal(got, want)
     dsflash_compile.compile(model, max_batch=2, max_length=32, backend="eager", qdq_op_rows=0)
     assert not any(m.qdq_op_rows for m in linears)

@@ -137,17 +137,18 @@ def interpreter_checks():
     for name, lead, dim, launch in cases:
         out, streams, post, comb, pre_lagged, *params = seam_args(lead, dim=dim)
         got = mhc_seam_triton(out, streams, post, comb, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS, **launch)
-        again = got if launch.get("rows") else mhc_seam_triton(out, streams, post, comb, pre_lagged, *params,
-                                                                NORM_EPS, HC_EPS, ITERS, **launch)
         want_new = seam_reference(out, streams, post, comb, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)[0]
         want = entry_seam_reference(got[0], pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)
         entry = mhc_seam_triton(None, streams, None, None, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS, **launch)
         want_entry = entry_seam_reference(streams, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)
-        report(dict(name=name, repeatable=all(torch.equal(a, b) for a, b in zip(got, again)),
-                    streams_ulps=bf16_ulps(got[0], want_new), normed_ulps=bf16_ulps(got[1], want[0]),
-                    mixes_err=max((g - w).abs().max().item() for g, w in zip(got[2:], want[1:])),
-                    entry_normed_ulps=bf16_ulps(entry[0], want_entry[0]),
-                    entry_mixes_err=max((g - w).abs().max().item() for g, w in zip(entry[1:], want_entry[1:]))))
+        result = dict(name=name, streams_ulps=bf16_ulps(got[0], want_new), normed_ulps=bf16_ulps(got[1], want[0]),
+                      mixes_err=max((g - w).abs().max().item() for g, w in zip(got[2:], want[1:])),
+                      entry_normed_ulps=bf16_ulps(entry[0], want_entry[0]),
+                      entry_mixes_err=max((g - w).abs().max().item() for g, w in zip(entry[1:], want_entry[1:])))
+        if not launch.get("rows"):  # the one-launch kernel again: its counters were reset
+            again = mhc_seam_triton(out, streams, post, comb, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS, **launch)
+            result["repeatable"] = all(torch.equal(a, b) for a, b in zip(got, again))
+        report(result)
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +162,7 @@ def test_seam_kernel_matches_reference(interpreted, name):
     """bf16 outputs within 3 ulps (the interpreter truncates where the GPU rounds, twice on the way to the
     normed output; sums run in another order), fp32 mixes within 2e-6."""
     r = interpreted[name]
-    assert r["repeatable"], r
+    assert name in ROWS_CASES or r["repeatable"], r  # a second one-launch run (the rows kernels keep no state)
     assert max(r["streams_ulps"], r["normed_ulps"], r["entry_normed_ulps"]) <= 3, r
     assert max(r["mixes_err"], r["entry_mixes_err"]) <= 2e-6, r
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hopper import check_compiles_for_hopper
 from interp import report, requires_interpreter, run_interpreted
-from test_compile import counted_cpu_calls, fresh_dynamo, prompts, tiny_model  # noqa: F401  (fresh_dynamo: a fixture)
+from test_compile import compiled_with_op_counted, fresh_dynamo  # noqa: F401  (fresh_dynamo: a fixture)
 from test_mhc_fusion import bf16_ulps
 from torch._inductor.utils import run_and_get_code
 
@@ -111,13 +111,8 @@ def test_compiled_after_a_projection_it_rotates_that_buffer_in_place():
 
 @torch.no_grad()
 def test_the_model_takes_the_op_where_compile_says(fresh_dynamo):
-    model = tiny_model()
-    ids = prompts(2, 12)
-    want = model(ids).logits
-    dsflash_compile.compile(model, max_batch=2, max_length=32, backend="eager")
+    model, want, got, calls = compiled_with_op_counted("rope_", rope_reference_)
     assert all(layer.attn.rope_op for layer in model.model.layers)
-    with counted_cpu_calls("rope_", rope_reference_) as calls:
-        got = model(ids, cache=model.compiled_runner.fresh_cache(2, 32)).logits
     assert calls and torch.equal(got, want)
     dsflash_compile.compile(model, max_batch=2, max_length=32, backend="eager", q_rope_op=False)
     assert not any(layer.attn.rope_op for layer in model.model.layers)
