@@ -14,3 +14,4 @@ from . import expert_order  # noqa: F401  (registration side effects: the sorted
 from . import grouped_swiglu  # noqa: F401  (registration side effects: the sorted MoE path's gate/up/SwiGLU)
 from . import rope_tail  # noqa: F401  (registration side effects: RoPE of the query heads in place)
 from . import fp8_qdq  # noqa: F401  (registration side effects: the activations' FP8 before cuBLAS projections)
+from . import rope_fp4_qdq  # noqa: F401  (registration side effects: the indexer query's RoPE and FP4 in place)

@@ -254,6 +254,21 @@ if triton is not None:  # defined only with triton (its annotations need tl)
     _FP4_INV = tl.constexpr(_FP4_MAX_INV)
 
     @triton.jit
+    def _mxfp4_scale_byte(amax):
+        """UE8M0 scale byte (int32) of groups with these fp32 amax values:
+        quant.pow2_ceil_scale(max(amax, 6 * 2^-126), 1/6), the exponent field of the fp32 product, +1 if inexact."""
+        pb = (tl.maximum(amax, _MXFP4_FLOOR) * _FP4_INV).to(tl.int32, bitcast=True)
+        return ((pb >> 23) & 0xFF) + ((pb & 0x7FFFFF) != 0).to(tl.int32)
+
+    @triton.jit
+    def _e2m1_magnitude(a):
+        """|x| / scale (fp32, >= 0) -> the E2M1 magnitude index (int32, 0-7) by comparisons, round half to even
+        (ties 0.25, 1.25, 2.5, 5 go down, 0.75, 1.75, 3.5 up), saturating at 6."""
+        return ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+                + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+                + (a > 5.0).to(tl.int32))
+
+    @triton.jit
     def _record_write_kernel(cache_ptr, rows_ptr, slots_ptr, S, N,
                              c_sb, c_sn, c_sd, r_sb, r_ss, r_sd, s_sb, s_ss,
                              DIM: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
@@ -316,15 +331,9 @@ if triton is not None:  # defined only with triton (its annotations need tl)
                     scale = tl.where(is_sub, sub.to(tl.float32) * 0.001953125, (rn << 20).to(tl.float32, bitcast=True))
                     a = tl.math.div_rn(ax, scale[:, None])  # correctly rounded, as torch's division
                 else:
-                    # scale = pow2_ceil_scale(max(amax, 6 * 2^-126), 1/6)
-                    pb = (tl.maximum(amax, _MXFP4_FLOOR) * _FP4_INV).to(tl.int32, bitcast=True)
-                    sbyte = ((pb >> 23) & 0xFF) + ((pb & 0x7FFFFF) != 0).to(tl.int32)
-                    a = ax * ((254 - sbyte) << 23).to(tl.float32, bitcast=True)[:, None]
-                # E2M1 magnitude index by comparisons, round half to even (ties 0.25, 1.25, 2.5, 5 go down,
-                # 0.75, 1.75, 3.5 up), saturating at 6; bit 3 = sign
-                code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-                        + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-                        + (a > 5.0).to(tl.int32)) | tl.where(sign, 8, 0)
+                    sbyte = _mxfp4_scale_byte(amax)
+                    a = ax * ((254 - sbyte) << 23).to(tl.float32, bitcast=True)[:, None]  # exactly |x| / scale
+                code = _e2m1_magnitude(a) | tl.where(sign, 8, 0)  # bit 3 = sign
                 even, odd = tl.split(tl.reshape(code, (NGP, G // 2, 2)))
                 k = tl.arange(0, G // 2)
                 tl.store(dst + (gi[:, None] * (G // 2) + k[None, :]) * c_sd, (even | (odd << 4)).to(tl.uint8),

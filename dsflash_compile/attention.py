@@ -87,20 +87,33 @@ class Indexer(nn.Module):
         if role.is_kv_source:
             self.wk = Linear(config.head_dim, self.head_dim)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        # the query's RoPE and FP4 as dsflash::rope_fp4_qdq_, the keys' RoPE as dsflash::rope_, in place on fresh
+        # buffers (compile() sets it)
+        self.rope_op = False
 
-    def keys(self, latent: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-        """Index keys of new compressed rows (from the unrotated latent)."""
-        k = apply_rope(self.k_norm(self.wk(latent)), rot)
-        return fp4_qdq_ue8m0(k) if self.quantize else k
+    def _rope(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        if self.rope_op:
+            ops.rope_(x, rot)
+            return x
+        return apply_rope(x, rot)
+
+    def keys(self, latent: torch.Tensor, rot: torch.Tensor, record_format: str) -> torch.Tensor:
+        """Index keys of new compressed rows (from the unrotated latent), as `record_format` records store them.
+        The FP4 QDQ is skipped where the "mxfp4" record's encoding is that QDQ itself (records.py)."""
+        k = self._rope(self.k_norm(self.wk(latent)), rot)
+        return fp4_qdq_ue8m0(k) if self.quantize and record_format != "mxfp4" else k
 
     def forward(self, x, qr, ctx: ForwardContext, keys: torch.Tensor) -> torch.Tensor:
         batch, seq = ctx.positions.shape
         ratio, num_rows = self.role.ratio, ctx.num_rows(self.role.ratio)
         if num_rows == 0:
             return torch.full((batch, seq, 0), -1, dtype=torch.int32, device=x.device)
-        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), ctx.rotations["compressed"])
-        if self.quantize:
-            q = fp4_qdq_ue8m0(q)
+        q = self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim))
+        if self.rope_op and self.quantize:
+            ops.rope_fp4_qdq_(q, ctx.rotations["compressed"])
+        else:
+            q = self._rope(q, ctx.rotations["compressed"])
+            q = fp4_qdq_ue8m0(q) if self.quantize else q
         weights = self.weights_proj(x) * (self.head_dim ** -0.5 * self.heads ** -0.5)
         visible, fmt, k = ctx.visible(ratio), ctx.cache.index_format, min(self.topk, num_rows)
         keys = keys[:batch, :num_rows]
@@ -226,9 +239,10 @@ class Attention(nn.Module):
             row_ids = torch.where(row_ids < (ctx.write_floor // ratio).unsqueeze(1), -1, row_ids)
         rot = rotation(row_ids.clamp_min(0) * ratio, ctx.inv_freq["compressed"])
         if self.indexer is not None:
-            ops.record_write_(state.index_keys, self.indexer.keys(latent, rot), row_ids, cache.index_format)
+            keys = self.indexer.keys(latent, rot, cache.index_format)
+            ops.record_write_(state.index_keys, keys, row_ids, cache.index_format)
         latent = apply_rope(latent, rot)
-        if self.quantize:
+        if self.quantize and cache.compressed_format != "nvfp4":  # an nvfp4 record's encoding is this QDQ
             latent = fp4_qdq_e4m3(latent)
         ops.record_write_(state.compressed, latent, row_ids, cache.compressed_format)
         return row_ids >= 0

@@ -106,6 +106,11 @@ class CompileOptions:
     # 2026-12-02-r.json). The op's bits equal Inductor's RoPE there, yet the two compiles' logits differ (B64 3.98
     # apart, same top token in 67% of rows; B1 0.08): from their other kernels, not yet pinned (the session note)
     q_rope_op: bool = True
+    # issue 5: the indexer's query RoPE + FP4 QDQ as dsflash::rope_fp4_qdq_ and its keys' RoPE as dsflash::rope_, in
+    # place: compiled functionally they were one Inductor persistent reduction whose launch the runtime autotuner
+    # picks anew each compile, some picks serial (H200 traces, 12-02 s: the query 24 us at B1 in one compile, 6.2 in
+    # another, 20.7 at B64, in each of the 9 index layers)
+    index_rope_op: bool = True
     # (H200, 12-02 r: the w2 GEMM with each token's ordered sum in one launch, dsflash::grouped_token_sum, was
     # 18.21 ms a B64 step against 18.03 with Inductor's two kernels after the GEMM; dropped)
     # issue 5: bf16 weights: the shared expert as one more slice of the routed stacks (every token's last pair,
@@ -277,6 +282,8 @@ class CompiledRunner:
             layer.ffn.swiglu_op = options.moe_swiglu_op
             layer.attn.fuse_input_projections(options.fuse_input_projections)
             layer.attn.rope_op = options.q_rope_op
+            if layer.attn.indexer is not None:
+                layer.attn.indexer.rope_op = options.index_rope_op
         for module in model.modules():  # after the fusion above, whose projections are new modules
             if type(module) is QuantLinear and module.weight.dtype == torch.bfloat16:
                 module.few_rows = options.linear_few_rows

@@ -48,6 +48,7 @@ VARIANTS = {
     "inductor-rope": {"q_rope_op": False},  # q's RoPE in Inductor's kernel over all of q's columns (before 12-02 r)
     "inductor-swiglu": {"moe_swiglu_op": False},  # the sorted path's gate/up as two GEMMs + Inductor (before 12-02 q)
     "inductor-order": {"moe_order_op": False},  # the sorted path's counting orders in Inductor (before 12-02 q)
+    "inductor-index-rope": {"index_rope_op": False},  # the indexer's query RoPE + FP4 in Inductor (before 12-02 t)
     "inductor-qdq": {"qdq_op_rows": 0},  # the projections' input FP8 in Inductor's kernels (before 12-02 s)
     "cublas-linear": {"linear_few_rows": 0},  # decode's bf16 projections on cuBLAS (before dsflash::bf16_linear)
     "one-graph": {"decode_graph_pieces": 1},  # the decode step as one CUDA graph (before piecewise_graph.py)
