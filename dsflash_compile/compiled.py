@@ -99,6 +99,11 @@ class CompileOptions:
     # pairs, static shapes), where Inductor ran a gather, two grouped GEMMs and an epilogue kernel (H200 B64 trace,
     # 12-02 p: 2.8 + 58 + 58 + 4.9-8.8 us a layer)
     moe_swiglu_op: bool = True
+    # issue 5: the sorted path's per-token sum of the down GEMM's rows (gather, ordered fp32 sum, cast) as
+    # dsflash::token_sum (one launch), where Inductor ran two kernels (H200 B64 trace, 12-02 s: 4.4 + 5.2 us a layer,
+    # the second fused with the block's closing hc_post, which now runs alone). Same bits. H200, flash-40l-e8 bf16,
+    # B64 decode side by side (12-02 t): 16.75 ms against 16.79
+    moe_token_sum_op: bool = True
     # issue 5: the query heads' RoPE as dsflash::rope_, in place on wq_b's output: written functionally (a cat or
     # a slice_scatter) Inductor's kernel reads and writes all of q's columns, 64 of 512 of which rotate (H200 B64
     # trace, 12-02 q/r: 6.7-6.8 us a layer; the op 1.6, 1.2 at B1 as Inductor's). H200 side by side (12-02 r): B64
@@ -280,6 +285,7 @@ class CompiledRunner:
             layer.ffn.count_order = options.moe_count_order
             layer.ffn.order_op = options.moe_order_op
             layer.ffn.swiglu_op = options.moe_swiglu_op
+            layer.ffn.token_sum_op = options.moe_token_sum_op
             layer.attn.fuse_input_projections(options.fuse_input_projections)
             layer.attn.rope_op = options.q_rope_op
             if layer.attn.indexer is not None:

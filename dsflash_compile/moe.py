@@ -30,6 +30,7 @@ from torch import nn
 from .configuration_deepseek_v41 import DeepseekV41TextConfig
 from .custom_ops import expert_order
 from .custom_ops.routed_experts import with_shared_expert
+from .custom_ops.token_sum import token_sum_reference
 from .layers import hold, quant_linear, same_storage
 from .quant import fp8_qdq
 
@@ -103,6 +104,7 @@ class MoE(nn.Module):
         self.order_op = False  # with count_order: dsflash::expert_order where its kernel fits (compile() sets it)
         self.few_tokens = 0  # bf16 grouped: up to this many tokens run dsflash::routed_experts (compile() sets it)
         self.swiglu_op = False  # up to few_rows pairs: dsflash::grouped_swiglu (see _fused_swiglu; compile() sets it)
+        self.token_sum_op = False  # the sorted path's per-token sum as dsflash::token_sum (compile() sets it)
         if self.native:
             self.stack_experts()
 
@@ -110,7 +112,7 @@ class MoE(nn.Module):
         shape, x = x.shape, x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(x)
         if self.grouped and self.shared_stacked:  # the shared expert: one more pair per token (id E, weight 1)
-            y = self._routed_grouped(x, weights, ids, shared=True)
+            y = self._routed_grouped(x, weights, ids, shared=True, dtype=x.dtype)
         else:
             y = self.routed_and_shared(x, weights, ids)
         return y.to(x.dtype).view(shape)
@@ -232,17 +234,17 @@ class MoE(nn.Module):
         place = ((other < mine) | ((other == mine) & (slots < slots.unsqueeze(1)))).sum(2)
         return torch.empty_like(place).scatter_(1, place, slots.expand_as(place))  # int64 like argsort's
 
-    def _routed_grouped(self, x, weights, ids, elsewhere: bool = False, shared: bool = False) -> torch.Tensor:
-        """The routed experts as grouped GEMMs over (token, slot) pairs sorted by expert. elsewhere: ids may be
-        -1 (a pair another rank's experts take: ParallelMoE); such a pair sorts after every expert's pairs,
-        past the last offset, so no GEMM computes it (shapes stay static), and it adds zero. shared: the stacked
-        shared expert is one more pair per token (id E, weight 1). Up to few_tokens tokens,
+    def _routed_grouped(self, x, weights, ids, shared: bool = False, dtype=torch.float32) -> torch.Tensor:
+        """The routed experts as grouped GEMMs over (token, slot) pairs sorted by expert, summed per token in
+        `dtype`. ids may be -1 (a pair another rank's experts take: ParallelMoE); such a pair sorts after every
+        expert's pairs, past the last offset, so no GEMM computes it (shapes stay static), and it adds zero.
+        shared: the stacked shared expert is one more pair per token (id E, weight 1). Up to few_tokens tokens,
         dsflash::routed_experts instead (no sort; it skips ids -1, adds the shared pair and quantizes x itself)."""
         first = self.experts[0]
         if not self.native and ids.shape[0] <= self.few_tokens:  # no sort: two launches on CUDA
             return torch.ops.dsflash.routed_experts(
                 x, weights, ids, self.w1_weight_stacked, self.w3_weight_stacked, self.w2_weight_stacked, first.limit,
-                first.w1.quantize_input, first.w2.quantize_input, len(self.experts) if shared else -1)
+                first.w1.quantize_input, first.w2.quantize_input, len(self.experts) if shared else -1).to(dtype)
         if shared:
             weights, ids = with_shared_expert(weights, ids, len(self.experts))
         tokens, k = ids.shape
@@ -270,11 +272,6 @@ class MoE(nn.Module):
             h = (weights.flatten()[order].unsqueeze(1) * (F.silu(gate) * up)).to(x.dtype)
             h = fp8_qdq(h) if first.w2.quantize_input else h
         out = self._grouped_mm(h, "w2", offsets)
-        # Back to each token's slots in ascending expert id, summed one by one (the loop's order).
-        picked = out[rank[ascending + k * torch.arange(tokens, device=x.device).unsqueeze(1)]]  # [tokens, k, D]
-        if elsewhere:  # rows past the last offset are undefined for torch._grouped_mm
-            picked = torch.where(here.view(tokens, k).gather(1, ascending).unsqueeze(-1), picked, 0.0)
-        y = picked[:, 0].float()
-        for j in range(1, k):
-            y = y + picked[:, j].float()
-        return y
+        # back to each token's slots in ascending expert id, summed one by one (the loop's order)
+        token_sum = torch.ops.dsflash.token_sum if self.token_sum_op else token_sum_reference
+        return token_sum(out, rank, ascending, offsets, dtype)

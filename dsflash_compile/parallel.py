@@ -293,5 +293,5 @@ class ParallelMoE(MoE):
         local = ids - self.first_expert
         mine = (local >= 0) & (local < len(self.experts))
         if self.grouped:  # static shapes: other ranks' pairs sort past the last offset, computed by no GEMM
-            return self._routed_grouped(x, weights, torch.where(mine, local, -1), True)
+            return self._routed_grouped(x, weights, torch.where(mine, local, -1))
         return self._routed_loop(x, weights, torch.where(mine, local, -1))

@@ -47,6 +47,7 @@ VARIANTS = {
     "routed-moe": {"moe_few_tokens": 64},  # dsflash::routed_experts at every decode batch (by expert above 16)
     "inductor-rope": {"q_rope_op": False},  # q's RoPE in Inductor's kernel over all of q's columns (before 12-02 r)
     "inductor-swiglu": {"moe_swiglu_op": False},  # the sorted path's gate/up as two GEMMs + Inductor (before 12-02 q)
+    "inductor-token-sum": {"moe_token_sum_op": False},  # the sorted path's per-token sum in Inductor (before 12-02 t)
     "inductor-order": {"moe_order_op": False},  # the sorted path's counting orders in Inductor (before 12-02 q)
     "inductor-index-rope": {"index_rope_op": False},  # the indexer's query RoPE + FP4 in Inductor (before 12-02 t)
     "inductor-qdq": {"qdq_op_rows": 0},  # the projections' input FP8 in Inductor's kernels (before 12-02 s)

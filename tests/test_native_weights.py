@@ -268,7 +268,7 @@ def test_grouped_moe_computes_no_pair_marked_elsewhere(few_rows, monkeypatch):
         return grouped(xs, name, offsets)
     monkeypatch.setattr(moe, "_grouped_mm", counting)
     calls = count_grouped_mm(monkeypatch)
-    assert torch.equal(moe._routed_grouped(x, weights, ids, elsewhere=True), want)
+    assert torch.equal(moe._routed_grouped(x, weights, ids), want)
     assert rows == [int((ids >= 0).sum())] * 3
     assert len(calls) == (3 if few_rows else 0)  # dsflash::grouped_mm or torch._grouped_mm
 
