@@ -162,9 +162,11 @@ def profile_summary(step, trace_path: str | None = None, top: int = 0) -> dict:
     return result
 
 
-def weight_family(name: str) -> str:
-    """The kernel family (scripts/trace_summary.py's names) that reads checkpoint tensor `name` at decode."""
-    if ".ffn.experts." in name:
+def weight_family(name: str, shared_in_moe: bool = False) -> str:
+    """The kernel family (scripts/trace_summary.py's names) that reads checkpoint tensor `name` at decode.
+    shared_in_moe: the shared expert runs in the routed experts' kernels (compile() stacks a bf16 MoE's:
+    CompileOptions.moe_shared_stacked), else in the dense projections'."""
+    if ".ffn.experts." in name or (shared_in_moe and ".ffn.shared_experts." in name):
         return "moe"
     if ".ffn.gate." in name:
         return "router"
@@ -175,12 +177,12 @@ def weight_family(name: str) -> str:
     return "gemm"  # the dense projections (shared experts, head, compressor, indexer, Engram included)
 
 
-def decode_traffic(model, batch: int, context: int) -> dict:
+def decode_traffic(model, batch: int, context: int, shared_in_moe: bool = False) -> dict:
     """Bytes that must move in one decode step of `batch` rows at `context` tokens, by kernel family, and the
     step's FLOPs. Weights once, as held (bf16, or FP8/MXFP4 bytes + scales with native weights): everything
     but the embedding and Engram tables (one row each per token) and the routed experts no token picked.
     Caches once: each layer's window + top-k compressed rows (attention) and the index keys its indexer
-    scores (indexer). The model may live on the meta device."""
+    scores (indexer). shared_in_moe: as weight_family's. The model may live on the meta device."""
     from .custom_ops import records
 
     text = model.model.text_config
@@ -198,7 +200,7 @@ def decode_traffic(model, batch: int, context: int) -> dict:
             flops += 2 * batch * text.num_experts_per_tok / text.n_routed_experts * values
         else:
             flops += 2 * batch * values
-        families[weight_family(name)] += size
+        families[weight_family(name, shared_in_moe)] += size
     rec = {"window": records.record_bytes("fp8", text.head_dim),
            "compressed": records.record_bytes("nvfp4", text.head_dim),
            "index": records.record_bytes("mxfp4", text.index_head_dim)}

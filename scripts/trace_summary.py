@@ -5,8 +5,11 @@
 
 Reads a Chrome trace (json or json.gz, as torch.profiler writes; compile_and_profile.py's decode-trace-*)
 holding one step. Prints per family (moe, gemm, mhc, router, attention, indexer, topk, inductor, aten,
-memcpy, ...): device time, launches, time per launch, and with --preset the family's floor (bytes it must
-read, benchmarking.decode_traffic, over --bandwidth); then the stream's busy and idle time (idle between
+memcpy, ...): device time, launches, time per launch, its share of the step's span (path: each kernel's end
+minus the latest end before it, in order of ends; with programmatic dependent launch a kernel starts early and
+waits, so its duration includes the kernel before it and durations overlap, while the path adds up to the span)
+and with --preset the family's floor (bytes it must read, benchmarking.decode_traffic, over --bandwidth)
+against both; then the stream's busy and idle time (idle between
 the step's first and last kernel: launch gaps inside a CUDA graph, or host waits when the step is not
 one graph), the largest gaps, whether the step was a CUDA-graph replay (cudaGraphLaunch), and the
 slowest launch configurations (kernel + grid) of each family, which tell the GEMM shapes apart.
@@ -60,15 +63,27 @@ def device_events(events: list[dict]) -> list[dict]:
                   key=lambda e: e["ts"])
 
 
+def path_shares(device: list[dict]) -> list[float]:
+    """Each event's share of the span (in device's order): its end minus the latest end of the events that end
+    before it (0 if none ends later than that), the first one's from the first start. They add up to the span."""
+    shares = [0.0] * len(device)
+    latest = min((e["ts"] for e in device), default=0.0)
+    for i in sorted(range(len(device)), key=lambda i: device[i]["ts"] + device[i]["dur"]):
+        end = device[i]["ts"] + device[i]["dur"]
+        shares[i], latest = max(0.0, end - latest), max(latest, end)
+    return shares
+
+
 def summarize(events: list[dict], floor_bytes: dict | None = None, bandwidth: float = H200_COPY_BANDWIDTH) -> dict:
     """The step's device work by family and its idle time; floor_bytes: family -> bytes it must move."""
     device = device_events(events)
     families: dict[str, dict] = {}
     configs: dict[tuple, dict] = {}
-    for e in device:
+    for e, share in zip(device, path_shares(device)):
         fam = family(e["name"], e["cat"])
-        row = families.setdefault(fam, {"family": fam, "us": 0.0, "launches": 0})
+        row = families.setdefault(fam, {"family": fam, "us": 0.0, "path_us": 0.0, "launches": 0})
         row["us"] += e["dur"]
+        row["path_us"] += share
         row["launches"] += 1
         key = (fam, e["name"][:90], str(e.get("args", {}).get("grid")))
         config = configs.setdefault(key, {"family": fam, "name": key[1], "grid": key[2], "us": 0.0, "launches": 0})
@@ -81,6 +96,7 @@ def summarize(events: list[dict], floor_bytes: dict | None = None, bandwidth: fl
         if floor_bytes and floor_bytes.get(row["family"]):
             row["floor_us"] = floor_bytes[row["family"]] / bandwidth * 1e6
             row["vs_floor"] = row["us"] / row["floor_us"]
+            row["path_vs_floor"] = row["path_us"] / row["floor_us"]
     gaps, end = [], None
     for e in device:
         if end is not None and e["ts"] > end:
@@ -125,17 +141,20 @@ def model_floor_bytes(preset: str, batch: int, context: int, weights: str) -> di
 
     with torch.device("meta"):
         model = DeepseekV41ForCausalLM(preset_config(preset, weights=weights))
-    return decode_traffic(model, batch, context)["bytes"]
+    # compile() runs a bf16 MoE's shared expert in the routed kernels (CompileOptions.moe_shared_stacked)
+    return decode_traffic(model, batch, context, shared_in_moe=weights == "bf16")["bytes"]
 
 
 def print_summary(summary: dict, configs: int = 4) -> None:
     from dsflash_compile.benchmarking import print_table
 
     print_table(summary["families"] + [{"family": "total", "us": summary["busy_us"], "launches": summary["kernels"],
+                                        "path_us": sum(row["path_us"] for row in summary["families"]),
                                         "floor_us": sum(row.get("floor_us", 0) for row in summary["families"])}],
                 [("family", "family", ""), ("us", "us", ".1f"), ("launches", "launches", "d"),
-                 ("us/launch", "us_per_launch", ".2f"), ("share", "share", ".1%"), ("floor us", "floor_us", ".1f"),
-                 ("x floor", "vs_floor", ".2f")])
+                 ("us/launch", "us_per_launch", ".2f"), ("share", "share", ".1%"), ("path us", "path_us", ".1f"),
+                 ("floor us", "floor_us", ".1f"), ("x floor", "vs_floor", ".2f"),
+                 ("path x floor", "path_vs_floor", ".2f")])
     print(f"\n{summary['kernels']} kernels, busy {summary['busy_us']:.0f} us over a span of "
           f"{summary['span_us']:.0f} us: "
           f"idle {summary['idle_us']:.0f} us ({summary['launch_gap_us']:.0f} us in gaps < {HOST_GAP_US:.0f} us, "

@@ -4,8 +4,11 @@ import gzip
 import json
 
 import pytest
-
+import torch
 from script_module import load_script
+
+from dsflash_compile import DeepseekV41ForCausalLM, preset_config
+from dsflash_compile.benchmarking import decode_traffic
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +70,31 @@ def test_layer_kernels_lists_one_layer_in_order(trace_summary):
     assert [r["name"] for r in trace_summary.layer_kernels(events, index=1)] == ["_router_kernel", "_up_kernel"]
     with pytest.raises(ValueError, match="3 launches of _router_kernel; layer 2 needs 4"):
         trace_summary.layer_kernels(events, index=2)
+
+
+def test_path_shares_add_up_to_the_span_when_kernels_overlap(trace_summary):
+    """Programmatic dependent launch: a kernel starts while the one before it runs and waits, so durations overlap.
+    Each kernel's path share is its end minus the latest end before it; a kernel ending inside another adds 0."""
+    events = [kernel("_seam_kernel", 0, 8), kernel("_bf16_linear_kernel", 2, 20),  # started early, waited 6 us
+              kernel("triton_poi_fused_add_0", 5, 3), kernel("_router_kernel", 22, 5)]  # ends inside the GEMV
+    device = trace_summary.device_events(events)
+    assert trace_summary.path_shares(device) == [8, 14, 0, 5]
+    summary = trace_summary.summarize(events, floor_bytes={"gemm": 4.17e7}, bandwidth=4.17e12)
+    rows = {row["family"]: row for row in summary["families"]}
+    assert {f: (r["us"], r["path_us"]) for f, r in rows.items()} == {
+        "gemm": (20, 14), "mhc": (8, 8), "router": (5, 5), "inductor": (3, 0)}
+    assert sum(r["path_us"] for r in rows.values()) == summary["span_us"] == 27
+    assert rows["gemm"]["vs_floor"] == pytest.approx(2) and rows["gemm"]["path_vs_floor"] == pytest.approx(1.4)
+
+
+
+def test_floor_bytes_put_the_stacked_shared_expert_with_the_moe(trace_summary):
+    """bf16 weights: compile() stacks the shared expert into the routed kernels, so trace_summary counts its bytes
+    as moe, not gemm; the total stays the same."""
+    with torch.device("meta"):
+        model = DeepseekV41ForCausalLM(preset_config("tiny", weights="bf16"))
+    apart = decode_traffic(model, 1, 64)["bytes"]
+    stacked = trace_summary.model_floor_bytes("tiny", 1, 64, "bf16")
+    shared = sum(t.numel() * t.element_size() for name, t in model.state_dict().items() if ".ffn.shared_experts." in name)
+    assert shared and stacked["moe"] == apart["moe"] + shared and stacked["gemm"] == apart["gemm"] - shared
+    assert sum(stacked.values()) == sum(apart.values())
