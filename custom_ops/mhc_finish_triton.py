@@ -99,10 +99,11 @@ def _sinkhorn4(logits, hc_eps, iters):
     a22, a23, a32, a33 = _quad(q11)
     a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33 = _rows4(
         a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33, hc_eps, True)
-    for r in range(tl.maximum(iters, 1)):  # the reference's (iters - 1) rounds after the first column step
-        if r > 0:
-            a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33 = _rows4(
-                a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33, hc_eps, False)
+    a00, a10, a20, a30, a01, a11, a21, a31, a02, a12, a22, a32, a03, a13, a23, a33 = _rows4(  # columns
+        a00, a10, a20, a30, a01, a11, a21, a31, a02, a12, a22, a32, a03, a13, a23, a33, hc_eps, False)
+    for _ in range(iters - 1):
+        a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33 = _rows4(
+            a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33, hc_eps, False)
         a00, a10, a20, a30, a01, a11, a21, a31, a02, a12, a22, a32, a03, a13, a23, a33 = _rows4(  # columns
             a00, a10, a20, a30, a01, a11, a21, a31, a02, a12, a22, a32, a03, a13, a23, a33, hc_eps, False)
     i = tl.arange(0, 4)

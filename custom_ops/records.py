@@ -245,6 +245,7 @@ except ImportError:  # pragma: no cover - CPU machines without triton
 
 if triton is not None:  # defined only with triton (its annotations need tl)
     from .pdl import launch_options, pdl_wait
+    from .routed_experts_triton import _bf16_as_f32, _f32_to_bf16
 
     # the QDQ constants, as the fp32 values the torch reference rounds them to
     _FP8_FLOOR = tl.constexpr(_FP8_AMAX_FLOOR)
@@ -287,8 +288,7 @@ if triton is not None:  # defined only with triton (its annotations need tl)
             m = (d < DIM) & ok
             x = tl.load(src + d * r_sd, mask=m, other=0.0)
             if x.dtype != tl.bfloat16:  # RNE to bf16 on the fp32 bits (the interpreter's cast is not RNE)
-                xb = x.to(tl.float32).to(tl.int32, bitcast=True)
-                x = ((xb + 0x7FFF + ((xb >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                x = _f32_to_bf16(x.to(tl.float32))
             tl.store(dst + d * c_sd, x, mask=m)
         else:  # quantized: the row as NG groups of G values, one group per tile row
             gi = tl.arange(0, NGP)
@@ -297,7 +297,7 @@ if triton is not None:  # defined only with triton (its annotations need tl)
             m = (gi[:, None] < NG) & ok
             x = tl.load(src + off * r_sd, mask=m, other=0.0)
             if x.dtype == tl.bfloat16:  # exact upcast from the bits (the interpreter's cast mangles subnormals)
-                x = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+                x = _bf16_as_f32(x)
             else:
                 x = x.to(tl.float32)
             ax = tl.abs(x)

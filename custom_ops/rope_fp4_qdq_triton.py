@@ -4,7 +4,7 @@ of heads), about 1024 values each (the release's indexer query, 32 heads x 128: 
 A program loads its heads' rows, rotates the trailing pairs (rope_tail_triton's arithmetic: other pairs pass
 through untouched, so a -0.0 stays -0.0), rounds them to bf16, then quantize-dequantizes each group of 32 as
 quant.fp4_qdq_ue8m0 with records.py's MXFP4 scale and E2M1 rounding, and writes the rows back. Every rounding
-is integer arithmetic on the fp32 bits (bf16 in and out by shifts), which the interpreter runs as the GPU does.
+is integer arithmetic on the fp32 bits (bf16 in and out as routed_experts_triton's helpers), which the interpreter runs as the GPU does.
 """
 
 import triton
@@ -12,7 +12,7 @@ import triton.language as tl
 
 from .pdl import launch_options, pdl_wait
 from .records import _e2m1_magnitude, _mxfp4_scale_byte
-from .routed_experts_triton import _round_bf16
+from .routed_experts_triton import _bf16_as_f32, _f32_to_bf16, _round_bf16
 
 VALUES_PER_PROGRAM = 1024
 
@@ -27,8 +27,7 @@ def _rope_fp4_qdq_kernel(x_ptr, rot_ptr, H, D, HEADS: tl.constexpr, DP: tl.const
     col = tl.arange(0, DP)
     live = (h < H)[:, None] & (col < D)[None, :]
     at = x_ptr + (tok * H + h[:, None]) * D + col[None, :]
-    v = (tl.load(at, mask=live, other=0.0).to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32,
-                                                                                             bitcast=True)
+    v = _bf16_as_f32(tl.load(at, mask=live, other=0.0))
     even, odd = tl.split(tl.reshape(v, (HEADS, DP // 2, 2)))
     r = tl.arange(0, DP // 2) - (D // 2 - PAIRS)  # the rope pair of each pair of columns, if in [0, PAIRS)
     rope = (r >= 0) & (r < PAIRS)
@@ -43,10 +42,9 @@ def _rope_fp4_qdq_kernel(x_ptr, rot_ptr, H, D, HEADS: tl.constexpr, DP: tl.const
     mag = tl.where(k < 4, k.to(tl.float32) * 0.5,
                    tl.where(k == 4, 2.0, tl.where(k == 5, 3.0, tl.where(k == 6, 4.0, 6.0))))
     q = mag * (exponent << 23).to(tl.float32, bitcast=True)  # exact: at most 2 significant bits
-    # x's sign bit (-0.0 for negatives that round to 0), then the top half: exact in bf16
-    q = q.to(tl.int32, bitcast=True) | ((g.to(tl.int32, bitcast=True) >> 31) << 31)
-    out = (tl.reshape(q, (HEADS, DP)) >> 16).to(tl.int16)
-    tl.store(at, out.to(tl.bfloat16, bitcast=True), mask=live)
+    # x's sign bit (-0.0 for negatives that round to 0); the value is exact in bf16
+    q = (q.to(tl.int32, bitcast=True) | ((g.to(tl.int32, bitcast=True) >> 31) << 31)).to(tl.float32, bitcast=True)
+    tl.store(at, _f32_to_bf16(tl.reshape(q, (HEADS, DP))), mask=live)
 
 
 def rope_fp4_qdq_triton_(x, rot):

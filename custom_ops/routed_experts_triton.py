@@ -53,6 +53,18 @@ def _round_bf16(v):
 
 
 @triton.jit
+def _bf16_as_f32(v):
+    """bf16 -> fp32 from the bits (exact; the interpreter's cast turns subnormals into other values)."""
+    return (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _f32_to_bf16(v):
+    """fp32 -> bf16, to nearest (ties to even), in integer arithmetic (_round_bf16), as the GPU's cast."""
+    return (_round_bf16(v).to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _fp8_qdq_groups(v, ROWS: tl.constexpr, COLS: tl.constexpr):
     """fp32 [ROWS, COLS] -> quant.fp8_qdq's values (fp32) over groups of 32 columns."""
     g = tl.reshape(v, (ROWS, COLS // 32, 32))

@@ -68,6 +68,6 @@ if token_sum_triton is not None:
     @token_sum.register_kernel("cuda")
     def _(out, rank, ascending, offsets, dtype):
         check_inputs(out, rank, ascending, offsets)
-        if not token_sum_triton.kernel_fits(out, ascending, offsets, dtype):
+        if not token_sum_triton.kernel_fits(out, dtype):
             return token_sum_reference(out, rank, ascending, offsets, dtype)
         return token_sum_triton.token_sum_triton(out, rank, ascending, offsets, dtype)

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .pdl import launch_options, pdl_wait
-from .routed_experts_triton import _round_bf16
+from .routed_experts_triton import _bf16_as_f32, _f32_to_bf16
 
 BLOCK_D = 1024  # B64 at D = 5120: 320 programs, each reading its token's k rows of 2 KB
 
@@ -31,20 +31,15 @@ def _token_sum_kernel(out_ptr, rank_ptr, ascending_ptr, offsets_ptr, y_ptr, D, G
     for j in tl.static_range(K):
         row = tl.sum(tl.where(slot == j, rows, 0))
         v = tl.load(out_ptr + row * D + d, mask=in_d & (row < computed), other=0.0)
-        if IN_BF16:
-            v = (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        else:
-            v = v.to(tl.float32)
+        v = _bf16_as_f32(v) if IN_BF16 else v.to(tl.float32)
         if j == 0:
             y = v
         else:
             y = y + v
-    if OUT_BF16:
-        y = (_round_bf16(y).to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    tl.store(y_ptr + t * D + d, y, mask=in_d)
+    tl.store(y_ptr + t * D + d, _f32_to_bf16(y) if OUT_BF16 else y, mask=in_d)
 
 
-def kernel_fits(out, ascending, offsets, dtype) -> bool:
+def kernel_fits(out, dtype) -> bool:
     """bf16 or fp32 rows and result (else the op runs its reference)."""
     return out.dtype in (torch.bfloat16, torch.float32) and dtype in (torch.bfloat16, torch.float32)
 

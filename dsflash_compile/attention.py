@@ -22,6 +22,15 @@ from .rope import apply_rope, rotation
 ops = torch.ops.dsflash
 
 
+def rope(x: torch.Tensor, rot: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """x rotated by rot: with in_place, x itself through dsflash::rope_ (a projection's fresh output: the compiled
+    step then touches the rotated dims only), else rope.apply_rope's new tensor."""
+    if in_place:
+        ops.rope_(x, rot)
+        return x
+    return apply_rope(x, rot)
+
+
 class Compressor(nn.Module):
     """Pools `ratio` consecutive tokens into one compressed row (KV sources only).
 
@@ -91,16 +100,10 @@ class Indexer(nn.Module):
         # buffers (compile() sets it)
         self.rope_op = False
 
-    def _rope(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-        if self.rope_op:
-            ops.rope_(x, rot)
-            return x
-        return apply_rope(x, rot)
-
     def keys(self, latent: torch.Tensor, rot: torch.Tensor, record_format: str) -> torch.Tensor:
         """Index keys of new compressed rows (from the unrotated latent), as `record_format` records store them.
         The FP4 QDQ is skipped where the "mxfp4" record's encoding is that QDQ itself (records.py)."""
-        k = self._rope(self.k_norm(self.wk(latent)), rot)
+        k = rope(self.k_norm(self.wk(latent)), rot, self.rope_op)
         return fp4_qdq_ue8m0(k) if self.quantize and record_format != "mxfp4" else k
 
     def forward(self, x, qr, ctx: ForwardContext, keys: torch.Tensor) -> torch.Tensor:
@@ -112,7 +115,7 @@ class Indexer(nn.Module):
         if self.rope_op and self.quantize:
             ops.rope_fp4_qdq_(q, ctx.rotations["compressed"])
         else:
-            q = self._rope(q, ctx.rotations["compressed"])
+            q = rope(q, ctx.rotations["compressed"], self.rope_op)
             q = fp4_qdq_ue8m0(q) if self.quantize else q
         weights = self.weights_proj(x) * (self.head_dim ** -0.5 * self.heads ** -0.5)
         visible, fmt, k = ctx.visible(ratio), ctx.cache.index_format, min(self.topk, num_rows)
@@ -198,10 +201,7 @@ class Attention(nn.Module):
             x, q_a, ctx = x[:, -queries:], q_a[:, -queries:], ctx.last_columns(queries)
         qr = self.q_norm(q_a)
         q = self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim))
-        if self.rope_op:  # in place: the compiled step touches the rotated dims only
-            ops.rope_(q, ctx.rotations[role.rope_kind])
-        else:
-            q = apply_rope(q, ctx.rotations[role.rope_kind])
+        q = rope(q, ctx.rotations[role.rope_kind], self.rope_op)
         if role.ratio:
             if self.indexer is not None:
                 topk = self.indexer(x, qr, ctx, keys)
