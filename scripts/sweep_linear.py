@@ -15,20 +15,37 @@ largest output: a GEMM's summation order); then CUDA-graph times and the bandwid
 output block would round the whole row tile again, so there the rounding belongs in the kernel before it.
 
 At the first row count every variant runs; at the others the default and the `--top` fastest of the first.
+
+At one row the sweep also times bf16_linear_gemv_triton.py's kernel (one tile a program) wherever it runs (`--grid
+none`: only it, cuBLAS and the default launch).
+
+--after-seam instead times one row's projection as a decode layer runs it, right after an mHC seam (whose output
+is its input): seam -> projection over --layers layers, each with its own weight and seam `fn`, in one CUDA
+graph with PDL, for the one-row kernels (bf16_linear_gemv_triton.py's, bf16_linear_triton.py's tiled one); then
+the seams alone. Each projection's share is (pair - seam alone) per layer; the order rotates by round.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-from dsflash_compile.benchmarking import fastest, print_table, run_metadata, save_results, sweep_variant, time_graph
-from dsflash_compile.custom_ops import bf16_linear_triton as kernels
-from dsflash_compile.custom_ops.bf16_linear import bf16_linear_reference
-from dsflash_compile.layers import block_diagonal_linear
-from dsflash_compile.quant import fp8_qdq
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_mhc import HC_EPS, ITERS, NORM_EPS, make_case  # noqa: E402
+
+from dsflash_compile.benchmarking import (fastest, print_table, run_metadata, save_results,  # noqa: E402
+                                          sweep_variant, time_graph)
+from dsflash_compile.custom_ops import bf16_linear_gemv_triton as gemv  # noqa: E402
+from dsflash_compile.custom_ops import bf16_linear_triton as kernels  # noqa: E402
+from dsflash_compile.custom_ops.bf16_linear import bf16_linear_reference  # noqa: E402
+from dsflash_compile.custom_ops.mhc_triton import mhc_seam_triton  # noqa: E402
+from dsflash_compile.layers import block_diagonal_linear  # noqa: E402
+from dsflash_compile.quant import fp8_qdq  # noqa: E402
 
 # (K per group, N, groups, quantize_x), as in tests/test_bf16_linear.py
 PROJECTIONS = {"wq_a+wkv": (5120, 1792, 1, True), "wq_b": (1280, 32768, 1, True), "wo_a": (4096, 8192, 8, False),
@@ -36,7 +53,8 @@ PROJECTIONS = {"wq_a+wkv": (5120, 1792, 1, True), "wq_b": (1280, 32768, 1, True)
 ROWS = [1, 8, 16]
 # (block_n, block_k, splits as a multiple of the default's, warps, stages)
 GRIDS = {"few": list(itertools.product((32, 64, 128), (64, 128, 256), (0.5, 1, 2), (2, 4), (2, 4))),
-         "tall": list(itertools.product((32, 64, 128), (64, 128), (1, 2), (4, 8), (3, 4)))}  # 33-64 rows
+         "tall": list(itertools.product((32, 64, 128), (64, 128), (1, 2), (4, 8), (3, 4))),  # 33-64 rows
+         "none": []}
 COLUMNS = [("proj", "proj", ""), ("rows", "rows", "d"), ("block_n", "block_n", ""), ("block_k", "block_k", ""),
            ("splits", "splits", ""), ("warps", "num_warps", ""), ("stages", "num_stages", ""),
            ("us", "s", ".2f", 1e6), ("TB/s", "tbps", ".2f"), ("vs cuBLAS", "vs_cublas", ".2f"),
@@ -61,6 +79,10 @@ def sweep(name: str, rows: int, variants: list, gen: torch.Generator, prequantiz
     base = {"proj": name, "rows": rows, "prequantized": prequantized}
     measured = [{**base, "block_n": "cuBLAS", "s": cublas, "tbps": weight_bytes / cublas / 1e12, "vs_cublas": 1.0,
                  "agrees": True}]
+    if rows == 1 and gemv.takes(rows, n, k, groups, sms=None):
+        row = {**base, "block_n": "gemv"}
+        sweep_variant(row, lambda: gemv.bf16_linear_gemv(x, w, groups, quantize), agrees)
+        measured.append({**row, "tbps": weight_bytes / row["s"] / 1e12, "vs_cublas": cublas / row["s"]})
     default = kernels.launch(rows, n, k, groups, x.device)
     for variant in variants:
         if variant == "default":
@@ -84,6 +106,47 @@ def sweep(name: str, rows: int, variants: list, gen: torch.Generator, prequantiz
     return measured
 
 
+def after_seam(name: str, layers: int, rounds: int, gen: torch.Generator) -> list[dict]:
+    k, n, groups, quantize = PROJECTIONS[name]
+    if groups != 1 or k != 5120:
+        raise SystemExit(f"--after-seam: {name} does not take the seam's [1, 5120] output")
+    cases = [make_case(1, gen) for _ in range(layers)]
+    weights = [(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16() for _ in range(layers)]
+    seam_args = [(c["out"], c["streams"], c["post"], c["comb"], c["pre_lagged"], c["fn"], c["scale"], c["base"],
+                  c["norm_weight"], NORM_EPS, HC_EPS, ITERS) for c in cases]
+    projections = {
+        "gemv": lambda x, w: gemv.bf16_linear_gemv(x, w, 1, quantize),
+        "tiled": lambda x, w: kernels.bf16_linear_triton(x, w, 1, quantize),
+        "seam alone": None,
+    }
+
+    def run(projection):
+        outs = []
+        for args, w in zip(seam_args, weights):
+            normed = mhc_seam_triton(*args)[1].view(1, k)
+            outs.append(normed if projection is None else projection(normed, w))
+        return outs
+
+    want = [bf16_linear_reference(x, w, 1, quantize) for x, w in zip(run(None), weights)]
+    agrees = {label: label == "seam alone" or all(((g - r).abs().max() / r.abs().max()).item() <= 2 ** -7
+                                                  for g, r in zip(run(fn), want))
+              for label, fn in projections.items()}
+    times = {label: [] for label in projections}
+    labels = list(projections)
+    for r in range(rounds):
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            times[label].append(time_graph(lambda: run(projections[label]), calls=2, replays=20) / layers)
+    seam = statistics.median(times["seam alone"])
+    rows = [{"proj": name, "variant": label, "s": statistics.median(ts), "rounds_s": ts, "agrees": agrees[label],
+             "projection_s": statistics.median(ts) - seam if label != "seam alone" else None, "layers": layers}
+            for label, ts in times.items()]
+    tiled = next(r["projection_s"] for r in rows if r["variant"] == "tiled")
+    for row in rows:
+        if row["projection_s"]:
+            row["vs_tiled"] = tiled / row["projection_s"]
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", nargs="+", type=int, default=ROWS)
@@ -91,11 +154,21 @@ def main() -> None:
     parser.add_argument("--grid", choices=sorted(GRIDS), default="few", help="launch variants at the first row count")
     parser.add_argument("--prequantized", action="store_true", help="the op gets the FP8-rounded input")
     parser.add_argument("--top", type=int, default=4, help="variants of the first row count timed at the others")
+    parser.add_argument("--after-seam", action="store_true", help="time --only's projections after a seam instead")
+    parser.add_argument("--layers", type=int, default=8, help="--after-seam: layers, each with its own weights")
+    parser.add_argument("--rounds", type=int, default=5, help="--after-seam: rounds, the order rotating")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sweep_linear.py needs a CUDA device")
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if args.after_seam:
+        results = [row for name in args.only for row in after_seam(name, args.layers, args.rounds, gen)]
+        print_table(results, [("proj", "proj", ""), ("variant", "variant", ""), ("us / layer", "s", ".2f", 1e6),
+                              ("projection us", "projection_s", ".2f", 1e6), ("vs tiled", "vs_tiled", ".2f"),
+                              ("agrees", "agrees", "")])
+        save_results({**run_metadata(), "after_seam": True, "rows": results}, "linear-after-seam", args.out)
+        return
     results = []
     for i, rows in enumerate(args.rows):  # saved after each row count so a cut run keeps what it measured
         for name in args.only:

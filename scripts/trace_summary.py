@@ -119,14 +119,16 @@ def summarize(events: list[dict], floor_bytes: dict | None = None, bandwidth: fl
 
 def layer_kernels(events: list[dict], marker: str = "_router_kernel", index: int = 0) -> list[dict]:
     """The device work from the index-th launch of `marker` (once per layer: the router) up to the next, in
-    order: each kernel's name, grid, duration and the idle gap before it (where one layer's time goes)."""
+    order: each kernel's name, grid, duration, share of the span (path_shares) and the idle gap before it (where
+    one layer's time goes)."""
     device = device_events(events)
+    shares = path_shares(device)
     marks = [i for i, e in enumerate(device) if e["name"] == marker]
     if index + 1 >= len(marks):
         raise ValueError(f"trace_summary: {len(marks)} launches of {marker}; layer {index} needs {index + 2}")
     rows, end = [], None
-    for e in device[marks[index]:marks[index + 1]]:
-        rows.append({"gap_us": 0.0 if end is None else max(0.0, e["ts"] - end), "us": e["dur"],
+    for e, share in zip(device[marks[index]:marks[index + 1]], shares[marks[index]:marks[index + 1]]):
+        rows.append({"gap_us": 0.0 if end is None else max(0.0, e["ts"] - end), "us": e["dur"], "path_us": share,
                      "grid": str(e.get("args", {}).get("grid")), "name": e["name"][:90]})
         end = e["ts"] + e["dur"]
     return rows
@@ -192,8 +194,9 @@ def main(argv=None) -> None:
         from dsflash_compile.benchmarking import print_table
 
         rows = layer_kernels(events, index=args.layer)
-        print(f"\nlayer {args.layer}: {sum(r['us'] + r['gap_us'] for r in rows):.1f} us, {len(rows)} kernels")
-        print_table(rows, [("gap us", "gap_us", ".1f"), ("us", "us", ".1f"), ("grid", "grid", ""),
+        print(f"\nlayer {args.layer}: {sum(r['path_us'] for r in rows):.1f} us on the path, {len(rows)} kernels")
+        print_table(rows, [("gap us", "gap_us", ".1f"), ("us", "us", ".1f"), ("path us", "path_us", ".1f"),
+                           ("grid", "grid", ""),
                            ("kernel", "name", "")])
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")

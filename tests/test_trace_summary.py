@@ -61,12 +61,13 @@ def test_main_reads_gzip_and_writes_json(trace_summary, tmp_path, capsys):
 
 
 def test_layer_kernels_lists_one_layer_in_order(trace_summary):
-    """Router to router: each kernel with the idle gap before it; too few routers is a clear error."""
-    events = [kernel("_router_kernel", 0, 7), kernel("_up_kernel", 8, 80), kernel("_seam_kernel", 90, 9),
+    """Router to router: each kernel with the idle gap before it and its share of the span (the seam started
+    early, inside the up kernel: only its end past the up kernel's counts); too few routers is a clear error."""
+    events = [kernel("_router_kernel", 0, 7), kernel("_up_kernel", 8, 80), kernel("_seam_kernel", 85, 9),
               kernel("_router_kernel", 100, 7), kernel("_up_kernel", 107, 80), kernel("_router_kernel", 200, 7)]
     rows = trace_summary.layer_kernels(events, index=0)
-    assert [(r["name"], r["us"], r["gap_us"]) for r in rows] == [
-        ("_router_kernel", 7, 0.0), ("_up_kernel", 80, 1), ("_seam_kernel", 9, 2)]
+    assert [(r["name"], r["us"], r["gap_us"], r["path_us"]) for r in rows] == [
+        ("_router_kernel", 7, 0.0, 7), ("_up_kernel", 80, 1, 81), ("_seam_kernel", 9, 0.0, 6)]
     assert [r["name"] for r in trace_summary.layer_kernels(events, index=1)] == ["_router_kernel", "_up_kernel"]
     with pytest.raises(ValueError, match="3 launches of _router_kernel; layer 2 needs 4"):
         trace_summary.layer_kernels(events, index=2)

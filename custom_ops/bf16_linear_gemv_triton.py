@@ -1,0 +1,91 @@
+"""One-row `dsflash::bf16_linear` (see bf16_linear.py for the math) for weights of up to ~24 MB: each program
+loads its whole weight tile at once.
+
+bf16_linear_triton.py streams a tile through a software pipeline over K (a few blocks in flight a program). For
+the fused input projection at decode batch 1 (wq_a+wkv: 1792 x 5120, 18 MB) its programs are three K blocks
+long, so the pipeline's ramp is most of their time. Here the weight is cut into [BLOCK_N, BLOCK_K] = 16 x 1024
+tiles (32 KB, ~160 registers a thread at 4 warps; 32 x 1024 spills on sm_90), one a program, loaded in one go:
+every load of the tile is in flight at once. H200 (sweep_linear.py --after-seam, 12-03 u): wq_a+wkv after an
+mHC seam, as a layer runs it, 9.9 us against 12.5 for the tiled kernel.
+
+Grid (output block, K split). A program multiplies its tile by x's slice on the CUDA cores (one row: a dot's
+16-row tile would be 15/16 zeros) and sums each output's products in fp32; splits store fp32 partials and the
+last program of an output block adds them in split order (same bits whichever arrives last), rounds to bf16
+and resets the block's counter (block_counters.py). The products are exact in fp32, so only the summation
+order differs from the reference's GEMM.
+
+Loading the tile before the PDL wait (while the seam runs) was measured and dropped: the seam, a chain of
+dependent memory accesses, slowed by what the projection gained (12-03 u: seam 10.3 us against 8.4 on the
+decode step's path; after a seam 10.7 us against 9.9 for the projection with its tile loaded after the wait).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_triton import _num_sms
+from .block_counters import block_counters
+from .pdl import launch_options, pdl_wait
+from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
+
+BLOCK_N = 16
+BLOCK_K = 1024
+NUM_WARPS = 4
+MAX_BYTES_PER_SM = 192 * 1024  # H200: 24 MB (wq_a+wkv 18 MB, the indexer's wq_b 10 MB)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, N, K, n_per_group, QUANT_X: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """x [groups * K] and out [N]; weight [N, K]; BLOCK_N divides n_per_group."""
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    splits = tl.num_programs(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = split * BLOCK_K + tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=(k < K)[None, :], other=0.0)
+    group = pid_n * BLOCK_N // n_per_group
+    x = tl.load(x_ptr + group * K + k, mask=k < K, other=0.0).to(tl.float32)
+    if QUANT_X:  # whole groups of 32: a split starts on a multiple of BLOCK_K
+        x = tl.reshape(_fp8_qdq_groups(tl.reshape(x, (1, BLOCK_K)), 1, BLOCK_K), (BLOCK_K,))
+        x = x.to(tl.bfloat16).to(tl.float32)  # E4M3 values times a power of two: exact in bf16
+    acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    if splits == 1:
+        tl.store(out_ptr + n, _round_bf16(acc).to(tl.bfloat16))
+    else:
+        tl.store(partial_ptr + split * N + n, acc)
+        tl.debug_barrier()  # every thread's stores are issued before the release below
+        if tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel") == splits - 1:
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for s in range(splits):  # split order: deterministic
+                total += tl.load(partial_ptr + s * N + n, cache_modifier=".cg")
+            tl.store(out_ptr + n, _round_bf16(total).to(tl.bfloat16))
+            tl.atomic_xchg(counter_ptr + pid_n, 0)
+
+
+def takes(rows: int, n: int, k: int, groups: int, sms: int | None) -> bool:
+    """Whether a projection of this shape takes this kernel: one row, outputs a 16-wide block divides per group,
+    a weight of at most MAX_BYTES_PER_SM on each of `sms` SMs (None: any size, the interpreter's tests)."""
+    if rows != 1 or (n // groups) % BLOCK_N:
+        return False
+    return sms is None or n * k * 2 <= MAX_BYTES_PER_SM * sms
+
+
+def fits(x, weight, groups) -> bool:
+    """`takes` for the op's inputs."""
+    n, k = weight.shape
+    return takes(x.numel() // (groups * k), n, k, groups, _num_sms(x.device) if x.device.type == "cuda" else None)
+
+
+def bf16_linear_gemv(x, weight, groups, quantize_x):
+    """bf16 [..., N] as the reference, for one row (`fits`)."""
+    n, k = weight.shape
+    block_k = min(BLOCK_K, triton.next_power_of_2(k))
+    splits = triton.cdiv(k, block_k)
+    out = x.new_empty(n)
+    partial = x.new_empty(splits * n if splits > 1 else 1, dtype=torch.float32)
+    counters = block_counters(x.device, n // BLOCK_N) if splits > 1 else partial
+    _gemv_kernel[(n // BLOCK_N, splits)](
+        x.contiguous(), weight.contiguous(), out, partial, counters, n, k, n // groups, QUANT_X=quantize_x,
+        BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=NUM_WARPS, **launch_options(x.device))
+    return out.view(*x.shape[:-1], n)

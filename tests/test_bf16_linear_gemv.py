@@ -1,0 +1,99 @@
+"""`dsflash::bf16_linear`'s one-row kernel with one weight tile a program (custom_ops/bf16_linear_gemv_triton.py).
+
+Under the interpreter against the reference (bit for bit on data whose sums are exact in fp32), split over K or
+not, K not a multiple of the tile, grouped, called twice (the split counters left at zero); compiled for sm_90
+without spills; which projections take it; on a GPU at the release sizes, through the op, in a CUDA graph."""
+
+import pytest
+import torch
+from hopper import check_compiles_for_hopper
+from interp import report, requires_interpreter, run_interpreted
+from test_bf16_linear import RELEASE, case_inputs
+
+import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
+from dsflash_compile.custom_ops import bf16_linear_gemv_triton as gemv
+from dsflash_compile.custom_ops.bf16_linear import bf16_linear_reference
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# name: (K per group, N, groups, quantize_x, exact data)
+CASES = {
+    "one_split": (512, 32, 1, True, True),
+    "splits": (3072, 48, 1, True, True),  # three 1024-wide splits, three output blocks
+    "ragged_k": (1280, 16, 1, True, True),  # the second split is 256 wide
+    "grouped": (1024, 64, 2, False, True),
+    "random_data": (2048, 32, 1, True, False),
+}
+
+
+def interpreter_checks():
+    """Entry point of the subprocess: every case's kernel against the reference."""
+    for name, (k, n, groups, quantize_x, exact) in CASES.items():
+        x, w = case_inputs((1,), k, n, groups, exact)
+        got = gemv.bf16_linear_gemv(x, w, groups, quantize_x)
+        want = bf16_linear_reference(x, w, groups, quantize_x)
+        again = gemv.bf16_linear_gemv(x, w, groups, quantize_x)
+        report(dict(name=name, same=torch.equal(got, want), again=torch.equal(again, got), shape=list(got.shape),
+                    err=((got - want).abs().max() / want.abs().max()).item()))
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted("test_bf16_linear_gemv", "interpreter_checks")
+
+
+@requires_interpreter
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference(interpreted, name):
+    result, (_, n, _, _, exact) = interpreted[name], CASES[name]
+    assert result["shape"] == [1, n] and result["again"], result
+    if exact:
+        assert result["same"], result
+    else:  # another summation order can move a bf16 rounding
+        assert result["err"] <= 1e-2, result
+
+
+def test_which_projections_take_it():
+    """One row, 16-wide output blocks per group, at most MAX_BYTES_PER_SM a SM (132 SMs: of the release's
+    projections wq_a+wkv and the indexer's wq_b, not wq_b, wo_a, wo_b)."""
+    def takes(name, rows=1):
+        k, n, groups, _ = RELEASE[name]
+        return gemv.takes(rows, n, k, groups, sms=132)
+
+    assert [name for name in RELEASE if takes(name)] == ["wq_a+wkv", "indexer_wq_b"]
+    assert not takes("wq_a+wkv", rows=2)
+    assert not gemv.takes(1, 40, 1024, 1, sms=None)  # 40 outputs: no 16-wide blocks
+    assert gemv.takes(1, 48, 1 << 20, 1, sms=None)  # the interpreter: any size
+
+
+@pytest.mark.parametrize("quantize", [True, False])
+def test_compiles_for_hopper_without_spills(quantize):
+    args = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32", N="i32",
+                K="i32", n_per_group="i32")
+    constexprs = dict(QUANT_X=quantize, BLOCK_N=gemv.BLOCK_N, BLOCK_K=gemv.BLOCK_K)
+    check_compiles_for_hopper(gemv, ("_gemv_kernel", args, constexprs, gemv.NUM_WARPS),
+                              divisible_by_16=("x_ptr", "w_ptr", "K"))
+
+
+# ----------------------------------------------------------------------------------------------- CUDA
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["wq_a+wkv", "indexer_wq_b"])
+def test_release_sizes_on_cuda(name):
+    """Against the reference (cuBLAS: another summation order), the op taking this kernel, and replayed in a
+    CUDA graph on new x."""
+    k, n, groups, quantize = RELEASE[name]
+    x, w = case_inputs((1,), k, n, groups, False, device="cuda")
+    assert gemv.fits(x, w, groups)
+    got = gemv.bf16_linear_gemv(x, w, groups, quantize)
+    want = bf16_linear_reference(x, w, groups, quantize)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-2
+    assert torch.equal(torch.ops.dsflash.bf16_linear(x, w, groups, quantize), got)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.ops.dsflash.bf16_linear(x, w, groups, quantize)
+    x.copy_(case_inputs((1,), k, n, groups, False, seed=1, device="cuda")[0])
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, gemv.bf16_linear_gemv(x, w, groups, quantize))
