@@ -8,9 +8,8 @@ Why an op: at decode batch 1 a bf16 layer's four projections (wq_a+wkv, wq_b, wo
 cuBLAS GEMVs at 3.3-3.7 TB/s, two of them with a split-K reduce kernel after them, and two behind an Inductor
 FP8 kernel of their input (H200 trace, 12-01 k: 75.5 us of GEMMs and 6 us of reduce/FP8 kernels a layer, the
 weights' bytes take 57.6 us at the lm_head's 4.5 TB/s). The Triton kernel (bf16_linear_triton.py) streams the
-weight over every SM, quantizes its x tiles as it loads them and finishes split-K inside the launch. One row
-and a weight of up to ~24 MB (wq_a+wkv) take bf16_linear_gemv_triton.py instead: one tile a program, loaded
-at once (no pipeline ramp).
+weight over every SM, quantizes its x tiles as it loads them and finishes split-K inside the launch. For one
+row, `dsflash::bf16_gemv` (bf16_gemv.py) is the same math on a kernel for weights of up to ~24 MB (wq_a+wkv).
 
 The reference is QuantLinear's own math (CPU, and on CUDA for shapes the kernel does not take).
 """
@@ -54,7 +53,7 @@ def _(x, weight, groups, quantize_x):
 
 
 try:  # Triton is optional on CPU machines
-    from . import bf16_linear_gemv_triton, bf16_linear_triton
+    from . import bf16_linear_triton
 except ImportError:  # pragma: no cover - CPU machines without triton
     bf16_linear_triton = None
 
@@ -62,8 +61,6 @@ if bf16_linear_triton is not None:
     @bf16_linear.register_kernel("cuda")
     def _(x, weight, groups, quantize_x):
         check_inputs(x, weight, groups, quantize_x)
-        if bf16_linear_gemv_triton.fits(x, weight, groups):
-            return bf16_linear_gemv_triton.bf16_linear_gemv(x, weight, groups, quantize_x)
         if not bf16_linear_triton.kernel_fits(x, weight, groups):
             return bf16_linear_reference(x, weight, groups, quantize_x)
         return bf16_linear_triton.bf16_linear_triton(x, weight, groups, quantize_x)

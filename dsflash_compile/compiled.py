@@ -131,6 +131,10 @@ class CompileOptions:
     # the small ones, and saves the kernels around them (H200 sweep, 12-01 l: custom_ops/bf16_linear_triton.py);
     # at 8 rows wq_b takes 28.3 us against 23.5, so the default is batch 1 only. 0: cuBLAS. At most MAX_ROWS (64)
     linear_few_rows: int = 1
+    # issue 5: of those, one-row inputs run dsflash::bf16_gemv: one weight tile a program, loaded at once, for
+    # weights of up to ~24 MB (wq_a+wkv; larger ones its CUDA kernel hands to bf16_linear's). H200 (12-03 u,
+    # sweep_linear.py --after-seam): wq_a+wkv after an mHC seam 9.9 us against 12.5 with bf16_linear's kernel
+    linear_gemv: bool = True
     # issue 5: bf16 QuantLinear inputs of at most this many rows (on cuBLAS: above linear_few_rows) take their FP8
     # as dsflash::fp8_qdq, a fixed launch, instead of Inductor's persistent reduction, whose launch its runtime
     # autotuner picks anew each compile (H200 B64: 1.8 us a launch in one compile, 7.2-8.2 in others, 74 a step).
@@ -293,6 +297,7 @@ class CompiledRunner:
         for module in model.modules():  # after the fusion above, whose projections are new modules
             if type(module) is QuantLinear and module.weight.dtype == torch.bfloat16:
                 module.few_rows = options.linear_few_rows
+                module.gemv = options.linear_gemv
                 module.qdq_op_rows = options.qdq_op_rows
         if options.swa_bounded_replay is not None:
             text.swa_bounded_replay = options.swa_bounded_replay

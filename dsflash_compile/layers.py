@@ -61,6 +61,7 @@ class QuantLinear(nn.Module):
         self.quantize_input = quantize_input
         self.storage = storage  # release format of the weight: "fp8" (32x32 tiles) or "mxfp4"
         self.few_rows = 0  # bf16 weights: inputs of at most this many rows run dsflash::bf16_linear (compile() sets it)
+        self.gemv = False  # ... and one row dsflash::bf16_gemv (compile() sets it)
         self.qdq_op_rows = 0  # the input's FP8 as dsflash::fp8_qdq up to this many rows (compile() sets it)
         self.hold_weight()
 
@@ -69,7 +70,9 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.few_rows and x.numel() <= self.few_rows * x.shape[-1] and x.dtype == torch.bfloat16:  # decode
-            return torch.ops.dsflash.bf16_linear(x, self.weight, self.groups, self.quantize_input)
+            one_row = self.gemv and x.numel() == x.shape[-1]
+            op = torch.ops.dsflash.bf16_gemv if one_row else torch.ops.dsflash.bf16_linear
+            return op(x, self.weight, self.groups, self.quantize_input)
         if self.quantize_input and self.qdq_op_rows and x.numel() <= self.qdq_op_rows * x.shape[-1] \
                 and x.dtype == torch.bfloat16:
             x = torch.ops.dsflash.fp8_qdq(x)

@@ -1,8 +1,10 @@
-"""`dsflash::bf16_linear`'s one-row kernel with one weight tile a program (custom_ops/bf16_linear_gemv_triton.py).
+"""`dsflash::bf16_gemv` (custom_ops/bf16_gemv.py): one row of `dsflash::bf16_linear` on a kernel with one weight
+tile a program (custom_ops/bf16_linear_gemv_triton.py).
 
 Under the interpreter against the reference (bit for bit on data whose sums are exact in fp32), split over K or
 not, K not a multiple of the tile, grouped, called twice (the split counters left at zero); compiled for sm_90
-without spills; which projections take it; on a GPU at the release sizes, through the op, in a CUDA graph."""
+without spills; which projections take it; opcheck and the one-row error; QuantLinear's choice of it; on a GPU
+at the release sizes, through the op (a weight too large for the kernel on bf16_linear's), in a CUDA graph."""
 
 import pytest
 import torch
@@ -10,9 +12,12 @@ from hopper import check_compiles_for_hopper
 from interp import report, requires_interpreter, run_interpreted
 from test_bf16_linear import RELEASE, case_inputs
 
+from torch.fx.experimental.proxy_tensor import make_fx
+
 import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
 from dsflash_compile.custom_ops import bf16_linear_gemv_triton as gemv
 from dsflash_compile.custom_ops.bf16_linear import bf16_linear_reference
+from dsflash_compile.layers import QuantLinear
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -66,6 +71,33 @@ def test_which_projections_take_it():
     assert gemv.takes(1, 48, 1 << 20, 1, sms=None)  # the interpreter: any size
 
 
+def test_opcheck_and_one_row_only():
+    x, w = case_inputs((1, 1), 64, 32, 2, True)
+    for quantize in (True, False):
+        torch.library.opcheck(torch.ops.dsflash.bf16_gemv.default, (x, w, 2, quantize))
+    with pytest.raises(ValueError, match="one row only"):
+        torch.ops.dsflash.bf16_gemv(torch.cat([x, x]), w, 2, True)
+    with pytest.raises(TypeError, match="must be bf16"):  # bf16_linear's checks
+        torch.ops.dsflash.bf16_gemv(x.float(), w, 2, True)
+
+
+@torch.no_grad()
+def test_quantlinear_takes_it_for_one_row_when_set():
+    """With few_rows and gemv set (compile() sets both) one row runs bf16_gemv, more rows bf16_linear; the
+    same bits as the plain path (CPU: the reference)."""
+    torch.manual_seed(0)
+    linear = QuantLinear(64, 96)
+    torch.nn.init.normal_(linear.weight, std=0.05)
+    xs = {rows: torch.randn(rows, 64).bfloat16() for rows in (1, 2)}
+    plain = {rows: linear(x) for rows, x in xs.items()}
+    linear.few_rows, linear.gemv = 4, True
+    for rows, x in xs.items():
+        ops = {node.target for node in make_fx(linear)(x).graph.nodes if node.op == "call_function"}
+        want = torch.ops.dsflash.bf16_gemv.default if rows == 1 else torch.ops.dsflash.bf16_linear.default
+        assert want in ops, ops
+        assert torch.equal(linear(x), plain[rows])
+
+
 @pytest.mark.parametrize("quantize", [True, False])
 def test_compiles_for_hopper_without_spills(quantize):
     args = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32", N="i32",
@@ -78,20 +110,24 @@ def test_compiles_for_hopper_without_spills(quantize):
 # ----------------------------------------------------------------------------------------------- CUDA
 
 @requires_cuda
-@pytest.mark.parametrize("name", ["wq_a+wkv", "indexer_wq_b"])
+@pytest.mark.parametrize("name", ["wq_a+wkv", "indexer_wq_b", "wo_b"])
 def test_release_sizes_on_cuda(name):
-    """Against the reference (cuBLAS: another summation order), the op taking this kernel, and replayed in a
-    CUDA graph on new x."""
+    """Against the reference (cuBLAS: another summation order), the op taking this kernel (wo_b, too large for
+    it: bf16_linear's bits), and replayed in a CUDA graph on new x."""
     k, n, groups, quantize = RELEASE[name]
     x, w = case_inputs((1,), k, n, groups, False, device="cuda")
-    assert gemv.fits(x, w, groups)
+    if not gemv.fits(x, w, groups):
+        assert name == "wo_b"
+        assert torch.equal(torch.ops.dsflash.bf16_gemv(x, w, groups, quantize),
+                           torch.ops.dsflash.bf16_linear(x, w, groups, quantize))
+        return
     got = gemv.bf16_linear_gemv(x, w, groups, quantize)
     want = bf16_linear_reference(x, w, groups, quantize)
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-2
-    assert torch.equal(torch.ops.dsflash.bf16_linear(x, w, groups, quantize), got)
+    assert torch.equal(torch.ops.dsflash.bf16_gemv(x, w, groups, quantize), got)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = torch.ops.dsflash.bf16_linear(x, w, groups, quantize)
+        captured = torch.ops.dsflash.bf16_gemv(x, w, groups, quantize)
     x.copy_(case_inputs((1,), k, n, groups, False, seed=1, device="cuda")[0])
     graph.replay()
     graph.replay()
