@@ -77,15 +77,18 @@ def fits(x, weight, groups) -> bool:
     return takes(x.numel() // (groups * k), n, k, groups, _num_sms(x.device) if x.device.type == "cuda" else None)
 
 
-def bf16_linear_gemv(x, weight, groups, quantize_x):
-    """bf16 [..., N] as the reference, for one row (`fits`)."""
+def bf16_linear_gemv(x, weight, groups, quantize_x, block_n=BLOCK_N, block_k=BLOCK_K, num_warps=NUM_WARPS):
+    """bf16 [..., N] as the reference, for one row (`fits`); block_n, block_k (powers of two, block_n dividing a
+    group's outputs) and num_warps override the launch (sweeps: scripts/sweep_linear.py)."""
     n, k = weight.shape
-    block_k = min(BLOCK_K, triton.next_power_of_2(k))
+    if (n // groups) % block_n:
+        raise ValueError(f"bf16_gemv: block_n={block_n} must divide a group's {n // groups} outputs")
+    block_k = min(block_k, triton.next_power_of_2(k))
     splits = triton.cdiv(k, block_k)
     out = x.new_empty(n)
     partial = x.new_empty(splits * n if splits > 1 else 1, dtype=torch.float32)
-    counters = block_counters(x.device, n // BLOCK_N) if splits > 1 else partial
-    _gemv_kernel[(n // BLOCK_N, splits)](
+    counters = block_counters(x.device, n // block_n) if splits > 1 else partial
+    _gemv_kernel[(n // block_n, splits)](
         x.contiguous(), weight.contiguous(), out, partial, counters, n, k, n // groups, QUANT_X=quantize_x,
-        BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=NUM_WARPS, **launch_options(x.device))
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **launch_options(x.device))
     return out.view(*x.shape[:-1], n)

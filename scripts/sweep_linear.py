@@ -16,8 +16,8 @@ output block would round the whole row tile again, so there the rounding belongs
 
 At the first row count every variant runs; at the others the default and the `--top` fastest of the first.
 
-At one row the sweep also times bf16_linear_gemv_triton.py's kernel (one tile a program) wherever it runs (`--grid
-none`: only it, cuBLAS and the default launch).
+At one row the sweep also times bf16_linear_gemv_triton.py's kernel (one tile a program) at every projection, its
+default launch and GEMV_GRID's (`--grid none`: only those, cuBLAS and bf16_linear's default launch).
 
 --after-seam instead times one row's projection as a decode layer runs it, right after an mHC seam (whose output
 is its input): seam -> projection over --layers layers, each with its own weight and seam `fn`, in one CUDA
@@ -55,10 +55,13 @@ ROWS = [1, 8, 16]
 GRIDS = {"few": list(itertools.product((32, 64, 128), (64, 128, 256), (0.5, 1, 2), (2, 4), (2, 4))),
          "tall": list(itertools.product((32, 64, 128), (64, 128), (1, 2), (4, 8), (3, 4))),  # 33-64 rows
          "none": []}
-COLUMNS = [("proj", "proj", ""), ("rows", "rows", "d"), ("block_n", "block_n", ""), ("block_k", "block_k", ""),
-           ("splits", "splits", ""), ("warps", "num_warps", ""), ("stages", "num_stages", ""),
-           ("us", "s", ".2f", 1e6), ("TB/s", "tbps", ".2f"), ("vs cuBLAS", "vs_cublas", ".2f"),
-           ("agrees", "agrees", "")]
+# bf16_linear_gemv_triton.py's launches at one row: (block_n, block_k, warps); its default first
+_GEMV_DEFAULT = (gemv.BLOCK_N, gemv.BLOCK_K, gemv.NUM_WARPS)
+GEMV_GRID = [_GEMV_DEFAULT] + [v for v in itertools.product((16, 32), (512, 1024, 2048), (4, 8)) if v != _GEMV_DEFAULT]
+COLUMNS = [("proj", "proj", ""), ("rows", "rows", "d"), ("kernel", "kernel", ""), ("block_n", "block_n", ""),
+           ("block_k", "block_k", ""), ("splits", "splits", ""), ("warps", "num_warps", ""),
+           ("stages", "num_stages", ""), ("us", "s", ".2f", 1e6), ("TB/s", "tbps", ".2f"),
+           ("vs cuBLAS", "vs_cublas", ".2f"), ("agrees", "agrees", "")]
 
 
 def sweep(name: str, rows: int, variants: list, gen: torch.Generator, prequantized: bool) -> list[dict]:
@@ -77,12 +80,19 @@ def sweep(name: str, rows: int, variants: list, gen: torch.Generator, prequantiz
         x, quantize = ready, False
     cublas = time_graph(lambda: block_diagonal_linear(ready, w, groups))
     base = {"proj": name, "rows": rows, "prequantized": prequantized}
-    measured = [{**base, "block_n": "cuBLAS", "s": cublas, "tbps": weight_bytes / cublas / 1e12, "vs_cublas": 1.0,
-                 "agrees": True}]
-    if rows == 1 and gemv.takes(rows, n, k, groups, sms=None):
-        row = {**base, "block_n": "gemv"}
-        sweep_variant(row, lambda: gemv.bf16_linear_gemv(x, w, groups, quantize), agrees)
-        measured.append({**row, "tbps": weight_bytes / row["s"] / 1e12, "vs_cublas": cublas / row["s"]})
+    measured = [{**base, "kernel": "cuBLAS", "block_n": "-", "s": cublas, "tbps": weight_bytes / cublas / 1e12,
+                 "vs_cublas": 1.0, "agrees": True}]
+    for block_n, block_k, warps in GEMV_GRID if rows == 1 else []:
+        if not gemv.takes(rows, n, k, groups, sms=None) or (n // groups) % block_n:
+            continue
+        row = {**base, "kernel": "gemv", "block_n": block_n, "block_k": block_k, "num_warps": warps}
+        try:
+            sweep_variant(row, lambda: gemv.bf16_linear_gemv(x, w, groups, quantize, block_n, block_k, warps),
+                          agrees)
+            row.update(tbps=weight_bytes / row["s"] / 1e12, vs_cublas=cublas / row["s"])
+        except Exception as error:  # noqa: BLE001 - e.g. out of resources: reported, the sweep goes on
+            row.update(agrees=False, error=f"{type(error).__name__}: {error}"[:300])
+        measured.append(row)
     default = kernels.launch(rows, n, k, groups, x.device)
     for variant in variants:
         if variant == "default":
@@ -95,7 +105,7 @@ def sweep(name: str, rows: int, variants: list, gen: torch.Generator, prequantiz
                                     num_stages=stages)
             launch["splits"] = max(1, round(launch["splits"] * split_factor))
         launch.pop("block_m")
-        row = {**base, **launch, "variant": variant}
+        row = {**base, "kernel": "tiled", **launch, "variant": variant}
         try:
             sweep_variant(row, lambda: kernels.bf16_linear_triton(x, w, groups, quantize, **launch), agrees)
             row.update(tbps=weight_bytes / row["s"] / 1e12, vs_cublas=cublas / row["s"])
@@ -147,6 +157,11 @@ def after_seam(name: str, layers: int, rounds: int, gen: torch.Generator) -> lis
     return rows
 
 
+def first_gemv(rows: list[dict]) -> dict | None:
+    """The GEMV kernel's default launch (GEMV_GRID's first) among a projection's rows, if it was timed."""
+    return next((r for r in rows if r.get("kernel") == "gemv"), None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", nargs="+", type=int, default=ROWS)
@@ -179,7 +194,8 @@ def main() -> None:
                                 and "variant" in r)  # not the cuBLAS row
                 variants = ["default"] + [r["variant"] for r in timed[:args.top] if r["variant"] != "default"]
             measured = sweep(name, rows, variants, gen, args.prequantized)
-            print_table(fastest(measured)[:6] + [r for r in measured if r.get("variant") == "default"], COLUMNS)
+            defaults = [r for r in measured if r.get("variant") == "default" or r is first_gemv(measured)]
+            print_table(fastest(measured)[:6] + defaults, COLUMNS)
             results += measured
         save_results({**run_metadata(), "rows": results}, "linear-sweep", args.out)
 

@@ -79,6 +79,8 @@ def test_opcheck_and_one_row_only():
         torch.ops.dsflash.bf16_gemv(torch.cat([x, x]), w, 2, True)
     with pytest.raises(TypeError, match="must be bf16"):  # bf16_linear's checks
         torch.ops.dsflash.bf16_gemv(x.float(), w, 2, True)
+    with pytest.raises(ValueError, match="block_n=32 must divide a group's 16 outputs"):  # a sweep's launch
+        gemv.bf16_linear_gemv(x, w, 2, True, block_n=32)
 
 
 @torch.no_grad()
