@@ -31,7 +31,9 @@ from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
 BLOCK_N = 16
 BLOCK_K = 1024
 NUM_WARPS = 4
-MAX_BYTES_PER_SM = 192 * 1024  # H200: 24 MB (wq_a+wkv 18 MB, the indexer's wq_b 10 MB)
+# H200: 24 MB, so wq_a+wkv (18 MB, the one projection measured) and the indexer's wq_b (10 MB); larger weights keep
+# bf16_linear's pipelined kernel until sweep_linear.py --grid none has timed them on this one
+MAX_BYTES_PER_SM = 192 * 1024
 
 
 @triton.jit
@@ -81,8 +83,9 @@ def bf16_linear_gemv(x, weight, groups, quantize_x, block_n=BLOCK_N, block_k=BLO
     """bf16 [..., N] as the reference, for one row (`fits`); block_n, block_k (powers of two, block_n dividing a
     group's outputs) and num_warps override the launch (sweeps: scripts/sweep_linear.py)."""
     n, k = weight.shape
-    if (n // groups) % block_n:
-        raise ValueError(f"bf16_gemv: block_n={block_n} must divide a group's {n // groups} outputs")
+    if (n // groups) % block_n or block_k < 32 or block_k & (block_k - 1):
+        raise ValueError(f"bf16_gemv: block_n={block_n} must divide a group's {n // groups} outputs and "
+                         f"block_k={block_k} be a power of two >= 32 (whole FP8 groups)")
     block_k = min(block_k, triton.next_power_of_2(k))
     splits = triton.cdiv(k, block_k)
     out = x.new_empty(n)

@@ -4,7 +4,8 @@ of heads), about 1024 values each (the release's indexer query, 32 heads x 128: 
 A program loads its heads' rows, rotates the trailing pairs (rope_tail_triton's arithmetic: other pairs pass
 through untouched, so a -0.0 stays -0.0), rounds them to bf16, then quantize-dequantizes each group of 32 as
 quant.fp4_qdq_ue8m0 with records.py's MXFP4 scale and E2M1 rounding, and writes the rows back. Every rounding
-is integer arithmetic on the fp32 bits (bf16 in and out as routed_experts_triton's helpers), which the interpreter runs as the GPU does.
+is integer arithmetic on the fp32 bits (bf16 in and out through routed_experts_triton's helpers), which the
+interpreter runs as the GPU does.
 """
 
 import triton

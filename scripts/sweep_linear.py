@@ -152,14 +152,9 @@ def after_seam(name: str, layers: int, rounds: int, gen: torch.Generator) -> lis
             for label, ts in times.items()]
     tiled = next(r["projection_s"] for r in rows if r["variant"] == "tiled")
     for row in rows:
-        if row["projection_s"]:
+        if row["projection_s"] is not None:
             row["vs_tiled"] = tiled / row["projection_s"]
     return rows
-
-
-def first_gemv(rows: list[dict]) -> dict | None:
-    """The GEMV kernel's default launch (GEMV_GRID's first) among a projection's rows, if it was timed."""
-    return next((r for r in rows if r.get("kernel") == "gemv"), None)
 
 
 def main() -> None:
@@ -194,8 +189,9 @@ def main() -> None:
                                 and "variant" in r)  # not the cuBLAS row
                 variants = ["default"] + [r["variant"] for r in timed[:args.top] if r["variant"] != "default"]
             measured = sweep(name, rows, variants, gen, args.prequantized)
-            defaults = [r for r in measured if r.get("variant") == "default" or r is first_gemv(measured)]
-            print_table(fastest(measured)[:6] + defaults, COLUMNS)
+            gemv_default = [r for r in measured if r.get("kernel") == "gemv"][:1]  # GEMV_GRID's first
+            print_table(fastest(measured)[:6] + [r for r in measured if r.get("variant") == "default"] + gemv_default,
+                        COLUMNS)
             results += measured
         save_results({**run_metadata(), "rows": results}, "linear-sweep", args.out)
 

@@ -196,8 +196,7 @@ def main(argv=None) -> None:
         rows = layer_kernels(events, index=args.layer)
         print(f"\nlayer {args.layer}: {sum(r['path_us'] for r in rows):.1f} us on the path, {len(rows)} kernels")
         print_table(rows, [("gap us", "gap_us", ".1f"), ("us", "us", ".1f"), ("path us", "path_us", ".1f"),
-                           ("grid", "grid", ""),
-                           ("kernel", "name", "")])
+                           ("grid", "grid", ""), ("kernel", "name", "")])
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
         print("wrote", args.out)

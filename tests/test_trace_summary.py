@@ -96,6 +96,7 @@ def test_floor_bytes_put_the_stacked_shared_expert_with_the_moe(trace_summary):
         model = DeepseekV41ForCausalLM(preset_config("tiny", weights="bf16"))
     apart = decode_traffic(model, 1, 64)["bytes"]
     stacked = trace_summary.model_floor_bytes("tiny", 1, 64, "bf16")
-    shared = sum(t.numel() * t.element_size() for name, t in model.state_dict().items() if ".ffn.shared_experts." in name)
+    shared = sum(t.numel() * t.element_size() for name, t in model.state_dict().items()
+                 if ".ffn.shared_experts." in name)
     assert shared and stacked["moe"] == apart["moe"] + shared and stacked["gemm"] == apart["gemm"] - shared
     assert sum(stacked.values()) == sum(apart.values())
