@@ -15,7 +15,7 @@ ones; a split owns a run of BLOCK_N-entry blocks and walks its window blocks, th
 (two loops without branches in their bodies, so Triton pipelines the gathers: NUM_STAGES). With one split
 the program adds the sink, normalises, rotates the rope tail back and stores bf16; with several (decode:
 one token's 640 keys must fill 132 SMs) it stores (acc, max, sum) and a merge kernel, one program per
-(token, head), combines the splits by log-sum-exp.
+(token, block of heads: merge_heads), combines the splits by log-sum-exp.
 
 Where the time goes (H200, decode batch 64: ~51 us, ~104 TFLOP/s, 13% of a bf16 matmul; see
 benchmarks/results/attention-2026-11-29-allheads.json): one 255-register program per SM runs its steps
@@ -42,6 +42,11 @@ MAX_HEAD_GROUP = 64  # an M = 64 wgmma tile: all heads of the release shape in o
 # decode shape, split + merge (scripts/sweep_attention.py, 12-01 l): 10.1 us against 13.6 with all 64 heads a
 # program; at 8 tokens 64 heads stay the fastest (18.9 us against 25.8 at 16)
 ONE_TOKEN_HEAD_GROUP = 16
+# The merge's heads per program (merge_heads): up to 16 while 4 programs per SM remain. H200, release decode shape,
+# attention + merge (sweep_attention.py --merge-only, 12-03 v): batch 64 49.9 us at 4 heads against 50.7 at 1 and
+# 52.1 at 16; batch 8 19.2 at 2, 19.7 at 1, 24.6 at 4; batch 1 9.0 at 1, 11.2 at 2 (fewer programs for 20 splits)
+MERGE_MAX_HEADS = 16
+MERGE_PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -242,24 +247,36 @@ def _attention_kernel(q_ptr, ring_ptr, chunk_ptr, widx_ptr, comp_ptr, cidx_ptr, 
 
 @triton.jit
 def _merge_kernel(part_acc_ptr, part_ml_ptr, sink_ptr, pos_ptr, freq_ptr, out_ptr, nsplit,
-                  H: tl.constexpr, D: tl.constexpr, HALF_ROPE: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr):
-    """One (token, head): all its splits' partials loaded at once ([NSPLIT, D], NSPLIT a power of two >= the
-    split count), combined by log-sum-exp, then finished like an unsplit program."""
+                  H: tl.constexpr, D: tl.constexpr, HALF_ROPE: tl.constexpr, NSPLIT: tl.constexpr,
+                  HEADS: tl.constexpr, PDL: tl.constexpr):
+    """HEADS heads of one token (HEADS divides H): their splits' partials loaded at once ([HEADS, NSPLIT, D],
+    NSPLIT a power of two >= the split count), combined by log-sum-exp, then finished like an unsplit program
+    (one set of rotation angles for all HEADS heads: the token's)."""
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     tok = tl.program_id(0)
-    head = tl.program_id(1)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     i = tl.arange(0, NSPLIT)
-    part = (tok.to(tl.int64) * H + head) * nsplit + i
-    ok = i < nsplit
+    part = (tok.to(tl.int64) * H + heads[:, None]) * nsplit + i[None, :]  # [HEADS, NSPLIT]
+    ok = (i < nsplit)[None, :]
     m_i = tl.load(part_ml_ptr + part * 2, mask=ok, other=-1e30)
-    m = tl.max(m_i, axis=0, keep_dims=True)  # [1]
-    w = tl.exp(m_i - m)
-    l = tl.sum(tl.load(part_ml_ptr + part * 2 + 1, mask=ok, other=0.0) * w, axis=0, keep_dims=True)
-    acc = tl.load(part_acc_ptr + part[:, None] * D + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
-    acc = tl.sum(acc * w[:, None], axis=0, keep_dims=True)  # [1, D]
+    m = tl.max(m_i, axis=1)  # [HEADS]
+    w = tl.exp(m_i - m[:, None])
+    l = tl.sum(tl.load(part_ml_ptr + part * 2 + 1, mask=ok, other=0.0) * w, axis=1)
+    acc = tl.load(part_acc_ptr + part[:, :, None] * D + tl.arange(0, D)[None, None, :], mask=ok[:, :, None],
+                  other=0.0)
+    acc = tl.sum(acc * w[:, :, None], axis=1)  # [HEADS, D]
     pos = tl.load(pos_ptr + tok)
-    _finish(acc, m, l, sink_ptr, head + tl.arange(0, 1), pos, freq_ptr, out_ptr, tok.to(tl.int64) * H * D, H, D,
-            HALF_ROPE)
+    _finish(acc, m, l, sink_ptr, heads, pos, freq_ptr, out_ptr, tok.to(tl.int64) * H * D, H, D, HALF_ROPE)
+
+
+def merge_heads(tokens: int, heads: int, device: torch.device) -> int:
+    """Heads per merge program: the most (a power of two up to MERGE_MAX_HEADS dividing `heads`) that still
+    leave MERGE_PROGRAMS_PER_SM programs per SM."""
+    most = 1
+    while (most * 2 <= MERGE_MAX_HEADS and heads % (most * 2) == 0
+           and tokens * heads // (most * 2) >= MERGE_PROGRAMS_PER_SM * _num_sms(device)):
+        most *= 2
+    return most
 
 
 def _num_sms(device: torch.device) -> int:
@@ -270,10 +287,11 @@ def _num_sms(device: torch.device) -> int:
 
 def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, positions, inv_freq, scale,
                      window_fmt, compressed_fmt, num_splits: int | None = None, block_n: int | None = None,
-                     num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, head_group: int | None = None):
+                     num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, head_group: int | None = None,
+                     heads_per_merge: int | None = None):
     """Launch (the op's CUDA kernel; also callable directly, e.g. under TRITON_INTERPRET=1). num_splits,
     block_n, num_warps, num_stages and head_group (heads per program, a power of two >= 16) override the
-    defaults (benchmark sweeps)."""
+    defaults (benchmark sweeps); heads_per_merge (a power of two dividing the heads) the merge's (`merge_heads`)."""
     batch, seq, heads, dim = q.shape
     window, nw, k = ring.shape[1], widx.shape[-1], cidx.shape[-1]
     if not out.is_contiguous() or out.shape != q.shape:
@@ -305,6 +323,10 @@ def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, posit
     if compressed.numel() == 0:
         compressed = ring  # never read (K = 0); any valid pointer
     split = num_splits > 1
+    per_merge = heads_per_merge or merge_heads(tokens, heads, q.device)
+    if heads % per_merge or per_merge & (per_merge - 1):
+        raise ValueError(f"attention_triton: heads_per_merge={per_merge} must be a power of two dividing the "
+                         f"{heads} heads")
     part_acc = q.new_empty((tokens * heads * num_splits, dim) if split else (1,), dtype=torch.float32)
     part_ml = q.new_empty((tokens * heads * num_splits, 2) if split else (1,), dtype=torch.float32)
     _attention_kernel[(tokens, groups, num_splits)](
@@ -315,6 +337,7 @@ def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, posit
         WIN_FMT=_FMT_ID[window_fmt], CMP_FMT=_FMT_ID[compressed_fmt], SPLIT=split,
         INTERPRET=q.device.type != "cuda", num_warps=num_warps, num_stages=num_stages, **launch_options(q.device))
     if split:
-        _merge_kernel[(tokens, heads)](part_acc, part_ml, sink, positions, inv_freq, out, num_splits, H=heads, D=dim,
-                                       HALF_ROPE=inv_freq.shape[0], NSPLIT=triton.next_power_of_2(num_splits),
-                                       num_warps=4, **launch_options(out.device))
+        _merge_kernel[(tokens, heads // per_merge)](
+            part_acc, part_ml, sink, positions, inv_freq, out, num_splits, H=heads, D=dim,
+            HALF_ROPE=inv_freq.shape[0], NSPLIT=triton.next_power_of_2(num_splits), HEADS=per_merge, num_warps=4,
+            **launch_options(out.device))

@@ -31,8 +31,10 @@ from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
 BLOCK_N = 16
 BLOCK_K = 1024
 NUM_WARPS = 4
-# H200: 24 MB, so wq_a+wkv (18 MB, the one projection measured) and the indexer's wq_b (10 MB); larger weights keep
-# bf16_linear's pipelined kernel until sweep_linear.py --grid none has timed them on this one
+# H200: 24 MB, so wq_a+wkv (18 MB) and the indexer's wq_b (10 MB). Larger weights keep bf16_linear's pipelined
+# kernel: at one row alone (sweep_linear.py --grid none, 12-03 v) this kernel took wq_b 26.7-34.8 us against 22.9,
+# wo_a 20.6-28.9 against 18.9, wo_b 25.0 against 30.7; with no cap the B1 step took 11.18 ms against 10.65 (wq_b
+# 31.4 us on the step's path against 22.8, wo_b 23.9 against 23.4)
 MAX_BYTES_PER_SM = 192 * 1024
 
 

@@ -133,7 +133,8 @@ class CompileOptions:
     linear_few_rows: int = 1
     # issue 5: of those, one-row inputs run dsflash::bf16_gemv: one weight tile a program, loaded at once, for
     # weights of up to ~24 MB (wq_a+wkv; larger ones its CUDA kernel hands to bf16_linear's). H200 (12-03 u,
-    # sweep_linear.py --after-seam): wq_a+wkv after an mHC seam 9.9 us against 12.5 with bf16_linear's kernel
+    # sweep_linear.py --after-seam): wq_a+wkv after an mHC seam 9.9 us against 12.5 with bf16_linear's kernel; the
+    # B1 step 10.65 ms against 10.76 with it off (12-03 v, compile_and_profile variant tiled-linear)
     linear_gemv: bool = True
     # issue 5: bf16 QuantLinear inputs of at most this many rows (on cuBLAS: above linear_few_rows) take their FP8
     # as dsflash::fp8_qdq, a fixed launch, instead of Inductor's persistent reduction, whose launch its runtime

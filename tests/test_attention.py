@@ -292,6 +292,12 @@ def interpreter_cases():
     # queries at the last 3 of 11 chunk columns: each row reads its own chunk's keys (row 1 starts 11 rows in)
     cases["last-queries-of-a-longer-chunk"] = dict(window_fmt="fp8", compressed_fmt="nvfp4", batch=2, seq=3,
                                                    chunk_rows=11, window=16, nw=24, seed=500)
+    # the merge with several heads a program (3 splits: one padded split slot) and with 4 of 20 heads
+    cases["merge-4-heads-split3"] = dict(window_fmt="fp8", compressed_fmt="nvfp4", batch=3, seq=1, heads=4,
+                                         window=16, nw=16, n_comp=48, k=40, num_splits=3, heads_per_merge=4, seed=600)
+    cases["merge-4-of-20-heads-split2"] = dict(window_fmt="fp8", compressed_fmt="fp8", batch=2, seq=2, heads=20,
+                                               window=32, nw=32, n_comp=48, k=24, num_splits=2, heads_per_merge=4,
+                                               seed=601)
     return cases
 
 
@@ -312,13 +318,14 @@ def run_interpreter_case(name, spec):
 
     spec = dict(spec)
     splits, block_n, seed = spec.pop("num_splits", 1), spec.pop("block_n", None), spec.pop("seed")
+    per_merge = spec.pop("heads_per_merge", None)
     inp = make_inputs(seed, **spec)
     batch = inp.q.shape[0]
     args = op_args(inp, ring=inp.ring[:batch], compressed=inp.compressed[:batch])
     ref = torch.full_like(inp.q, math.nan)
     attention_reference(ref, *args)
     out = torch.full_like(inp.q, math.nan)
-    attention_triton(out, *args, num_splits=splits, block_n=block_n)
+    attention_triton(out, *args, num_splits=splits, block_n=block_n, heads_per_merge=per_merge)
     tol = interpreter_tolerance(ref)
     err = (out.float() - ref.float()).abs()
     no_sink = torch.full_like(inp.q, math.nan)
@@ -439,6 +446,7 @@ def test_triton_cuda_matches_reference_small_cases(name):
     pytest.importorskip("triton")
     spec = dict(interpreter_cases()[name])
     splits, block_n, seed = spec.pop("num_splits", 1), spec.pop("block_n", None), spec.pop("seed")
+    per_merge = spec.pop("heads_per_merge", None)
     inp = make_inputs(seed, **spec)
     for arg in OP_ARGS:
         if isinstance(getattr(inp, arg), torch.Tensor):
@@ -448,7 +456,54 @@ def test_triton_cuda_matches_reference_small_cases(name):
     ref = torch.full_like(inp.q, math.nan)
     attention_reference(ref, *op_args(inp))
     out = torch.full_like(inp.q, math.nan)
-    attention_triton(out, *op_args(inp), num_splits=splits, block_n=block_n)
+    attention_triton(out, *op_args(inp), num_splits=splits, block_n=block_n, heads_per_merge=per_merge)
     assert out.isfinite().all() and (out[0, 0] == 0).all()
     err = (out.float() - ref.float()).abs().max().item()
     assert err <= 2**-7 * ref.float().abs().max().item(), (err, ref.float().abs().max().item())
+
+
+def test_merge_heads_choice():
+    """Heads per merge program: powers of two dividing the heads, up to 16, keeping 4 programs per SM (132 on
+    an H200: decode batch 64 gets 4 of 64 heads a program, batch 1 one)."""
+    from dsflash_compile.custom_ops import attention_triton as kernels
+
+    sms = pytest.MonkeyPatch.context()
+    with sms as patch:
+        patch.setattr(kernels, "_num_sms", lambda device: 132)
+        cpu = torch.device("cpu")
+        assert kernels.merge_heads(1, 64, cpu) == 1
+        assert kernels.merge_heads(64, 64, cpu) == 4
+        assert kernels.merge_heads(1024, 64, cpu) == 16
+        assert kernels.merge_heads(1024, 20, cpu) == 4  # 8 does not divide 20
+        assert kernels.merge_heads(1024, 5, cpu) == 1
+
+
+@pytest.mark.parametrize("per_merge", [3, 8])
+def test_heads_per_merge_must_divide_the_heads(per_merge):
+    """A merge launch that would drop or repeat heads is refused by name (20 heads: 3 is no power of two, 8 does
+    not divide 20)."""
+    pytest.importorskip("triton")
+    from dsflash_compile.custom_ops.attention_triton import attention_triton
+
+    inp = make_inputs(7, window_fmt="fp8", compressed_fmt="fp8", batch=2, seq=1, heads=20, window=16, nw=16,
+                      n_comp=32, k=16)
+    with pytest.raises(ValueError, match="heads_per_merge"):
+        attention_triton(torch.empty_like(inp.q), *op_args(inp), num_splits=2, heads_per_merge=per_merge)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_merge_heads_same_bits_cuda():
+    """At the decode batch-64 release shape (2 key splits) every heads-per-merge launch gives the bits of one
+    head a program (two partials add in either order to the same value)."""
+    pytest.importorskip("triton")
+    from dsflash_compile.custom_ops.attention_triton import attention_triton
+
+    inp = release_inputs(3, batch=64, seq=1, compressed_fmt="nvfp4")
+    args = [getattr(inp, name).cuda() if isinstance(getattr(inp, name), torch.Tensor) else getattr(inp, name)
+            for name in OP_ARGS]
+    outs = {}
+    for per_merge in (1, 4, 16):
+        outs[per_merge] = torch.full_like(args[0], math.nan)
+        attention_triton(outs[per_merge], *args, heads_per_merge=per_merge)
+    assert outs[1].isfinite().all()
+    assert torch.equal(outs[4], outs[1]) and torch.equal(outs[16], outs[1])
