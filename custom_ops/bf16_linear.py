@@ -21,6 +21,12 @@ from dsflash_compile.layers import block_diagonal_linear, check_block_diagonal
 from dsflash_compile.quant import fp8_qdq
 
 MAX_ROWS = 64  # the kernel's largest row tile (more would spill on sm_90); above, the reference (cuBLAS)
+# 33-64 rows (decode batch 64) of the long-K projections (groups x K >= TALL_MIN_K: wo_a, wo_b), their input FP8-rounded
+# before the op (each output block would round the whole row tile again): H200, 64 rows (sweep_linear.py --rows 64
+# --grid tall --prequantized, 12-02 q): wo_a 23.0 us against cuBLAS's 24.5, wo_b 28.7 against 29.3 (cuBLAS splits K
+# and reduces in a second kernel); wq_b (K 1280) 24.7 against 24.4 and wq_a+wkv 10.8 against 8.3 stay on cuBLAS
+TALL_MIN_ROWS = 33
+TALL_MIN_K = 8192
 
 
 @torch.library.custom_op("dsflash::bf16_linear", mutates_args=())

@@ -95,9 +95,13 @@ def kernel_fits(x, weight, groups) -> bool:
     return x.numel() <= MAX_ROWS * x.shape[-1] and block_n_for(weight.shape[0] // groups) is not None
 
 
-def launch(rows: int, n: int, k: int, groups: int, device: torch.device, **overrides) -> dict:
+def launch(rows: int, n: int, k: int, groups: int, device: torch.device, quantize_x: bool = True,
+           **overrides) -> dict:
     """The launch at this shape (block_m, block_n, block_k, splits, num_warps, num_stages), with overrides (sweeps:
-    scripts/sweep_linear.py). splits=None: enough K splits for about PROGRAMS_PER_SM programs per SM."""
+    scripts/sweep_linear.py). splits=None: enough K splits for about PROGRAMS_PER_SM programs per SM. Above 32
+    rows without quantize_x (an input FP8-rounded before the op) 4 stages and, unsplit, 128-wide K blocks at 8 warps
+    (4 spill on sm_90) (H200, 64 rows, 12-02 q: wo_a 23.6 us against 32.4 at 64 wide, 4 warps and 3 stages; wo_b
+    28.7 against 31.8 at 3 stages)."""
     block_m = max(16, triton.next_power_of_2(rows))
     target = int(PROGRAMS_PER_SM * _num_sms(device))
     row_blocks = triton.cdiv(rows, block_m)
@@ -106,11 +110,17 @@ def launch(rows: int, n: int, k: int, groups: int, device: torch.device, **overr
     splits = overrides.get("splits")
     if splits is None:
         splits = max(1, min(triton.cdiv(k, BLOCK_K), target // (row_blocks * (n // block_n))))
-    block_k = overrides.get("block_k") or (BLOCK_K // 2 if block_m > 32 else 2 * BLOCK_K if splits >= 4 else BLOCK_K)
+    tall = block_m > 32
+    if tall:
+        block_k = BLOCK_K if splits == 1 and not quantize_x else BLOCK_K // 2
+    else:
+        block_k = 2 * BLOCK_K if splits >= 4 else BLOCK_K
+    block_k = overrides.get("block_k") or block_k
     few = block_m <= 16 and block_n == 32  # 64-wide blocks spill at 2 warps (ptxas, sm_90): 4 warps, 2 stages
+    stages = 4 if few or (tall and not quantize_x) else 2 if block_m <= 16 else 3
     return {"block_m": block_m, "block_n": block_n, "block_k": block_k, "splits": splits,
-            "num_warps": overrides.get("num_warps") or (2 if few else 4),
-            "num_stages": overrides.get("num_stages") or (4 if few else 2 if block_m <= 16 else 3)}
+            "num_warps": overrides.get("num_warps") or (2 if few else 8 if tall and block_k == BLOCK_K else 4),
+            "num_stages": overrides.get("num_stages") or stages}
 
 
 def bf16_linear_triton(x, weight, groups, quantize_x, **overrides):
@@ -119,7 +129,7 @@ def bf16_linear_triton(x, weight, groups, quantize_x, **overrides):
     (m, _), (n, k) = rows.shape, weight.shape
     if m == 0:
         return x.new_empty(*x.shape[:-1], n)
-    settings = launch(m, n, k, groups, x.device, **overrides)
+    settings = launch(m, n, k, groups, x.device, quantize_x, **overrides)
     block_n, block_k = settings["block_n"], settings["block_k"]
     if (n // groups) % block_n or (quantize_x and block_k % 32):
         raise ValueError(f"bf16_linear: block_n={block_n} must divide a group's {n // groups} outputs and, with "

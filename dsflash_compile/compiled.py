@@ -43,6 +43,8 @@ from . import passes
 from .cache import CacheCapacityError
 from .context import check_left_padding
 from .custom_ops.bf16_linear import MAX_ROWS as LINEAR_MAX_ROWS
+from .custom_ops.bf16_linear import TALL_MIN_K as LINEAR_TALL_MIN_K
+from .custom_ops.bf16_linear import TALL_MIN_ROWS as LINEAR_TALL_MIN_ROWS
 from .custom_ops.mhc import ROWS_MIN_TOKENS
 from .custom_ops.pdl import launches
 from .custom_ops.routed_experts import MAX_TOKENS as ROUTED_MAX_TOKENS
@@ -136,6 +138,10 @@ class CompileOptions:
     # sweep_linear.py --after-seam): wq_a+wkv after an mHC seam 9.9 us against 12.5 with bf16_linear's kernel; the
     # B1 step 10.65 ms against 10.76 with it off (12-03 v, compile_and_profile variant tiled-linear)
     linear_gemv: bool = True
+    # issue 5: bf16 inputs of 33-64 rows (decode batch 64) of the long-K projections (groups x K >= 8192: wo_a, wo_b)
+    # run dsflash::fp8_qdq then dsflash::bf16_linear (QuantLinear.tall_rows), where cuBLAS took wo_a at 24.5 us
+    # and wo_b at 29.3 with a split-K reduce kernel after it (H200 sweep at 64 rows, 12-02 q: 23.0 / 28.7 us)
+    linear_tall: bool = True
     # issue 5: bf16 QuantLinear inputs of at most this many rows (on cuBLAS: above linear_few_rows) take their FP8
     # as dsflash::fp8_qdq, a fixed launch, instead of Inductor's persistent reduction, whose launch its runtime
     # autotuner picks anew each compile (H200 B64: 1.8 us a launch in one compile, 7.2-8.2 in others, 74 a step).
@@ -299,6 +305,8 @@ class CompiledRunner:
             if type(module) is QuantLinear and module.weight.dtype == torch.bfloat16:
                 module.few_rows = options.linear_few_rows
                 module.gemv = options.linear_gemv
+                long_k = module.groups * module.in_features >= LINEAR_TALL_MIN_K
+                module.tall_rows = (LINEAR_TALL_MIN_ROWS, LINEAR_MAX_ROWS) if options.linear_tall and long_k else None
                 module.qdq_op_rows = options.qdq_op_rows
         if options.swa_bounded_replay is not None:
             text.swa_bounded_replay = options.swa_bounded_replay

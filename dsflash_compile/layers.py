@@ -63,6 +63,9 @@ class QuantLinear(nn.Module):
         self.few_rows = 0  # bf16 weights: inputs of at most this many rows run dsflash::bf16_linear (compile() sets it)
         self.gemv = False  # ... and one row dsflash::bf16_gemv (compile() sets it)
         self.qdq_op_rows = 0  # the input's FP8 as dsflash::fp8_qdq up to this many rows (compile() sets it)
+        # bf16 inputs with a row count in this (first, last) range run dsflash::fp8_qdq then dsflash::bf16_linear
+        # (compile() sets it for the long-K projections: custom_ops/bf16_linear.py's TALL_MIN_K)
+        self.tall_rows: tuple[int, int] | None = None
         self.hold_weight()
 
     def hold_weight(self) -> None:
@@ -73,6 +76,10 @@ class QuantLinear(nn.Module):
             one_row = self.gemv and x.numel() == x.shape[-1]
             op = torch.ops.dsflash.bf16_gemv if one_row else torch.ops.dsflash.bf16_linear
             return op(x, self.weight, self.groups, self.quantize_input)
+        if self.tall_rows and self.tall_rows[0] * x.shape[-1] <= x.numel() <= self.tall_rows[1] * x.shape[-1] \
+                and x.dtype == torch.bfloat16:
+            x = torch.ops.dsflash.fp8_qdq(x) if self.quantize_input else x
+            return torch.ops.dsflash.bf16_linear(x, self.weight, self.groups, False)
         if self.quantize_input and self.qdq_op_rows and x.numel() <= self.qdq_op_rows * x.shape[-1] \
                 and x.dtype == torch.bfloat16:
             x = torch.ops.dsflash.fp8_qdq(x)

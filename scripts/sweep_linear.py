@@ -93,7 +93,7 @@ def sweep(name: str, rows: int, variants: list, gen: torch.Generator, prequantiz
         except Exception as error:  # noqa: BLE001 - e.g. out of resources: reported, the sweep goes on
             row.update(agrees=False, error=f"{type(error).__name__}: {error}"[:300])
         measured.append(row)
-    default = kernels.launch(rows, n, k, groups, x.device)
+    default = kernels.launch(rows, n, k, groups, x.device, quantize)
     for variant in variants:
         if variant == "default":
             launch = dict(default)
@@ -101,8 +101,8 @@ def sweep(name: str, rows: int, variants: list, gen: torch.Generator, prequantiz
             block_n, block_k, split_factor, warps, stages = variant
             if (n // groups) % block_n:
                 continue
-            launch = kernels.launch(rows, n, k, groups, x.device, block_n=block_n, block_k=block_k, num_warps=warps,
-                                    num_stages=stages)
+            launch = kernels.launch(rows, n, k, groups, x.device, quantize, block_n=block_n, block_k=block_k,
+                                    num_warps=warps, num_stages=stages)
             launch["splits"] = max(1, round(launch["splits"] * split_factor))
         launch.pop("block_m")
         row = {**base, "kernel": "tiled", **launch, "variant": variant}

@@ -27,6 +27,7 @@ CASES = {
     "grouped_split": ((2, 3), 256, 96, 3, False, True, {"block_k": 64, "splits": 4}),
     "ragged_k": ((5,), 160, 32, 1, True, True, {"block_k": 64, "splits": 2}),  # K not a multiple of the block
     "row_tile_64": ((40,), 256, 32, 1, True, True, {"splits": 2}),
+    "row_tile_64_tall_launch": ((40,), 256, 32, 1, False, True, {}),  # launch(): 128-wide K blocks, 4 stages
     "random_data": ((7,), 512, 64, 1, True, False, {"splits": 2}),
 }
 
@@ -96,6 +97,45 @@ def test_quantlinear_few_rows_path_gives_the_same_bits_on_cpu(groups, quantize):
     assert torch.equal(linear(x), plain)
 
 
+def test_tall_launch():
+    """At 64 rows an input FP8-rounded before the op gets 4 stages and, unsplit, 128-wide K blocks at 8 warps
+    (wo_a); split (wo_b: 3 splits) 64-wide at 4; with the FP8 in the kernel the 64-wide blocks and 3 stages of
+    before."""
+    from dsflash_compile.custom_ops import bf16_linear_triton as module
+
+    cuda = torch.device("cuda")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module, "_num_sms", lambda device: 132)
+        wo_a = module.launch(64, 8192, 4096, 8, cuda, False)
+        wo_b = module.launch(64, 5120, 8192, 1, cuda, False)
+        in_kernel = module.launch(64, 5120, 8192, 1, cuda, True)
+    assert (wo_a["block_k"], wo_a["splits"], wo_a["num_warps"], wo_a["num_stages"]) == (128, 1, 8, 4)
+    assert (wo_b["block_k"], wo_b["splits"], wo_b["num_warps"], wo_b["num_stages"]) == (64, 3, 4, 4)
+    assert (in_kernel["block_k"], in_kernel["num_warps"], in_kernel["num_stages"]) == (64, 4, 3)
+
+
+@pytest.mark.parametrize("quantize", [True, False])
+@torch.no_grad()
+def test_quantlinear_tall_rows_path(quantize):
+    """With tall_rows set, inputs of that many rows run fp8_qdq (with quantize_input) then bf16_linear without
+    the FP8 in it: the plain path's bits on CPU; other row counts keep cuBLAS's path (make_fx graphs)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(0)
+    linear = QuantLinear(64, 96, quantize_input=quantize, groups=2)
+    torch.nn.init.normal_(linear.weight, std=0.05)
+    x = torch.randn(40, 128).bfloat16()
+    plain = linear(x)
+    linear.tall_rows = (33, 64)
+    assert torch.equal(linear(x), plain)
+    ops = [str(n.target) for n in make_fx(linear)(x).graph.nodes if n.op == "call_function"]
+    assert "dsflash.bf16_linear.default" in ops and ("dsflash.fp8_qdq.default" in ops) == quantize
+    linear_args = [n.args for n in make_fx(linear)(x).graph.nodes if str(n.target) == "dsflash.bf16_linear.default"]
+    assert linear_args[0][2:] == (2, False)
+    ops = [str(n.target) for n in make_fx(linear)(x[:32]).graph.nodes if n.op == "call_function"]
+    assert "dsflash.bf16_linear.default" not in ops
+
+
 def test_opcheck_and_errors():
     x, w = case_inputs((3,), 64, 32, 2, True)
     for groups, quantize in ((2, True), (2, False)):
@@ -117,17 +157,19 @@ _KERNEL = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32
                N="i32", K="i32", n_per_group="i32", k_blocks_per_split="i32", splits="i32")
 
 
-@pytest.mark.parametrize("rows, name", [(1, "wo_b"), (1, "wq_b"), (32, "wo_b"), (64, "wo_b"), (64, "wq_b")])
-def test_kernel_compiles_for_hopper_without_spills(rows, name, monkeypatch):
+@pytest.mark.parametrize("rows, name, quantize", [(1, "wo_b", True), (1, "wq_b", True), (32, "wo_b", True),
+                                                (64, "wo_b", True), (64, "wq_b", True), (64, "wo_b", False),
+                                                (64, "wo_a", False)])
+def test_kernel_compiles_for_hopper_without_spills(rows, name, quantize, monkeypatch):
     """The default launch of each row tile on the H200's 132 SMs (32- and 64-wide output blocks), with the
-    release's FP8 of x."""
+    release's FP8 of x or (64 rows: wo_a and wo_b, QuantLinear.tall_rows) an input FP8-rounded before it."""
     from dsflash_compile.custom_ops import bf16_linear_triton as module
 
     monkeypatch.setattr(module, "_num_sms", lambda device: 132)
     k, n, groups, _ = RELEASE[name]
-    launch = module.launch(rows, n, k, groups, torch.device("cuda"))
+    launch = module.launch(rows, n, k, groups, torch.device("cuda"), quantize)
     assert launch["block_n"] == (64 if name == "wq_b" else 32)
-    constexprs = dict(QUANT_X=True, ONE_ROW=rows == 1, BLOCK_M=launch["block_m"], BLOCK_N=launch["block_n"],
+    constexprs = dict(QUANT_X=quantize, ONE_ROW=rows == 1, BLOCK_M=launch["block_m"], BLOCK_N=launch["block_n"],
                       BLOCK_K=launch["block_k"], EVEN_K=True, FP32_DOT=False)
     check_compiles_for_hopper(module, ("_bf16_linear_kernel", _KERNEL, constexprs, launch["num_warps"]))
 
