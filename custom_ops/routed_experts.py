@@ -7,6 +7,7 @@
         gate, up = min(gate, limit), clamp(up, -limit, limit)    (limit > 0 only)
         h = bf16(w * silu(gate) * up), then FP8 quantize-dequantized in groups of 32 (quantize_h)
         y_t += fp32(bf16(h @ W2[e]^T))
+    y = bf16(y) with out_bf16 (as MoE casts it: the block's next seam takes it in bf16), else fp32
 
 ids [tokens, k] may hold -1 (a pair another rank's experts take: it adds nothing). shared_expert is the stacks'
 slice of the shared expert when MoE stacks it (stack_experts(shared=True)): the op adds its pair itself, so
@@ -33,11 +34,13 @@ MAX_TOKENS = 64  # the kernels' tile of token rows (more would spill registers o
 
 @torch.library.custom_op("dsflash::routed_experts", mutates_args=())
 def routed_experts(x: Tensor, weights: Tensor, ids: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, limit: float,
-                   quantize_x: bool, quantize_h: bool, shared_expert: int) -> Tensor:
+                   quantize_x: bool, quantize_h: bool, shared_expert: int, out_bf16: bool = False) -> Tensor:
     """x bf16 [T, D]; weights fp32 [T, k]; ids int64 [T, k] (-1: not here); w1, w3 bf16 [G, I, D]; w2 bf16
     [G, D, I]; shared_expert: a slice of the stacks every token takes with weight 1 (-1: none). Returns fp32
-    [T, D]: each token's experts' weighted SwiGLU outputs, summed in ascending id."""
-    return routed_experts_reference(x, weights, ids, w1, w3, w2, limit, quantize_x, quantize_h, shared_expert)
+    [T, D] (bf16 with out_bf16: rounded once): each token's experts' weighted SwiGLU outputs, summed in
+    ascending id."""
+    return routed_experts_reference(x, weights, ids, w1, w3, w2, limit, quantize_x, quantize_h, shared_expert,
+                                    out_bf16)
 
 
 def check_inputs(x, weights, ids, w1, w3, w2, quantize_x, quantize_h, shared_expert) -> None:
@@ -69,7 +72,8 @@ def with_shared_expert(weights, ids, shared_expert):
     return F.pad(weights, (0, 1), value=1.0), torch.cat([ids, torch.full_like(ids[:, :1], shared_expert)], 1)
 
 
-def routed_experts_reference(x, weights, ids, w1, w3, w2, limit, quantize_x, quantize_h, shared_expert):
+def routed_experts_reference(x, weights, ids, w1, w3, w2, limit, quantize_x, quantize_h, shared_expert,
+                             out_bf16=False):
     check_inputs(x, weights, ids, w1, w3, w2, quantize_x, quantize_h, shared_expert)
     weights, ids = with_shared_expert(weights, ids, shared_expert)
     if quantize_x:
@@ -84,13 +88,13 @@ def routed_experts_reference(x, weights, ids, w1, w3, w2, limit, quantize_x, qua
         h = (w * (F.silu(gate) * up)).to(x.dtype)
         out = F.linear(fp8_qdq(h) if quantize_h else h, w2[e]).float()
         y = y + torch.where(hit.any(1, keepdim=True), out, 0.0)
-    return y
+    return y.to(torch.bfloat16) if out_bf16 else y
 
 
 @routed_experts.register_fake
-def _(x, weights, ids, w1, w3, w2, limit, quantize_x, quantize_h, shared_expert):
+def _(x, weights, ids, w1, w3, w2, limit, quantize_x, quantize_h, shared_expert, out_bf16=False):
     check_inputs(x, weights, ids, w1, w3, w2, quantize_x, quantize_h, shared_expert)
-    return x.new_empty(x.shape, dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=torch.bfloat16 if out_bf16 else torch.float32)
 
 
 try:  # Triton is optional on CPU machines
@@ -100,8 +104,8 @@ except ImportError:  # pragma: no cover - CPU machines without triton
 
 if routed_experts_triton is not None:
     @routed_experts.register_kernel("cuda")
-    def _(x, weights, ids, w1, w3, w2, limit, quantize_x, quantize_h, shared_expert):
-        args = (x, weights, ids, w1, w3, w2, limit, quantize_x, quantize_h, shared_expert)
+    def _(x, weights, ids, w1, w3, w2, limit, quantize_x, quantize_h, shared_expert, out_bf16=False):
+        args = (x, weights, ids, w1, w3, w2, limit, quantize_x, quantize_h, shared_expert, out_bf16)
         check_inputs(x, weights, ids, w1, w3, w2, quantize_x, quantize_h, shared_expert)
         if not routed_experts_triton.kernel_fits(x, w1, w3, w2):
             return routed_experts_reference(*args)

@@ -202,7 +202,8 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, y_ptr, counter_ptr, T, KK, SLO
 def _ordered_sum(out_ptr, ids_ptr, y_ptr, n, T, KK, SLOTS, shared, G, D, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, KK_PAD: tl.constexpr):
     """y[t, n] = token t's pair outputs in fp32, added in ascending expert id (the next id: the smallest above the
-    last; ids -1 are skipped), the order of MoE's paths: deterministic, no atomics on y."""
+    last; ids -1 are skipped), the order of MoE's paths: deterministic, no atomics on y. A bf16 y gets the sum
+    rounded to nearest even (in integer arithmetic: the interpreter's cast truncates)."""
     t = tl.arange(0, BLOCK_M)
     s = tl.arange(0, KK_PAD)
     ids = _slot_ids(ids_ptr, t[:, None], s[None, :], T, KK, shared).to(tl.int32)  # -1 past the token's slots
@@ -217,7 +218,10 @@ def _ordered_sum(out_ptr, ids_ptr, y_ptr, n, T, KK, SLOTS, shared, G, D, BLOCK_M
                        mask=live[:, None] & n_in[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
         y = tl.where(live[:, None], y + term, y)
         e = tl.min(tl.where(ids > e[:, None], ids, G), 1)
-    tl.store(y_ptr + t.to(tl.int64)[:, None] * D + n[None, :], y, mask=(t < T)[:, None] & n_in[None, :])
+    if y_ptr.dtype.element_ty == tl.bfloat16:
+        y = _round_bf16(y)
+    tl.store(y_ptr + t.to(tl.int64)[:, None] * D + n[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=(t < T)[:, None] & n_in[None, :])
 
 
 def kernel_fits(x, w1, w3, w2) -> bool:
@@ -251,15 +255,15 @@ def by_expert_grid(tokens: int, experts: int, slots: int) -> bool:
     return tokens > BY_EXPERT_ABOVE and pairs * stacked <= BY_EXPERT_MAX_COMPARES
 
 
-def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_x, quantize_h, shared_expert, up=None,
-                          down=None, by_expert=None):
-    """fp32 [T, D] as the reference. up / down override the two projections' launches (see `launches`);
-    by_expert: the programs' rows (None: by_expert_grid's choice)."""
+def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_x, quantize_h, shared_expert,
+                          out_bf16=False, up=None, down=None, by_expert=None):
+    """fp32 [T, D] (bf16 with out_bf16) as the reference. up / down override the two projections' launches (see
+    `launches`); by_expert: the programs' rows (None: by_expert_grid's choice)."""
     tokens, dim = x.shape
     k = ids.shape[1]
     slots = k + (shared_expert >= 0)
     experts, inter, _ = w1.shape
-    y = x.new_empty(tokens, dim, dtype=torch.float32)
+    y = x.new_empty(tokens, dim, dtype=torch.bfloat16 if out_bf16 else torch.float32)
     if tokens * slots == 0:
         return y.zero_()
     up, down = launches(tokens, up, down)

@@ -103,7 +103,8 @@ class CompileOptions:
     moe_swiglu_op: bool = True
     # issue 5: the sorted path's per-token sum of the down GEMM's rows (gather, ordered fp32 sum, cast) as
     # dsflash::token_sum (one launch), where Inductor ran two kernels (H200 B64 trace, 12-02 s: 4.4 + 5.2 us a layer,
-    # the second fused with the block's closing hc_post, which now runs alone). Same bits. H200, flash-40l-e8 bf16,
+    # the second fused with the block's closing hc_post, which then ran alone: since 12-03 v the next block's first
+    # seam does it, mhc.PendingPost). Same bits. H200, flash-40l-e8 bf16,
     # B64 decode side by side (12-02 t): 16.75 ms against 16.79
     moe_token_sum_op: bool = True
     # issue 5: the query heads' RoPE as dsflash::rope_, in place on wq_b's output: written functionally (a cat or

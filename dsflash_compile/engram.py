@@ -10,6 +10,7 @@ from torch import nn
 
 from .configuration_deepseek_v41 import DeepseekV41TextConfig
 from .layers import quant_linear
+from .mhc import PendingPost, expanded
 
 
 class EngramTable(nn.Module):
@@ -33,9 +34,11 @@ class Engram(nn.Module):
         self.q_weight = nn.Parameter(torch.ones(self.hc, self.dim, dtype=torch.bfloat16))
         self.k_weight = nn.Parameter(torch.ones(self.hc, self.dim, dtype=torch.bfloat16))
 
-    def forward(self, streams: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
-        """streams [B, S, hc, D] bf16; hash_ids [B, S, cols]. Per stream j: a normalised dot of X_j with
-        its key gates the shared value into X_j (signed sqrt before the sigmoid)."""
+    def forward(self, streams: torch.Tensor | PendingPost, hash_ids: torch.Tensor) -> torch.Tensor:
+        """streams [B, S, hc, D] bf16 (or the block before's, its expansion pending: done here, in Engram's
+        compiled graph); hash_ids [B, S, cols]. Per stream j: a normalised dot of X_j with its key gates the
+        shared value into X_j (signed sqrt before the sigmoid)."""
+        streams = expanded(streams)
         kv = self.wkv(self.embed(hash_ids).flatten(-2))
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
         key = key.float().unflatten(-1, (self.hc, self.dim))

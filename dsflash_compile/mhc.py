@@ -6,6 +6,8 @@ receives, a pre-mix (collapse weights), a post-mix (expansion weights) and a dou
 into one op with an FX pass; this file is the pattern that pass matches, so keep it plain.
 """
 
+from typing import NamedTuple
+
 import torch
 
 
@@ -47,3 +49,18 @@ def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: 
     """Expand: Y_j = post_j * out + sum_i comb[i, j] * X_i (fp32), cast to the stream dtype."""
     mixed = torch.sum(comb.unsqueeze(-1) * streams.unsqueeze(-2), dim=-3)
     return (post.unsqueeze(-1) * out.unsqueeze(-2) + mixed).to(streams.dtype)
+
+
+class PendingPost(NamedTuple):
+    """A sublayer's output with its expansion into the streams not yet done: hc_post(out, streams, post, comb).
+    A block hands the next one its MoE's this way, so that the next block's first seam (compiled with it, as
+    each block is compiled alone) expands it, and the seam fusion takes the expansion into its one op."""
+    out: torch.Tensor
+    streams: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+
+
+def expanded(streams: "torch.Tensor | PendingPost") -> torch.Tensor:
+    """The streams, with a pending expansion done."""
+    return hc_post(*streams) if isinstance(streams, PendingPost) else streams

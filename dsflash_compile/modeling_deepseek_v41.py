@@ -26,7 +26,7 @@ from .configuration_deepseek_v41 import DeepseekV41Config, DeepseekV41TextConfig
 from .context import ForwardContext, build_context, check_left_padding, tail_context
 from .engram import Engram
 from .layers import RMSNorm, fp32_linear
-from .mhc import hc_mixes, hc_post, hc_pre
+from .mhc import PendingPost, expanded, hc_mixes, hc_post, hc_pre
 from .moe import MoE
 from .rope import inverse_frequencies, rotation
 
@@ -54,6 +54,7 @@ class DeepseekV41Block(nn.Module):
     def __init__(self, config: DeepseekV41TextConfig, role: LayerRole, engram_rows: int | None):
         super().__init__()
         self.role = role
+        self.last = role.layer == config.num_hidden_layers - 1  # no seam after it: it expands its MoE's output
         self.norm_eps, self.hc_eps, self.iters = config.rms_norm_eps, config.hc_eps, config.hc_sinkhorn_iters
         hc, dim = config.hc_mult, config.hidden_size
         mix = (2 + hc) * hc
@@ -71,14 +72,17 @@ class DeepseekV41Block(nn.Module):
         return hc_mixes(streams, getattr(self, f"hc_{seam}_fn"), getattr(self, f"hc_{seam}_scale"),
                         getattr(self, f"hc_{seam}_base"), self.norm_eps, self.hc_eps, self.iters)
 
-    def forward(self, streams: torch.Tensor, pre_mix: torch.Tensor, ctx: ForwardContext, state: LayerCache,
-                topk: torch.Tensor | None = None, queries: int | None = None):
-        """streams [B, S, hc, D]; pre_mix [B, S, hc] from the previous block; state: this layer's cache
-        tensors; topk: the latest index source's top-k of this layer's ratio. Returns the new streams,
-        the pre-mix for the next block (lagged: each sublayer uses the pre computed one seam earlier)
-        and the top-k this layer attended. queries: only the last `queries` columns go on past the
-        attention's cache writes (bounded replay at the last KV source; see Attention.forward): the
-        streams and pre-mix returned have those columns (0: the cache writes alone, returning Nones)."""
+    def forward(self, streams: torch.Tensor | PendingPost, pre_mix: torch.Tensor, ctx: ForwardContext,
+                state: LayerCache, topk: torch.Tensor | None = None, queries: int | None = None):
+        """streams [B, S, hc, D], or the previous block's with its MoE output still to expand (PendingPost);
+        pre_mix [B, S, hc] from the previous block; state: this layer's cache tensors; topk: the latest
+        index source's top-k of this layer's ratio. Returns the new streams as a PendingPost (the MoE's
+        expansion is left to the next block's first seam; the last block expands them), the pre-mix for the next
+        block (lagged: each sublayer uses the pre computed one seam earlier) and the top-k this layer
+        attended. queries: only the last `queries` columns go on past the attention's cache writes (bounded
+        replay at the last KV source; see Attention.forward): the streams and pre-mix returned have those
+        columns (0: the cache writes alone, returning Nones)."""
+        streams = expanded(streams)
         attn_pre, attn_post, attn_comb = self.mixes(streams, "attn")
         out, topk = self.attn(self.attn_norm(hc_pre(streams, pre_mix)), ctx, state, topk, queries)
         if queries == 0:
@@ -89,7 +93,8 @@ class DeepseekV41Block(nn.Module):
         streams = hc_post(out, streams, attn_post, attn_comb)
         ffn_pre, ffn_post, ffn_comb = self.mixes(streams, "ffn")
         out = self.ffn(self.ffn_norm(hc_pre(streams, attn_pre)))
-        return hc_post(out, streams, ffn_post, ffn_comb), ffn_pre, topk
+        streams = PendingPost(out, streams, ffn_post, ffn_comb)
+        return expanded(streams) if self.last else streams, ffn_pre, topk
 
 
 class DeepseekV41PreTrainedModel(PreTrainedModel):
@@ -244,7 +249,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         Position-based, so it holds for every chunk of a chunked prompt."""
         ctx, streams, pre_mix, hash_ids = self.begin(input_ids, attention_mask, cache, columns_after, replay_from)
         if tail is None:
-            hidden = self.norm(hc_pre(*self.run_layers(self.layers, ctx, cache, streams, pre_mix, hash_ids)))
+            streams, pre_mix = self.run_layers(self.layers, ctx, cache, streams, pre_mix, hash_ids)
+            hidden = self.norm(hc_pre(expanded(streams), pre_mix))
         else:
             cut = self.text_config.last_kv_source_layer + 1
             streams, pre_mix = self.run_layers(self.layers[:max(cut - 1, 0)], ctx, cache, streams, pre_mix, hash_ids)
@@ -264,7 +270,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
     def run_layers(self, layers, ctx: ForwardContext, cache: DeepseekV41Cache, streams: torch.Tensor,
                    pre_mix: torch.Tensor, hash_ids: dict, queries: int | None = None):
         """Run these decoder blocks in order; an index source publishes its top-k into ctx.topk. queries:
-        passed to the blocks (bounded replay's last KV source)."""
+        passed to the blocks (bounded replay's last KV source). The streams returned may be a PendingPost."""
         for block in layers:
             if self.block_hook is not None:
                 self.block_hook(block)
@@ -282,7 +288,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         """Bounded replay's trimmed part on the tail columns (ctx from tail_context): the layers after the
         last KV source, then the final norm."""
         cut = self.text_config.last_kv_source_layer + 1
-        return self.norm(hc_pre(*self.run_layers(self.layers[cut:], ctx, cache, streams, pre_mix, hash_ids)))
+        streams, pre_mix = self.run_layers(self.layers[cut:], ctx, cache, streams, pre_mix, hash_ids)
+        return self.norm(hc_pre(expanded(streams), pre_mix))
 
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DeepseekV41Cache,
               columns_after: int, replay_from: torch.Tensor | None = None):

@@ -244,7 +244,8 @@ class MoE(nn.Module):
         if not self.native and ids.shape[0] <= self.few_tokens:  # no sort: two launches on CUDA
             return torch.ops.dsflash.routed_experts(
                 x, weights, ids, self.w1_weight_stacked, self.w3_weight_stacked, self.w2_weight_stacked, first.limit,
-                first.w1.quantize_input, first.w2.quantize_input, len(self.experts) if shared else -1).to(dtype)
+                first.w1.quantize_input, first.w2.quantize_input, len(self.experts) if shared else -1,
+                dtype == torch.bfloat16).to(dtype)  # bf16: rounded in the op (no cast kernel before the seam)
         if shared:
             weights, ids = with_shared_expert(weights, ids, len(self.experts))
         tokens, k = ids.shape

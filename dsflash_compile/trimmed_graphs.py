@@ -6,9 +6,10 @@ compiled blocks are short and launch-bound, so, like the decode step, they are c
 per batch bucket (the equivalent of compiling them with mode="reduce-overhead", with one replay for the
 whole region instead of one per block), while the layers up to the cut run as the ordinary prefill chunk.
 
-A graph is keyed by the layout of every argument (each context field, streams, pre-mix and any Engram ids:
-tensor shapes and dtypes, dict keys, what is None), all derived from the context's fields, so a new field or
-a different input set captures a new graph instead of being copied into the wrong buffers. The first call
+A graph is keyed by the layout of every argument (each context field, the streams (a PendingPost from the last
+KV source's block), pre-mix and any Engram ids: tensor shapes and dtypes, dict keys, what is None), all derived
+from the context's fields, so a new field or a different input set captures a new graph instead of being
+copied into the wrong buffers. The first call
 for a key runs the blocks directly on a side stream, on a copy of its inputs made as the static one is (that
 compiles them for such copies and does every lazy initialisation, as capture requires) and then captures;
 capture records kernels without running them, so the cache is not written twice.
@@ -21,6 +22,7 @@ import dataclasses
 import torch
 
 from .context import ForwardContext
+from .mhc import PendingPost
 
 
 def _arguments(ctx: ForwardContext, streams, pre_mix, hash_ids: dict) -> list:
@@ -30,11 +32,14 @@ def _arguments(ctx: ForwardContext, streams, pre_mix, hash_ids: dict) -> list:
 
 
 def _tensors(value) -> list[torch.Tensor]:
-    """The tensors in a value (dicts by key), in a fixed order: what a replay copies into the graph."""
+    """The tensors in a value (dicts by key, a PendingPost's fields in order), in a fixed order: what a replay
+    copies into the graph."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, dict):
         return [t for key in sorted(value) for t in _tensors(value[key])]
+    if isinstance(value, PendingPost):
+        return [t for item in value for t in _tensors(item)]
     return []
 
 
@@ -44,6 +49,8 @@ def _layout(value):
         return tuple(value.shape), value.dtype
     if isinstance(value, dict):
         return tuple((key, _layout(value[key])) for key in sorted(value))
+    if isinstance(value, PendingPost):
+        return "PendingPost", tuple(_layout(item) for item in value)
     return value if value is None or isinstance(value, (int, float, bool)) else id(value)  # the cache: by identity
 
 
@@ -56,6 +63,8 @@ def _clone(value):
             return value.clone()
     if isinstance(value, dict):
         return {key: _clone(item) for key, item in value.items()}
+    if isinstance(value, PendingPost):
+        return PendingPost(*(_clone(item) for item in value))
     return value
 
 

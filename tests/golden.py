@@ -11,6 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dsflash_compile.mhc import expanded
+
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 TINY_A = SHARED / "golden" / "tiny-a"
 
@@ -126,8 +128,8 @@ def teacher_forced(model, ids: torch.Tensor, cache, phase: str, step: int | None
         if block.engram is not None:
             engram_outs[layer] = block.engram(streams, hash_ids[layer])
             streams = dbg[f"{phase}.engram_out.{layer}"][:, sl].to(ids.device)
-        outs[layer], pre_mix, topk = block(streams, pre_mix, ctx, cache.layer(block.role),
-                                           ctx.topk.get(block.role.topk_layer))
+        out, pre_mix, topk = block(streams, pre_mix, ctx, cache.layer(block.role), ctx.topk.get(block.role.topk_layer))
+        outs[layer] = expanded(out)
         if block.role.is_index_source:
             ctx.topk[layer] = topk
     inner.advance(ctx)

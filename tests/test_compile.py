@@ -57,11 +57,13 @@ def compiled_with_op_counted(op: str, reference, **options):
 
 
 def distinct_roles(model, layers=None) -> int:
-    """Roles as the compiled block sees them (layer ids excluded: blocks get their tensors as arguments),
-    over `layers` (a slice of the layer list; default all)."""
-    roles = model.model.text_config.layer_roles[layers or slice(None)]
-    return len({(r.ratio, r.is_kv_source, r.is_index_source, r.is_candidate_source, r.uses_candidates)
-                for r in roles})
+    """Roles as the compiled block sees them (layer ids excluded: blocks get their tensors as arguments), with
+    what it is handed (expanded streams at block 0 and after Engram, else the block before's PendingPost) and
+    whether it is the last (which expands its own output), over `layers` (a slice of the layer list; default
+    all)."""
+    blocks = model.model.layers[layers or slice(None)]
+    return len({(b.role.ratio, b.role.is_kv_source, b.role.is_index_source, b.role.is_candidate_source,
+                 b.role.uses_candidates, b.role.layer == 0 or b.engram is not None, b.last) for b in blocks})
 
 
 def compiled_modules(model, layers=slice(None)) -> int:

@@ -12,7 +12,7 @@ from dsflash_compile import DeepseekV41ForCausalLM, passes, preset_config
 from dsflash_compile.custom_ops.mhc import ROWS_MIN_TOKENS, entry_seam_reference, seam_reference
 from dsflash_compile.layers import RMSNorm
 from dsflash_compile.modeling_deepseek_v41 import DeepseekV41Block
-from dsflash_compile.mhc import hc_mixes, hc_post, hc_pre
+from dsflash_compile.mhc import expanded, hc_mixes, hc_post, hc_pre
 from dsflash_compile.passes import MhcFusionPass
 from dsflash_compile.passes.mhc_fusion import trace_like_post_grad
 from graph_caches import graph_caches_off
@@ -427,7 +427,7 @@ def tiny_layer_loop(layers=None, seed=0):
             if block.engram is not None:
                 streams = block.engram(streams, hash_ids)
             streams, pre_mix = block(streams, pre_mix, *context)[:2]
-        return model.norm(hc_pre(streams, pre_mix))
+        return model.norm(hc_pre(expanded(streams), pre_mix))
 
     def inputs(batch, seq):
         rows = min(block.engram.embed.weight.shape[0] for block in model.layers if block.engram is not None)

@@ -83,6 +83,9 @@ def interpreter_checks():
     full = op_args(*CASES["random_data"][:8], False, False)
     slot = routed_experts_triton(*full)
     report(dict(name="x_quantized_in_the_kernel", same=torch.equal(got, before)))
+    rounded = routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_x, quantize_h, shared, True)
+    report(dict(name="bf16_out_is_the_fp32_sum_rounded", same=rounded.dtype == torch.bfloat16
+                and torch.equal(rounded, got.bfloat16())))
     report(dict(name="shared_folded_or_a_slot", same=torch.equal(got, slot)))
     # the programs' rows by expert or by pair (by_expert_grid picks by expert above 16 tokens): the other grid
     # gives the same bits, also with pairs of ids -1
@@ -113,7 +116,8 @@ def test_kernels_match_reference(interpreted, name):
 
 
 @requires_interpreter
-@pytest.mark.parametrize("name", ["x_quantized_in_the_kernel", "shared_folded_or_a_slot", "by_expert_or_by_pair"])
+@pytest.mark.parametrize("name", ["x_quantized_in_the_kernel", "shared_folded_or_a_slot", "by_expert_or_by_pair",
+                                  "bf16_out_is_the_fp32_sum_rounded"])
 def test_kernel_runs_that_must_agree(interpreted, name):
     assert interpreted[name]["same"], interpreted[name]
 
@@ -147,8 +151,10 @@ def test_moe_few_tokens_equals_the_sorted_and_loop_paths(shared_stacked):
 
 def test_opcheck_and_errors():
     args = case_inputs(3, 4, 5, 64, 64, True)
-    for flags in ((10.0, False, True, -1), (10.0, True, True, 4)):
+    for flags in ((10.0, False, True, -1), (10.0, True, True, 4), (10.0, True, True, 4, True)):
         torch.library.opcheck(torch.ops.dsflash.routed_experts.default, (*args, *flags))
+    assert torch.equal(torch.ops.dsflash.routed_experts(*args, 10.0, True, True, 4, True),
+                       torch.ops.dsflash.routed_experts(*args, 10.0, True, True, 4).bfloat16())
     x, weights, ids, w1, w3, w2 = args
     op = torch.ops.dsflash.routed_experts
     with pytest.raises(TypeError, match="ids must be int64"):
@@ -174,14 +180,16 @@ _DOWN = dict(h_ptr="*bf16", ids_ptr="*i64", w2_ptr="*bf16", out_ptr="*bf16", y_p
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 def test_kernels_compile_for_hopper_without_spills(block_m):
     """Each token tile's launches (routed_experts_triton.launches) at top-6 + shared, with the release's FP8 of x
-    and h, the programs' rows as by_expert_grid picks them for flash-40l-e8 (9 stacked experts)."""
+    and h, the programs' rows as by_expert_grid picks them for flash-40l-e8 (9 stacked experts); the down
+    kernel with an fp32 and a bf16 sum."""
     from dsflash_compile.custom_ops import routed_experts_triton as module
 
     up, down = module.launches(block_m)
     by_expert = module.by_expert_grid(block_m, 9, 7)
     assert by_expert == (block_m > 16)
     for name, arg_types, launch, extra in (("_up_kernel", _UP, up, dict(QUANT_X=True, QUANT_H=True)),
-                                           ("_down_kernel", _DOWN, down, {})):
+                                           ("_down_kernel", _DOWN, down, {}),
+                                           ("_down_kernel", dict(_DOWN, y_ptr="*bf16"), down, {})):  # out_bf16
         constexprs = dict(BLOCK_M=block_m, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"], KK_PAD=8,
                           P_PAD=8 * block_m, G_PAD=16, BY_EXPERT=by_expert, FP32_DOT=False, **extra)
         check_compiles_for_hopper(module, (name, arg_types, constexprs, launch["num_warps"]))
@@ -206,6 +214,7 @@ def test_release_sizes_on_cuda(tokens):
     assert torch.equal(got, torch.ops.dsflash.routed_experts(fp8_qdq(x), weights, ids, w1, w3, w2, limit, False,
                                                              quantize_h, shared))
     assert torch.equal(got, torch.ops.dsflash.routed_experts(*op_args(*case[:8], False, False, device="cuda")))
+    assert torch.equal(torch.ops.dsflash.routed_experts(*args, True), got.bfloat16())  # rounded once, as a cast
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = torch.ops.dsflash.routed_experts(*args)

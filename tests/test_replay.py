@@ -8,7 +8,7 @@ import torch
 import dsflash_compile
 from dsflash_compile import DeepseekV41ForCausalLM, preset_config
 from dsflash_compile.context import build_context
-from dsflash_compile.mhc import hc_pre
+from dsflash_compile.mhc import PendingPost, expanded, hc_pre
 from dsflash_compile.rope import rotation
 from test_model import left_pad, prompts
 
@@ -47,8 +47,8 @@ def test_trimmed_layers_receive_exactly_the_last_window_of_each_row():
     seen = {}
 
     def record(block, args):
-        streams, _, ctx = args[:3]
-        seen[block.role.layer] = (streams.shape[1], ctx.positions.clone(), ctx.window_idx.clone())
+        _, pre_mix, ctx = args[:3]  # (the streams may be a PendingPost: the pre-mix has their columns)
+        seen[block.role.layer] = (pre_mix.shape[1], ctx.positions.clone(), ctx.window_idx.clone())
 
     hooks = [block.register_forward_pre_hook(record) for block in model.model.layers]
     logits = model(ids, attention_mask=mask, cache=model.new_cache(2, 64), logits_to_keep=1).logits
@@ -122,6 +122,7 @@ def slow_bounded_replay(model, ids):
                                        ctx.topk.get(block.role.topk_layer))
         if block.role.is_index_source:
             ctx.topk[block.role.layer] = topk
+    streams = expanded(streams)
     floor = torch.tensor([seq - window])
     outs = []
     for t in range(seq - window, seq):
@@ -136,7 +137,7 @@ def slow_bounded_replay(model, ids):
             s, p, topk = block(s, p, one, cache.layer(block.role), one.topk.get(block.role.topk_layer))
             if block.role.is_index_source:
                 one.topk[block.role.layer] = topk
-        outs.append(inner.norm(hc_pre(s, p)))
+        outs.append(inner.norm(hc_pre(expanded(s), p)))
     return torch.cat(outs, dim=1)
 
 
@@ -195,8 +196,11 @@ def test_trimmed_graph_inputs_are_listed_before_the_layers_publish_top_k():
     def trimmed_arguments(seed):
         ids, mask = left_pad(prompts([40, 40], seed=seed))
         ctx, streams, pre_mix, hash_ids = model.model.begin(ids, mask, cache, 64)
-        streams, pre_mix = model.model.run_layers(model.model.layers[:cut], ctx, cache, streams, pre_mix, hash_ids)
-        return tail_context(ctx, mask, 16), streams[:, -16:].contiguous(), pre_mix[:, -16:].contiguous(), {}
+        layers = model.model.layers
+        streams, pre_mix = model.model.run_layers(layers[:cut - 1], ctx, cache, streams, pre_mix, hash_ids)
+        streams, pre_mix = model.model.run_layers(layers[cut - 1:cut], ctx, cache, streams, pre_mix, hash_ids, 16)
+        assert isinstance(streams, PendingPost)  # as DeepseekV41Model.run hands them over: listed field by field
+        return tail_context(ctx, mask, 16), streams, pre_mix, {}
 
     first = trimmed_arguments(1)
     static = trimmed_graphs._static_copy(*first)
