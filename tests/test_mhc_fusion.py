@@ -12,7 +12,7 @@ from dsflash_compile import DeepseekV41ForCausalLM, passes, preset_config
 from dsflash_compile.custom_ops.mhc import ROWS_MIN_TOKENS, entry_seam_reference, seam_reference
 from dsflash_compile.layers import RMSNorm
 from dsflash_compile.modeling_deepseek_v41 import DeepseekV41Block
-from dsflash_compile.mhc import expanded, hc_mixes, hc_post, hc_pre
+from dsflash_compile.mhc import PendingPost, expanded, hc_mixes, hc_post, hc_pre
 from dsflash_compile.passes import MhcFusionPass
 from dsflash_compile.passes.mhc_fusion import trace_like_post_grad
 from graph_caches import graph_caches_off
@@ -446,3 +446,32 @@ def test_every_seam_of_the_tiny_model_is_fused(compiling):
     torch.testing.assert_close(compiling(seams, layer_loop)(*args), layer_loop(*args), rtol=2 ** -6, atol=2 ** -6)
     assert seams.matches == [18]
     assert seams.ops == [{SEAM_OPS[0]: 15, SEAM_OPS[1]: 3}]
+
+
+@pytest.mark.parametrize("handed", ["pending", "expanded"])
+@pytest.mark.parametrize("which", ["middle", "last"])
+def test_a_block_compiled_alone_fuses_the_expansion_it_is_handed(compiling, handed, which):
+    """Blocks compile one by one (compile() compiles each). Handed the block before's PendingPost, a block's graph
+    starts with that expansion, so both its seams become full mhc_seam ops; handed expanded streams (block 0,
+    after Engram), its first seam is an entry seam. A block returns its MoE output as a PendingPost, the last
+    block expanded; the same values as uncompiled."""
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(preset_config("tiny")).eval().model
+    block = model.layers[4] if which == "middle" else model.layers[-1]
+    assert block.engram is None and block.last == (which == "last")
+    block.attn, block.ffn = StandIn(), StandIn()
+    context = [None] * 2  # attention context and layer cache: only the stand-ins see them
+    out, streams, post, comb, pre_mix = seam_args((2, 3), hc=model.hc, dim=256)[:5]
+    given = PendingPost(out, streams, post, comb) if handed == "pending" else streams
+
+    def run(given, pre_mix):
+        return block(given, pre_mix, *context)[:2]
+
+    seams = Seams()
+    got, want = compiling(seams, run)(given, pre_mix), run(given, pre_mix)
+    assert isinstance(got[0], torch.Tensor if which == "last" else PendingPost)
+    flat = [*got[0], got[1]] if which == "middle" else list(got)
+    for g, w in zip(flat, [*want[0], want[1]] if which == "middle" else list(want)):
+        torch.testing.assert_close(g, w, rtol=2 ** -6, atol=2 ** -6)
+    full = 2 if handed == "pending" else 1
+    assert seams.ops == [{SEAM_OPS[0]: full, SEAM_OPS[1]: 2 - full}]
