@@ -21,6 +21,7 @@ import argparse
 import gzip
 import json
 import re
+import statistics
 from pathlib import Path
 
 # first match wins; names are those of the kernels (Triton: the @triton.jit function's name)
@@ -134,6 +135,22 @@ def layer_kernels(events: list[dict], marker: str = "_router_kernel", index: int
     return rows
 
 
+def layer_medians(events: list[dict], marker: str = "_router_kernel", index: int = 0) -> tuple[list[dict], int]:
+    """layer_kernels(index) with each kernel's us, path us and gap the median over every layer that launches the
+    same kernels in the same order (one layer's figures move by a few us from layer to layer: PDL waits, the
+    memory system), and how many layers that is."""
+    device = device_events(events)
+    layers = sum(e["name"] == marker for e in device) - 1
+    rows = layer_kernels(events, marker, index)
+    names = [r["name"] for r in rows]
+    alike = [other for other in (layer_kernels(events, marker, i) for i in range(layers))
+             if [r["name"] for r in other] == names]
+    for position, row in enumerate(rows):
+        for key in ("us", "path_us", "gap_us"):
+            row[key] = statistics.median(other[position][key] for other in alike)
+    return rows, len(alike)
+
+
 def model_floor_bytes(preset: str, batch: int, context: int, weights: str) -> dict:
     """benchmarking.decode_traffic's bytes per family for a preset, its model built on the meta device."""
     import torch
@@ -183,6 +200,8 @@ def main(argv=None) -> None:
     parser.add_argument("--configs", type=int, default=4, help="launch configurations listed per family")
     parser.add_argument("--out", help="write the summary as JSON here")
     parser.add_argument("--layer", type=int, help="also list this layer's kernels in order (router to router)")
+    parser.add_argument("--median", action="store_true",
+                        help="--layer: each kernel's median over the layers launching the same kernels")
     args = parser.parse_args(argv)
     floor_bytes = model_floor_bytes(args.preset, args.batch, args.context, args.weights) if args.preset else None
     events = load_events(args.trace)
@@ -193,8 +212,12 @@ def main(argv=None) -> None:
     if args.layer is not None:
         from dsflash_compile.benchmarking import print_table
 
-        rows = layer_kernels(events, index=args.layer)
-        print(f"\nlayer {args.layer}: {sum(r['path_us'] for r in rows):.1f} us on the path, {len(rows)} kernels")
+        if args.median:
+            rows, alike = layer_medians(events, index=args.layer)
+            which = f"layer {args.layer}, medians over the {alike} layers launching its kernels"
+        else:
+            rows, which = layer_kernels(events, index=args.layer), f"layer {args.layer}"
+        print(f"\n{which}: {sum(r['path_us'] for r in rows):.1f} us on the path, {len(rows)} kernels")
         print_table(rows, [("gap us", "gap_us", ".1f"), ("us", "us", ".1f"), ("path us", "path_us", ".1f"),
                            ("grid", "grid", ""), ("kernel", "name", "")])
     if args.out:

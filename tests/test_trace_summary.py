@@ -73,6 +73,24 @@ def test_layer_kernels_lists_one_layer_in_order(trace_summary):
         trace_summary.layer_kernels(events, index=2)
 
 
+def test_layer_medians_over_the_layers_launching_the_same_kernels(trace_summary):
+    """Each kernel's figures are the median over the layers with the same kernel sequence (here layers 0, 1 and
+    3; layer 2 launches another kernel and is left out)."""
+    events, ts = [], 0
+    for seam, extra in ((9, False), (5, False), (30, True), (7, False)):
+        events += [kernel("_router_kernel", ts, 7), kernel("_up_kernel", ts + 7, 80)]
+        events += [kernel("_other_kernel", ts + 87, 3)] if extra else []
+        events.append(kernel("_seam_kernel", ts + 90, seam))
+        ts += 200
+    events.append(kernel("_router_kernel", ts, 7))
+    rows, alike = trace_summary.layer_medians(events, index=1)
+    assert alike == 3
+    # the routers' path shares 7, 108 and 87 (each from the end of the layer before); the seams' 12, 8 and 10
+    assert [(r["name"], r["us"], r["path_us"]) for r in rows] == [
+        ("_router_kernel", 7, 87), ("_up_kernel", 80, 80), ("_seam_kernel", 7, 10)]
+    assert [r["gap_us"] for r in rows] == [0.0, 0.0, 3.0]
+
+
 def test_path_shares_add_up_to_the_span_when_kernels_overlap(trace_summary):
     """Programmatic dependent launch: a kernel starts while the one before it runs and waits, so durations overlap.
     Each kernel's path share is its end minus the latest end before it; a kernel ending inside another adds 0."""
