@@ -249,8 +249,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         Position-based, so it holds for every chunk of a chunked prompt."""
         ctx, streams, pre_mix, hash_ids = self.begin(input_ids, attention_mask, cache, columns_after, replay_from)
         if tail is None:
-            streams, pre_mix = self.run_layers(self.layers, ctx, cache, streams, pre_mix, hash_ids)
-            hidden = self.norm(hc_pre(expanded(streams), pre_mix))
+            hidden = self.norm(hc_pre(*self.run_layers(self.layers, ctx, cache, streams, pre_mix, hash_ids)))
         else:
             cut = self.text_config.last_kv_source_layer + 1
             streams, pre_mix = self.run_layers(self.layers[:max(cut - 1, 0)], ctx, cache, streams, pre_mix, hash_ids)
@@ -270,7 +269,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
     def run_layers(self, layers, ctx: ForwardContext, cache: DeepseekV41Cache, streams: torch.Tensor,
                    pre_mix: torch.Tensor, hash_ids: dict, queries: int | None = None):
         """Run these decoder blocks in order; an index source publishes its top-k into ctx.topk. queries:
-        passed to the blocks (bounded replay's last KV source). The streams returned may be a PendingPost."""
+        passed to the blocks (bounded replay's last KV source). The streams returned are a PendingPost unless the
+        last of them is the model's last block (DeepseekV41Block.last)."""
         for block in layers:
             if self.block_hook is not None:
                 self.block_hook(block)
@@ -288,8 +288,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         """Bounded replay's trimmed part on the tail columns (ctx from tail_context): the layers after the
         last KV source, then the final norm."""
         cut = self.text_config.last_kv_source_layer + 1
-        streams, pre_mix = self.run_layers(self.layers[cut:], ctx, cache, streams, pre_mix, hash_ids)
-        return self.norm(hc_pre(expanded(streams), pre_mix))
+        return self.norm(hc_pre(*self.run_layers(self.layers[cut:], ctx, cache, streams, pre_mix, hash_ids)))
 
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DeepseekV41Cache,
               columns_after: int, replay_from: torch.Tensor | None = None):

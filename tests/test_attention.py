@@ -462,20 +462,18 @@ def test_triton_cuda_matches_reference_small_cases(name):
     assert err <= 2**-7 * ref.float().abs().max().item(), (err, ref.float().abs().max().item())
 
 
-def test_merge_heads_choice():
+def test_merge_heads_choice(monkeypatch):
     """Heads per merge program: powers of two dividing the heads, up to 16, keeping 4 programs per SM (132 on
     an H200: decode batch 64 gets 4 of 64 heads a program, batch 1 one)."""
     from dsflash_compile.custom_ops import attention_triton as kernels
 
-    sms = pytest.MonkeyPatch.context()
-    with sms as patch:
-        patch.setattr(kernels, "_num_sms", lambda device: 132)
-        cpu = torch.device("cpu")
-        assert kernels.merge_heads(1, 64, cpu) == 1
-        assert kernels.merge_heads(64, 64, cpu) == 4
-        assert kernels.merge_heads(1024, 64, cpu) == 16
-        assert kernels.merge_heads(1024, 20, cpu) == 4  # 8 does not divide 20
-        assert kernels.merge_heads(1024, 5, cpu) == 1
+    monkeypatch.setattr(kernels, "_num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert kernels.merge_heads(1, 64, cpu) == 1
+    assert kernels.merge_heads(64, 64, cpu) == 4
+    assert kernels.merge_heads(1024, 64, cpu) == 16
+    assert kernels.merge_heads(1024, 20, cpu) == 4  # 8 does not divide 20
+    assert kernels.merge_heads(1024, 5, cpu) == 1
 
 
 @pytest.mark.parametrize("per_merge", [3, 8])

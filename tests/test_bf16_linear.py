@@ -97,18 +97,17 @@ def test_quantlinear_few_rows_path_gives_the_same_bits_on_cpu(groups, quantize):
     assert torch.equal(linear(x), plain)
 
 
-def test_tall_launch():
+def test_tall_launch(monkeypatch):
     """At 64 rows an input FP8-rounded before the op gets 4 stages and, unsplit, 128-wide K blocks at 8 warps
     (wo_a); split (wo_b: 3 splits) 64-wide at 4; with the FP8 in the kernel the 64-wide blocks and 3 stages of
     before."""
     from dsflash_compile.custom_ops import bf16_linear_triton as module
 
     cuda = torch.device("cuda")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(module, "_num_sms", lambda device: 132)
-        wo_a = module.launch(64, 8192, 4096, 8, cuda, False)
-        wo_b = module.launch(64, 5120, 8192, 1, cuda, False)
-        in_kernel = module.launch(64, 5120, 8192, 1, cuda, True)
+    monkeypatch.setattr(module, "_num_sms", lambda device: 132)
+    wo_a = module.launch(64, 8192, 4096, 8, cuda, False)
+    wo_b = module.launch(64, 5120, 8192, 1, cuda, False)
+    in_kernel = module.launch(64, 5120, 8192, 1, cuda, True)
     assert (wo_a["block_k"], wo_a["splits"], wo_a["num_warps"], wo_a["num_stages"]) == (128, 1, 8, 4)
     assert (wo_b["block_k"], wo_b["splits"], wo_b["num_warps"], wo_b["num_stages"]) == (64, 3, 4, 4)
     assert (in_kernel["block_k"], in_kernel["num_warps"], in_kernel["num_stages"]) == (64, 4, 3)

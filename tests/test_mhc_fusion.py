@@ -408,6 +408,13 @@ class StandIn(nn.Module):
         return (out, None) if len(context) > 1 else out
 
 
+def block_context() -> list:
+    """The block's required context arguments (attention context, layer cache) as Nones: only the stand-ins
+    see them."""
+    return [None] * sum(p.default is p.empty for p in inspect.signature(DeepseekV41Block.forward).parameters.values()
+                        if p.name not in ("self", "streams", "pre_mix"))
+
+
 def tiny_layer_loop(layers=None, seed=0):
     """(layer_loop, inputs): the tiny model's layer loop (DeepseekV41Model.run: Engram where configured, then
     each block, then the final collapse and norm) over its first `layers` blocks (None: all) with attention
@@ -416,9 +423,7 @@ def tiny_layer_loop(layers=None, seed=0):
     model = DeepseekV41ForCausalLM(preset_config("tiny")).eval().model
     for block in model.layers:
         block.attn, block.ffn = StandIn(), StandIn()
-    # the block's context arguments (attention context, layer cache) are None: only the stand-ins see them
-    context = [None] * sum(p.default is p.empty for p in inspect.signature(DeepseekV41Block.forward).parameters.values()
-                           if p.name not in ("self", "streams", "pre_mix"))
+    context = block_context()
 
     def layer_loop(ids, hash_ids):
         streams = model.embed(ids).unsqueeze(2).repeat(1, 1, model.hc, 1)
@@ -460,7 +465,7 @@ def test_a_block_compiled_alone_fuses_the_expansion_it_is_handed(compiling, hand
     block = model.layers[4] if which == "middle" else model.layers[-1]
     assert block.engram is None and block.last == (which == "last")
     block.attn, block.ffn = StandIn(), StandIn()
-    context = [None] * 2  # attention context and layer cache: only the stand-ins see them
+    context = block_context()
     out, streams, post, comb, pre_mix = seam_args((2, 3), hc=model.hc, dim=256)[:5]
     given = PendingPost(out, streams, post, comb) if handed == "pending" else streams
 
