@@ -76,6 +76,83 @@ def test_router_fusion_matches_every_layer_of_the_model(installed):
         assert torch.equal(gi, wi) and torch.allclose(gw, ww)
 
 
+def decode_moes(shared_stacked=True):
+    """The tiny model's MoE layers as compile() sets them up for decode: stacked experts, the shared one too
+    (or not), up to 16 tokens on dsflash::routed_experts."""
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(preset_config("tiny")).eval()
+    moes = [layer.ffn for layer in model.model.layers]
+    for moe in moes:
+        moe.ensure_grouped(shared_stacked)
+        moe.few_tokens = 16
+    return moes
+
+
+class CountCalls:
+    """A pass that rewrites nothing: its `matches` are the calls of `target` left after the passes before it."""
+    name = "count_calls"
+    options = {}
+
+    def __init__(self, target):
+        self.target = target
+
+    def apply(self, graph: torch.fx.Graph) -> int:
+        return len(graph.find_nodes(op="call_function", target=self.target))
+
+
+@pytest.mark.parametrize("shared_stacked", [True, False])
+def test_router_experts_fusion_matches_every_moe_layer(installed, shared_stacked):
+    """At decode sizes every MoE layer's fused router and routed experts become one dsflash::routed_moe (9 of 9
+    layers), with the shared expert stacked; without it (nothing to run beside the router) both ops stay. The
+    outputs equal the uncompiled layers' (on CPU the op is the two ops' references)."""
+    moes = decode_moes(shared_stacked)
+    x = torch.randn(len(moes), 3, 256).bfloat16()
+    installed.passes.append(CountCalls(torch.ops.dsflash.routed_moe.default))
+    installed.matches["count_calls"] = 0
+
+    def all_moes(x):
+        return [moe(x[i]) for i, moe in enumerate(moes)]
+
+    with torch.no_grad():
+        got, want = torch.compile(all_moes)(x), all_moes(x)
+    assert installed.matches["router_fusion"] == len(moes) == 9
+    assert installed.matches["router_experts_fusion"] == installed.matches["count_calls"] == 9 * shared_stacked
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("read_first", [True, False])
+def test_routing_read_before_the_experts_is_left_alone(read_first):
+    """On a traced graph (make_fx, fake tensors): a routing that something reads between the router and the
+    experts keeps both ops (the fused call would come after that reader); read after them, the pair is fused
+    and the reader takes the fused call's routing."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    moe = decode_moes()[0]
+    ops = torch.ops.dsflash
+
+    def f(x, gate, bias, *stacks):
+        weights, ids = ops.fused_router(x, gate, bias, 2, True, 1.5)
+        if read_first:
+            first = ids.sum(1, keepdim=True)
+        y = ops.routed_experts(x, weights, ids, *stacks, 10.0, True, True, 8, True)
+        if not read_first:
+            first = ids.sum(1, keepdim=True)
+        return y + first
+
+    args = [t.detach() for t in (torch.randn(3, 256).bfloat16(), moe.gate.weight, moe.gate.bias,
+                                 moe.w1_weight_stacked, moe.w3_weight_stacked, moe.w2_weight_stacked)]
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    assert passes.RouterExpertsFusionPass().apply(gm.graph) == (not read_first)
+    calls = {op: len(gm.graph.find_nodes(op="call_function", target=op.default))
+             for op in (ops.fused_router, ops.routed_experts, ops.routed_moe)}
+    assert list(calls.values()) == ([1, 1, 0] if read_first else [0, 0, 1])
+    gm.graph.lint()
+    gm.recompile()
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*args), f(*args), rtol=0, atol=0)
+
+
 def test_manager_uuid_tracks_options():
     """The cache key changes with the pattern's constants (and is stable for equal ones)."""
     a = passes.DsflashPassManager([passes.RouterFusionPass(2, True, 1.5)])
