@@ -8,7 +8,6 @@ from . import attention, indexer, records, router, topk  # noqa: F401  (registra
 from . import mhc, mhc_split  # noqa: F401  (registration side effects: the mHC seam ops, fused and split)
 from . import fp8_linear, mxfp4_experts  # noqa: F401  (registration side effects: native-weight projections)
 from . import routed_experts  # noqa: F401  (registration side effects: the few-token routed experts)
-from . import routed_moe  # noqa: F401  (registration side effects: the router and the routed experts)
 from . import bf16_gemv, bf16_linear  # noqa: F401  (registration side effects: the few-row bf16 projections)
 from . import kv_norm_rope  # noqa: F401  (registration side effects: the attention's key/value row)
 from . import expert_order  # noqa: F401  (registration side effects: the sorted MoE path's orders)

@@ -26,8 +26,6 @@ the exponent bits, round-to-nearest-even at E4M3's precision by adding and remov
 interpreter runs the code the GPU does.
 """
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -140,47 +138,23 @@ def _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M: tl.constexp
 def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS, shared, G, I, D, limit,
                QUANT_X: tl.constexpr, QUANT_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr, P_PAD: tl.constexpr, G_PAD: tl.constexpr,
-               BY_EXPERT: tl.constexpr, SKIP_SHARED: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
-    """SKIP_SHARED: the shared expert's h is computed elsewhere (routed_moe_triton.py's first launch)."""
+               BY_EXPERT: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     prog, pid_n = tl.program_id(0), tl.program_id(1)
     e, mine, hit, routed, slot = _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M, KK_PAD, P_PAD, G_PAD,
                                               BY_EXPERT)
-    if SKIP_SHARED:
-        mine = mine & (e != shared)
     t = tl.arange(0, BLOCK_M)
     s = tl.arange(0, KK_PAD)
     stored = tl.load(weights_ptr + t[:, None] * KK + s[None, :], mask=(t < T)[:, None] & (s < KK)[None, :],
                      other=0.0)
     weight = tl.sum(tl.where(hit, tl.where((s == KK)[None, :], 1.0, stored), 0.0), 1)  # the shared slot's: 1
-    _up_tile(x_ptr, w1_ptr, w3_ptr, h_ptr, e, mine, routed, slot, weight, pid_n, SLOTS, I, D, limit, QUANT_X,
-             QUANT_H, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT)
-
-
-@triton.jit
-def _up_tile(x_ptr, w1_ptr, w3_ptr, h_ptr, e, mine, routed, slot, weight, pid_n, SLOTS, I, D, limit,
-             QUANT_X: tl.constexpr, QUANT_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr):
-    """Expert e's column block pid_n of h for its token rows (routed [BLOCK_M], each at its slot, with its
-    routing weight), if `mine`: the gate and up GEMMs, then _store_h."""
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    gate, up = _gate_up(x_ptr, w1_ptr, w3_ptr, e, routed, n, 0, tl.where(mine, tl.cdiv(D, BLOCK_K), 0), I, D,
-                        QUANT_X, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT)
-    _store_h(h_ptr, gate, up, weight, limit, mine & routed, slot, n, SLOTS, I, QUANT_H, BLOCK_M)
-
-
-@triton.jit
-def _gate_up(x_ptr, w1_ptr, w3_ptr, e, routed, n, first, blocks, I, D, QUANT_X: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr):
-    """x @ W1[e]^T and x @ W3[e]^T for columns n over `blocks` K blocks from block `first`: fp32 [BLOCK_M,
-    BLOCK_N] each (token rows not routed read zeros)."""
-    t = tl.arange(0, BLOCK_M)
     n_in = n < I
     rows = (tl.maximum(e, 0).to(tl.int64) * I + n[:, None]) * D
     x_rows = x_ptr + t[:, None].to(tl.int64) * D
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(first, first + blocks):
+    for i in range(tl.where(mine, tl.cdiv(D, BLOCK_K), 0)):
         k = i * BLOCK_K + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + k[None, :], mask=routed[:, None] & (k < D)[None, :], other=0.0)
         if QUANT_X:  # E4M3 values times a power of two: exact in bf16
@@ -188,16 +162,9 @@ def _gate_up(x_ptr, w1_ptr, w3_ptr, e, routed, n, first, blocks, I, D, QUANT_X: 
         w_mask = n_in[:, None] & (k < D)[None, :]
         gate += _dot(x, tl.trans(tl.load(w1_ptr + rows + k[None, :], mask=w_mask, other=0.0)), FP32_DOT)
         up += _dot(x, tl.trans(tl.load(w3_ptr + rows + k[None, :], mask=w_mask, other=0.0)), FP32_DOT)
-    return gate, up
-
-
-@triton.jit
-def _store_h(h_ptr, gate, up, weight, limit, rows, slot, n, SLOTS, I, QUANT_H: tl.constexpr, BLOCK_M: tl.constexpr):
-    """h = _swiglu_h(gate, up, weight) stored at each token row's slot, for the token rows `rows` [BLOCK_M]."""
-    t = tl.arange(0, BLOCK_M)
     h = _swiglu_h(gate, up, weight, limit, QUANT_H)
     out = h_ptr + (t * SLOTS + slot).to(tl.int64)[:, None] * I + n[None, :]
-    tl.store(out, h.to(tl.bfloat16), mask=rows[:, None] & (n < I)[None, :])
+    tl.store(out, h.to(tl.bfloat16), mask=(mine & routed)[:, None] & n_in[None, :])
 
 
 @triton.jit
@@ -288,26 +255,17 @@ def by_expert_grid(tokens: int, experts: int, slots: int) -> bool:
     return tokens > BY_EXPERT_ABOVE and pairs * stacked <= BY_EXPERT_MAX_COMPARES
 
 
-class Plan(NamedTuple):
-    """One call's buffers and launches (routed_experts_triton; routed_moe_triton.py runs the same launches)."""
-    tensors: tuple  # x, weights, ids, w1, w3, w2 (contiguous)
-    h: torch.Tensor  # [T, slots, I]: each pair's h
-    out: torch.Tensor  # [T, slots, D]: each pair's output
-    y: torch.Tensor  # [T, D]: the result
-    sizes: tuple  # T, k, slots, shared expert, G, I, D
-    rows: int  # the grids' program rows (pairs or stacked experts)
-    up: dict
-    down: dict
-    fixed: dict  # constexprs both kernels take
-
-
-def plan(x, weights, ids, w1, w3, w2, quantize_x, shared_expert, out_bf16=False, up=None, down=None,
-         by_expert=None) -> Plan:
-    """Buffers and launches of a call (arguments as routed_experts_triton's)."""
+def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_x, quantize_h, shared_expert,
+                          out_bf16=False, up=None, down=None, by_expert=None):
+    """fp32 [T, D] (bf16 with out_bf16) as the reference. up / down override the two projections' launches (see
+    `launches`); by_expert: the programs' rows (None: by_expert_grid's choice)."""
     tokens, dim = x.shape
     k = ids.shape[1]
     slots = k + (shared_expert >= 0)
     experts, inter, _ = w1.shape
+    y = x.new_empty(tokens, dim, dtype=torch.bfloat16 if out_bf16 else torch.float32)
+    if tokens * slots == 0:
+        return y.zero_()
     up, down = launches(tokens, up, down)
     if up["block_n"] % 32 or (quantize_x and up["block_k"] % 32):
         raise ValueError(f"routed_experts: the up kernel's block_n ({up['block_n']}) and, with quantize_x, block_k "
@@ -315,45 +273,23 @@ def plan(x, weights, ids, w1, w3, w2, quantize_x, shared_expert, out_bf16=False,
     # a pair's rows are written by its expert's programs and read only if routed (-1: never)
     h = x.new_empty(tokens, slots, inter)
     out = x.new_empty(tokens, slots, dim)
-    y = x.new_empty(tokens, dim, dtype=torch.bfloat16 if out_bf16 else torch.float32)
+    x, weights, ids = x.contiguous(), weights.contiguous(), ids.contiguous()
+    w1, w3, w2 = w1.contiguous(), w3.contiguous(), w2.contiguous()
+    p_pad = triton.next_power_of_2(tokens * slots)
+    g_pad = triton.next_power_of_2(experts)
+    block_m = max(16, triton.next_power_of_2(tokens))
+    kk_pad = triton.next_power_of_2(slots)
     by_expert = by_expert_grid(tokens, experts, slots) if by_expert is None else by_expert
-    fixed = dict(BLOCK_M=max(16, triton.next_power_of_2(tokens)), KK_PAD=triton.next_power_of_2(slots),
-                 P_PAD=triton.next_power_of_2(tokens * slots), G_PAD=triton.next_power_of_2(experts),
-                 BY_EXPERT=by_expert, FP32_DOT=x.device.type != "cuda")
-    tensors = tuple(t.contiguous() for t in (x, weights, ids, w1, w3, w2))
-    return Plan(tensors, h, out, y, (tokens, k, slots, shared_expert, experts, inter, dim),
-                experts if by_expert else tokens * slots, up, down, fixed)
-
-
-def launch_up(p: Plan, limit, quantize_x, quantize_h, skip_shared=False) -> None:
-    """The up kernel over p's pairs (skip_shared: but the shared expert's, computed by an earlier launch)."""
-    x, weights, ids, w1, w3, _ = p.tensors
-    tokens, k, slots, shared, experts, inter, dim = p.sizes
-    _up_kernel[(p.rows, triton.cdiv(inter, p.up["block_n"]))](
-        x, weights, ids, w1, w3, p.h, tokens, k, slots, shared, experts, inter, dim, float(limit),
-        QUANT_X=quantize_x, QUANT_H=quantize_h, BLOCK_N=p.up["block_n"], BLOCK_K=p.up["block_k"],
-        SKIP_SHARED=skip_shared, **p.fixed, num_warps=p.up["num_warps"], num_stages=p.up["num_stages"],
-        **launch_options(x.device, early=False))
-
-
-def launch_down(p: Plan) -> None:
-    """The down kernel: every pair's output, then each token's sum into p.y."""
-    x, _, ids, _, _, w2 = p.tensors
-    tokens, k, slots, shared, experts, inter, dim = p.sizes
-    column_blocks = triton.cdiv(dim, p.down["block_n"])
-    _down_kernel[(p.rows, column_blocks)](
-        p.h, ids, w2, p.out, p.y, block_counters(x.device, column_blocks), tokens, k, slots, shared, experts, inter,
-        dim, BLOCK_N=p.down["block_n"], BLOCK_K=p.down["block_k"], **p.fixed, num_warps=p.down["num_warps"],
-        num_stages=p.down["num_stages"], **launch_options(x.device))
-
-
-def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_x, quantize_h, shared_expert,
-                          out_bf16=False, up=None, down=None, by_expert=None):
-    """fp32 [T, D] (bf16 with out_bf16) as the reference. up / down override the two projections' launches (see
-    `launches`); by_expert: the programs' rows (None: by_expert_grid's choice)."""
-    p = plan(x, weights, ids, w1, w3, w2, quantize_x, shared_expert, out_bf16, up, down, by_expert)
-    if p.h.shape[0] * p.h.shape[1] == 0:
-        return p.y.zero_()
-    launch_up(p, limit, quantize_x, quantize_h)
-    launch_down(p)
-    return p.y
+    rows = experts if by_expert else tokens * slots
+    fixed = dict(BLOCK_M=block_m, KK_PAD=kk_pad, P_PAD=p_pad, G_PAD=g_pad, BY_EXPERT=by_expert,
+                 FP32_DOT=x.device.type != "cuda")
+    _up_kernel[(rows, triton.cdiv(inter, up["block_n"]))](
+        x, weights, ids, w1, w3, h, tokens, k, slots, shared_expert, experts, inter, dim, float(limit),
+        QUANT_X=quantize_x, QUANT_H=quantize_h, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], **fixed,
+        num_warps=up["num_warps"], num_stages=up["num_stages"], **launch_options(x.device, early=False))
+    column_blocks = triton.cdiv(dim, down["block_n"])
+    _down_kernel[(rows, column_blocks)](
+        h, ids, w2, out, y, block_counters(x.device, column_blocks), tokens, k, slots, shared_expert, experts, inter,
+        dim, BLOCK_N=down["block_n"], BLOCK_K=down["block_k"], **fixed, num_warps=down["num_warps"],
+        num_stages=down["num_stages"], **launch_options(x.device))
+    return y

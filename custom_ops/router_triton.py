@@ -29,8 +29,6 @@ log1p(e) as log(1 + e) * e / ((1 + e) - 1) (accurate to a few ulps without libde
 interpreter lacks). sqrt and the normalising division are correctly rounded, as torch's.
 """
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -76,20 +74,11 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, partial_ptr, scores_ptr, counter_ptr,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORMALIZE: tl.constexpr,
                    X_FP32: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
-    _router_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0), tl.num_programs(1),
-                    tl.num_programs(2), x_ptr, w_ptr, bias_ptr, partial_ptr, scores_ptr, counter_ptr, weights_ptr,
-                    ids_ptr, N, D, E, k_blocks_per_split, scale, TOPK, K_PAD, E_PAD, SPLITS_PAD, BLOCK_T, BLOCK_E,
-                    BLOCK_K, NORMALIZE, X_FP32, FP32_DOT)
-
-
-@triton.jit
-def _router_program(token_block, expert_block, split, token_blocks, expert_blocks, splits, x_ptr, w_ptr, bias_ptr,
-                    partial_ptr, scores_ptr, counter_ptr, weights_ptr, ids_ptr, N, D, E, k_blocks_per_split, scale,
-                    TOPK: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORMALIZE: tl.constexpr,
-                    X_FP32: tl.constexpr, FP32_DOT: tl.constexpr):
-    """One program of the router's grid (token block, expert block, split of D) of (token_blocks,
-    expert_blocks, splits); also run by routed_moe_triton.py's launch beside the shared expert's programs."""
+    token_block = tl.program_id(0)
+    expert_block = tl.program_id(1)
+    split = tl.program_id(2)
+    expert_blocks = tl.num_programs(1)
+    splits = tl.num_programs(2)
     t = token_block * BLOCK_T + tl.arange(0, BLOCK_T)
     e = expert_block * BLOCK_E + tl.arange(0, BLOCK_E)
     t_in, e_in = t < N, e < E
@@ -119,7 +108,7 @@ def _router_program(token_block, expert_block, split, token_blocks, expert_block
         tl.store(scores_ptr + t[:, None] * E + e[None, :], _sqrt_softplus(tl.sum(parts, axis=1)), mask=tile_in)
         tl.atomic_xchg(tile_counter, 0)
         tl.debug_barrier()
-        block_counter = counter_ptr + token_blocks * expert_blocks + token_block
+        block_counter = counter_ptr + tl.num_programs(0) * expert_blocks + token_block
         if tl.atomic_add(block_counter, 1, sem="acq_rel") == expert_blocks - 1:
             _top_k(t, bias_ptr, scores_ptr, weights_ptr, ids_ptr, N, E, scale, TOPK, K_PAD, E_PAD, NORMALIZE)
             tl.atomic_xchg(block_counter, 0)
@@ -186,17 +175,8 @@ def fused_router_triton(x, weight, bias, topk, normalize, scale, splits=None, la
     return weights, ids
 
 
-class Launch(NamedTuple):
-    """One router launch over some tokens: its grid, its arguments after the output pointers, its constexprs."""
-    grid: tuple[int, int, int]
-    args: tuple
-    constexprs: dict
-
-
-def plan(x, weight, bias, weights, ids, topk, normalize, scale, splits=None) -> Launch:
-    """The launch for the tokens of x, into weights and ids (contiguous, tokens first): grid (token blocks,
-    expert blocks, D splits), the kernel's arguments in order (scratch partials and scores included) and its
-    constexprs (PDL aside). splits: as fused_router_triton's."""
+def _launch(x, weight, bias, weights, ids, topk, normalize, scale, splits):
+    """One kernel launch for the tokens of x, into weights and ids (contiguous, tokens first)."""
     tokens, dim = x.shape
     experts = weight.shape[0]
     token_blocks, expert_blocks, k_blocks = (triton.cdiv(tokens, BLOCK_T), triton.cdiv(experts, BLOCK_E),
@@ -205,16 +185,10 @@ def plan(x, weight, bias, weights, ids, topk, normalize, scale, splits=None) -> 
     splits = triton.cdiv(k_blocks, k_per_split)  # no split left without columns
     partial = x.new_empty(tokens, splits, experts, dtype=torch.float32)
     scores = x.new_empty(tokens, experts, dtype=torch.float32)
-    args = (x, weight, bias, partial, scores, block_counters(x.device, (expert_blocks + 1) * token_blocks), weights,
-            ids, tokens, dim, experts, k_per_split, scale)
-    constexprs = dict(TOPK=topk, K_PAD=triton.next_power_of_2(topk), E_PAD=triton.next_power_of_2(experts),
-                      SPLITS_PAD=triton.next_power_of_2(splits), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K,
-                      NORMALIZE=normalize, X_FP32=x.dtype == torch.float32, FP32_DOT=x.device.type != "cuda")
-    return Launch((token_blocks, expert_blocks, splits), args, constexprs)
-
-
-def _launch(x, weight, bias, weights, ids, topk, normalize, scale, splits):
-    """One kernel launch for the tokens of x, into weights and ids (contiguous, tokens first)."""
-    launch = plan(x, weight, bias, weights, ids, topk, normalize, scale, splits)
-    _router_kernel[launch.grid](*launch.args, **launch.constexprs, num_warps=warps_for(x.dtype),
-                                **launch_options(x.device))
+    _router_kernel[(token_blocks, expert_blocks, splits)](
+        x, weight, bias, partial, scores, block_counters(x.device, (expert_blocks + 1) * token_blocks), weights,
+        ids, tokens, dim, experts, k_per_split, scale,
+        TOPK=topk, K_PAD=triton.next_power_of_2(topk), E_PAD=triton.next_power_of_2(experts),
+        SPLITS_PAD=triton.next_power_of_2(splits), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K,
+        NORMALIZE=normalize, X_FP32=x.dtype == torch.float32, FP32_DOT=x.device.type != "cuda",
+        num_warps=warps_for(x.dtype), **launch_options(x.device))

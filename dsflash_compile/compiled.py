@@ -119,10 +119,6 @@ class CompileOptions:
     # picks anew each compile, some picks serial (H200 traces, 12-02 s: the query 24 us at B1 in one compile, 6.2 in
     # another, 20.7 at B64, in each of the 9 index layers)
     index_rope_op: bool = True
-    # issue 5: the router and dsflash::routed_experts (moe_few_tokens, shared expert stacked) as dsflash::routed_moe
-    # (passes/router_experts_fusion.py): the shared expert's up projection runs in the router's launch, beside its
-    # few programs' latency chain (GEMV partials, two counters, top-k), instead of in the up kernel after it
-    fuse_router_experts: bool = True
     # (H200, 12-02 r: the w2 GEMM with each token's ordered sum in one launch, dsflash::grouped_token_sum, was
     # 18.21 ms a B64 step against 18.03 with Inductor's two kernels after the GEMM; dropped)
     # issue 5: bf16 weights: the shared expert as one more slice of the routed stacks (every token's last pair,
@@ -289,8 +285,7 @@ class CompiledRunner:
             raise ValueError("compile(): DeepseekV41TextConfig.emulate_reference_index_key_pointer needs a host "
                              "sync per layer (it emulates a reference bug); turn it off to compile")
         overlap = options.mhc_overlap_max_tokens if options.mhc_overlap else 0
-        self.pass_manager = (passes.install(text, mhc_overlap_tokens=overlap,
-                                            router_experts=options.fuse_router_experts) if options.passes else None)
+        self.pass_manager = passes.install(text, mhc_overlap_tokens=overlap) if options.passes else None
         if not options.passes:
             passes.use(None)  # a manager installed earlier would still run
         # Round where the model rounds (its bf16 casts are the reference's rounding points); by default

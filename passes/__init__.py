@@ -6,7 +6,6 @@ from .manager import DsflashPassManager
 from .mhc_fusion import MhcFusionPass
 from .mhc_overlap import MhcOverlapPass
 from .rounding import keep_model_rounding
-from .router_experts_fusion import RouterExpertsFusionPass
 from .router_fusion import RouterFusionPass
 
 
@@ -22,16 +21,14 @@ def use(manager: DsflashPassManager | None) -> None:
         keep_model_rounding()  # the patterns hold the model's bf16 rounding points
 
 
-def install(text_config, mhc_overlap_tokens: int = 0, router_experts: bool = True) -> DsflashPassManager:
+def install(text_config, mhc_overlap_tokens: int = 0) -> DsflashPassManager:
     """Make Inductor run our passes (post-grad) for graphs compiled from now on; returns the manager,
     whose `matches` counts the rewrites. Patterns use the config's router and mHC constants.
     mhc_overlap_tokens > 0: fused seams of at most that many tokens are split so that their mixes run on a
-    side CUDA stream (MhcOverlapPass); 0 keeps every seam one launch. router_experts: a router feeding the
-    few-token routed experts becomes one op with them (RouterExpertsFusionPass)."""
+    side CUDA stream (MhcOverlapPass); 0 keeps every seam one launch."""
     manager = DsflashPassManager([
         RouterFusionPass(text_config.num_experts_per_tok, text_config.norm_topk_prob,
                          text_config.routed_scaling_factor),
-        *([RouterExpertsFusionPass()] if router_experts else []),
         MhcFusionPass(text_config.rms_norm_eps, text_config.hc_eps, text_config.hc_sinkhorn_iters,
                       text_config.hc_mult),
         *([MhcOverlapPass(mhc_overlap_tokens)] if mhc_overlap_tokens > 0 else []),
@@ -40,5 +37,5 @@ def install(text_config, mhc_overlap_tokens: int = 0, router_experts: bool = Tru
     return manager
 
 
-__all__ = ["DsflashPassManager", "MhcFusionPass", "MhcOverlapPass", "RouterExpertsFusionPass", "RouterFusionPass",
-           "install", "keep_model_rounding", "use"]
+__all__ = ["DsflashPassManager", "MhcFusionPass", "MhcOverlapPass", "RouterFusionPass", "install",
+           "keep_model_rounding", "use"]

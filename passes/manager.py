@@ -13,8 +13,6 @@ import json
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import graph as graph_helpers
-
 
 class DsflashPassManager(CustomGraphPass):
     def __init__(self, passes: list):
@@ -32,5 +30,4 @@ class DsflashPassManager(CustomGraphPass):
             h.update(inspect.getsource(inspect.getmodule(type(p))).encode())
             h.update(json.dumps(p.options, sort_keys=True).encode())
         h.update(inspect.getsource(DsflashPassManager).encode())
-        h.update(inspect.getsource(graph_helpers).encode())
         return h.hexdigest()

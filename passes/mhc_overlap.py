@@ -21,10 +21,11 @@ until after the join.
 """
 
 import math
+import operator
 
 import torch
-
-from .graph import insert_call
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 ops = torch.ops.dsflash
 
@@ -33,6 +34,24 @@ def _tokens(streams: torch.fx.Node) -> int | None:
     """Tokens of a seam's streams [..., hc, D], or None if not a static count."""
     lead = streams.meta["val"].shape[:-2]
     return math.prod(lead) if all(isinstance(n, int) for n in lead) else None
+
+
+def _call(graph: torch.fx.Graph, op, args: tuple, outputs: int):
+    """Insert op(*args) (at the graph's insertion point) with its fake value; its `outputs` getitems."""
+    vals = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
+    fake_mode = detect_fake_mode(vals) or FakeTensorMode()
+    with fake_mode:
+        val = op(*vals)
+    node = graph.call_function(op, args)
+    node.meta["val"] = val
+    if not outputs:
+        return node
+    items = []
+    for i in range(outputs):
+        item = graph.call_function(operator.getitem, (node, i))
+        item.meta["val"] = val[i]
+        items.append(item)
+    return items
 
 
 def _is_view(node: torch.fx.Node) -> bool:
@@ -81,14 +100,13 @@ class MhcOverlapPass:
             return 0
         with graph.inserting_before(node):
             if entry:
-                inputs = [insert_call(graph, ops.mhc_entry_input.default,
-                                      (streams, pre_lagged, norm_weight, norm_eps), 0)]
+                inputs = [_call(graph, ops.mhc_entry_input.default, (streams, pre_lagged, norm_weight, norm_eps), 0)]
                 mixed = streams
             else:
-                inputs = insert_call(graph, ops.mhc_seam_input.default,
+                inputs = _call(graph, ops.mhc_seam_input.default,
                                (out, streams, post, comb, pre_lagged, norm_weight, norm_eps), 2)
                 mixed = inputs[0]
-            mixes = insert_call(graph, ops.mhc_mixes.default, (mixed, fn, scale, base, norm_eps, hc_eps, iters), 3)
+            mixes = _call(graph, ops.mhc_mixes.default, (mixed, fn, scale, base, norm_eps, hc_eps, iters), 3)
         for item in list(node.users):
             item.replace_all_uses_with((inputs + mixes)[item.args[1]])
             graph.erase_node(item)
@@ -102,7 +120,7 @@ class MhcOverlapPass:
         after = [n for n in between if isinstance(n.meta.get("val"), torch.Tensor)
                  and any(order[user] >= order[first_reader] for user in n.users)]
         with graph.inserting_before(first_reader):
-            insert_call(graph, ops.mhc_join_.default, (*mixes, after), 0)
+            _call(graph, ops.mhc_join_.default, (*mixes, after), 0)
         for view in sorted(views, key=order.__getitem__):  # views of the mixes move behind the join too
             if order[view] < order[first_reader]:
                 first_reader.prepend(view)

@@ -302,19 +302,6 @@ def test_inductor_with_passes_matches_eager(fresh_dynamo):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
 
 
-def test_compile_installs_the_passes_in_order(fresh_dynamo):
-    """The gating fusion first (the router-experts fusion rewrites its calls), then the mHC fusion; the
-    router-experts fusion only with fuse_router_experts, no pass manager without passes."""
-    def installed(**options):
-        dsflash_compile.compile(tiny_model(), max_batch=2, max_length=32, backend="eager", **options)
-        manager = inductor_config.post_grad_custom_post_pass
-        return manager and [p.name for p in manager.passes]
-
-    assert installed() == ["router_fusion", "router_experts_fusion", "mhc_fusion"]
-    assert installed(fuse_router_experts=False) == ["router_fusion", "mhc_fusion"]
-    assert installed(passes=False) is None
-
-
 def test_compile_refuses_what_it_cannot_capture(fresh_dynamo):
     with pytest.raises(ValueError, match="emulate_reference_index_key_pointer"):
         dsflash_compile.compile(tiny_model(emulate_reference_index_key_pointer=True), backend="eager")

@@ -187,9 +187,7 @@ def test_kernels_compile_for_hopper_without_spills(block_m):
     up, down = module.launches(block_m)
     by_expert = module.by_expert_grid(block_m, 9, 7)
     assert by_expert == (block_m > 16)
-    up_flags = dict(QUANT_X=True, QUANT_H=True)
-    for name, arg_types, launch, extra in (("_up_kernel", _UP, up, dict(up_flags, SKIP_SHARED=False)),
-                                           ("_up_kernel", _UP, up, dict(up_flags, SKIP_SHARED=True)),  # routed_moe
+    for name, arg_types, launch, extra in (("_up_kernel", _UP, up, dict(QUANT_X=True, QUANT_H=True)),
                                            ("_down_kernel", _DOWN, down, {}),
                                            ("_down_kernel", dict(_DOWN, y_ptr="*bf16"), down, {})):  # out_bf16
         constexprs = dict(BLOCK_M=block_m, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"], KK_PAD=8,
