@@ -13,8 +13,8 @@ measured bf16 matmul rate, whichever is larger). The compiled variants are all c
 first, then timed in --rounds rounds whose order rotates (timed one after the other, the variant timed
 second ran 1.4-1.9 ms slower on the H200 whichever it was); day-zero is timed once, before them. Writes each
 compiled variant's Chrome trace (decode-trace-PRESET-bBATCH[-VARIANT].json; no suffix for passes) and a JSON
-summary under benchmarks/results/. The cache is filled with `--context` random rows
-per row (the step's cost does not depend on what the rows hold).
+summary (compile-profile-PRESET-bBATCH[-bBATCH...]-DATE.json) under benchmarks/results/. The cache is filled
+with `--context` random rows per row (the step's cost does not depend on what the rows hold).
 """
 
 from __future__ import annotations
@@ -173,6 +173,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     args.batch = sorted(set(args.batch))
+    # the batches in the name: runs of other batches into one --out keep their own summaries
+    summary = f"compile-profile-{args.preset}-" + "-".join(f"b{batch}" for batch in args.batch)
     if args.rounds < 1 or args.steps < 1:
         parser.error(f"--rounds ({args.rounds}) and --steps ({args.steps}) must be >= 1")
     variants = args.variants.split(",")
@@ -217,7 +219,7 @@ def main() -> None:
                 rows[batch]["day_zero_s"] = step_time(eager_step, max(3, args.steps // 4))
                 rows[batch]["day_zero_profile"] = profile_step(eager_step)
             print(f"day-zero batch {batch}: {rows[batch]['day_zero_s'] * 1e6:.0f} us per step", flush=True)
-            save_results(result, f"compile-profile-{args.preset}", args.out)
+            save_results(result, summary, args.out)
             del cache
 
     # each variant is compiled, captured and profiled in turn, and kept: its decode graphs read the model's
@@ -272,7 +274,7 @@ def main() -> None:
                     row["pass_matches"] = matches
             print(f"{variant} batch {batch}: {row[f'{key}_profile']['kernels']} kernels, "
                   f"{row[f'{key}_profile']['device_us']:.0f} us of kernel time", flush=True)
-            save_results(result, f"compile-profile-{args.preset}", args.out)  # partial results survive a timeout
+            save_results(result, summary, args.out)  # partial results survive a timeout
         alive.append([*model.parameters(), *model.buffers()])
 
     if args.eager_logits and model.compiled_runner is not None:
@@ -321,7 +323,7 @@ def main() -> None:
               f"recompiles after warm-up {row.get('passes_recompiles_after_warmup')}")
         for t in row.get("passes_profile", {}).get("top", []):
             print(f"    {t['total_us']:9.1f} us {t['calls']:5d}x {t['name']}")
-    save_results(result, f"compile-profile-{args.preset}", args.out)
+    save_results(result, summary, args.out)
 
 
 if __name__ == "__main__":
