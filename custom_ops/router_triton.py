@@ -17,6 +17,8 @@ The top-k then needs every expert's score, so two counters chain the reductions 
      expert id. torch.topk leaves the order of exact ties unspecified (on CPU it picked ids 6, 5, 4 of 8
      equal scores), so exact ties are the one place the ids may differ from the reference. The picked
      unbiased scores are gathered back from the scores just stored, then normalised and scaled.
+     With at most BLOCK_E experts (flash-40l-e8's 8) step 1's program holds every score: it takes the top-k
+     from its registers (picked scores selected there), without the store, the second counter and the loads.
 
 Each launch leaves its counters at zero (the persistent per-device buffer of block_counters.py, so a call
 needs no memset and the kernel is CUDA-graph safe; scratch buffers have shapes fixed by the token count; more
@@ -105,37 +107,52 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, partial_ptr, scores_ptr, counter_ptr,
         # .cg: bypass L1 (not coherent across SMs) to read what the other programs wrote
         parts = tl.load(partial_ptr + (t[:, None, None] * splits + s[None, :, None]) * E + e[None, None, :],
                         mask=tile_in[:, None, :] & (s < splits)[None, :, None], other=0.0, cache_modifier=".cg")
-        tl.store(scores_ptr + t[:, None] * E + e[None, :], _sqrt_softplus(tl.sum(parts, axis=1)), mask=tile_in)
+        scores = _sqrt_softplus(tl.sum(parts, axis=1))
         tl.atomic_xchg(tile_counter, 0)
-        tl.debug_barrier()
-        block_counter = counter_ptr + tl.num_programs(0) * expert_blocks + token_block
-        if tl.atomic_add(block_counter, 1, sem="acq_rel") == expert_blocks - 1:
-            _top_k(t, bias_ptr, scores_ptr, weights_ptr, ids_ptr, N, E, scale, TOPK, K_PAD, E_PAD, NORMALIZE)
-            tl.atomic_xchg(block_counter, 0)
+        if E_PAD <= BLOCK_E:  # one expert block: this tile holds every score, so the top-k starts from registers
+            _top_k(t, e, scores, bias_ptr, scores_ptr, weights_ptr, ids_ptr, N, E, scale, TOPK, K_PAD, BLOCK_E,
+                   NORMALIZE, False)
+        else:
+            tl.store(scores_ptr + t[:, None] * E + e[None, :], scores, mask=tile_in)
+            tl.debug_barrier()
+            block_counter = counter_ptr + tl.num_programs(0) * expert_blocks + token_block
+            if tl.atomic_add(block_counter, 1, sem="acq_rel") == expert_blocks - 1:
+                ex = tl.arange(0, E_PAD)
+                # .cg: the other expert blocks' scores, stored by other programs
+                every = tl.load(scores_ptr + t[:, None] * E + ex[None, :], mask=(t < N)[:, None] & (ex < E)[None, :],
+                                other=0.0, cache_modifier=".cg")
+                _top_k(t, ex, every, bias_ptr, scores_ptr, weights_ptr, ids_ptr, N, E, scale, TOPK, K_PAD, E_PAD,
+                       NORMALIZE, True)
+                tl.atomic_xchg(block_counter, 0)
 
 
 @triton.jit
-def _top_k(t, bias_ptr, scores_ptr, weights_ptr, ids_ptr, N, E, scale, TOPK: tl.constexpr, K_PAD: tl.constexpr,
-           E_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
+def _top_k(t, ex, scores, bias_ptr, scores_ptr, weights_ptr, ids_ptr, N, E, scale, TOPK: tl.constexpr,
+           K_PAD: tl.constexpr, W: tl.constexpr, NORMALIZE: tl.constexpr, GATHER_LOADS: tl.constexpr):
     """Tokens t: top-k experts of score + bias (ties to the lowest id), their unbiased scores normalised and
-    scaled; stores weights and ids."""
-    ex = tl.arange(0, E_PAD)
+    scaled; stores weights and ids. scores [tokens, W]: experts ex (W a power of two, ex < E the real ones).
+    The picked scores: selected from the tile in registers, or with GATHER_LOADS loaded again from scores_ptr
+    ([N, E], where the tile came from: with the release's 512-wide tile, keeping it live through the k rounds
+    would spill)."""
     ex_in = ex < E
     t_in = t < N
-    scores = tl.load(scores_ptr + t[:, None] * E + ex[None, :], mask=t_in[:, None] & ex_in[None, :], other=0.0,
-                     cache_modifier=".cg")
     biased = tl.where(ex_in[None, :], scores + tl.load(bias_ptr + ex, mask=ex_in, other=0.0)[None, :], float("-inf"))
     bits = biased.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits, so int order = float order
-    keys = (ordered.to(tl.int64) << 32) | (E_PAD - 1 - ex)[None, :]
+    keys = (ordered.to(tl.int64) << 32) | (W - 1 - ex)[None, :]
     j = tl.arange(0, K_PAD)
     ids = tl.zeros((t.shape[0], K_PAD), dtype=tl.int32)
+    weights = tl.zeros((t.shape[0], K_PAD), dtype=tl.float32)
     for r in tl.static_range(TOPK):
         best = tl.max(keys, axis=1)
-        ids = tl.where(j[None, :] == r, (E_PAD - 1 - (best & (E_PAD - 1))).to(tl.int32)[:, None], ids)
-        keys = tl.where(keys == best[:, None], -2 ** 63, keys)  # below every key: never picked again
+        ids = tl.where(j[None, :] == r, (W - 1 - (best & (W - 1))).to(tl.int32)[:, None], ids)
+        picked = keys == best[:, None]  # one expert a row (the ids in the keys' low bits make them distinct)
+        if not GATHER_LOADS:
+            weights = tl.where(j[None, :] == r, tl.sum(tl.where(picked, scores, 0.0), axis=1)[:, None], weights)
+        keys = tl.where(picked, -2 ** 63, keys)  # below every key: never picked again
     out_in = t_in[:, None] & (j < TOPK)[None, :]
-    weights = tl.load(scores_ptr + t[:, None] * E + ids, mask=out_in, other=0.0, cache_modifier=".cg")
+    if GATHER_LOADS:
+        weights = tl.load(scores_ptr + t[:, None] * E + ids, mask=out_in, other=0.0, cache_modifier=".cg")
     if NORMALIZE and TOPK > 1:
         weights = tl.div_rn(weights, tl.sum(weights, axis=1)[:, None] + 1e-20)
     out = t[:, None] * TOPK + j[None, :]

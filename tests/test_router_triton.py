@@ -83,14 +83,16 @@ _RELEASE = dict(TOPK=6, K_PAD=8, E_PAD=512, SPLITS_PAD=16, BLOCK_T=16, BLOCK_E=1
                 FP32_DOT=False)
 
 
+@pytest.mark.parametrize("experts_pad", [512, 8])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_router_kernel_compiles_for_hopper(dtype):
-    """The release variant (384 experts, top-6) at its launch's warps compiles for sm_90 without spilling
-    registers (ptxas reports spills as STACK)."""
+def test_router_kernel_compiles_for_hopper(dtype, experts_pad):
+    """The release variant (384 experts, top-6) and flash-40l-e8's (8 experts: the top-k from registers) at
+    their launch's warps compile for sm_90 without spilling registers (ptxas reports spills as STACK)."""
     from dsflash_compile.custom_ops import router_triton
 
     warps = router_triton.warps_for(torch.float32 if dtype == "fp32" else torch.bfloat16)
-    spec = ("_router_kernel", dict(_ARGS, x_ptr="*" + dtype), dict(_RELEASE, X_FP32=dtype == "fp32"), warps)
+    constexprs = dict(_RELEASE, E_PAD=experts_pad, X_FP32=dtype == "fp32")
+    spec = ("_router_kernel", dict(_ARGS, x_ptr="*" + dtype), constexprs, warps)
     check_compiles_for_hopper(router_triton, spec)
 
 
@@ -98,11 +100,13 @@ def test_router_kernel_compiles_for_hopper(dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("experts", [384, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens", [1, 4, 16, 64, 300, 3000])
-def test_fused_router_cuda_release_sizes(tokens, dtype):
-    """The registered CUDA op (Triton) at D = 5120, 384 experts, top-6 against the reference on the GPU."""
-    x, weight, bias = router_case(384, 5120, tokens, dtype, device="cuda")
+def test_fused_router_cuda_release_sizes(tokens, dtype, experts):
+    """The registered CUDA op (Triton) at D = 5120, top-6, with the release's 384 experts and flash-40l-e8's 8
+    (the top-k from registers), against the reference on the GPU."""
+    x, weight, bias = router_case(experts, 5120, tokens, dtype, device="cuda")
     got_w, got_ids = torch.ops.dsflash.fused_router(x, weight, bias, 6, True, SCALE)
     want_w, want_ids = route(x, weight, bias, 6, True, SCALE)
     assert torch.equal(got_ids, want_ids)
@@ -110,10 +114,11 @@ def test_fused_router_cuda_release_sizes(tokens, dtype):
 
 
 @requires_cuda
-def test_fused_router_cuda_graph_and_opcheck():
+@pytest.mark.parametrize("experts", [384, 8])
+def test_fused_router_cuda_graph_and_opcheck(experts):
     """Captured in a CUDA graph, the op replays to the eager result on new inputs (no host sync, counters left
     at zero); repeated calls give the same bits; opcheck of the CUDA kernel; an fp32 gate runs the reference."""
-    x, weight, bias = router_case(384, 5120, 8, torch.bfloat16, device="cuda")
+    x, weight, bias = router_case(experts, 5120, 8, torch.bfloat16, device="cuda")
     args = (x, weight, bias, 6, True, SCALE)
     first = torch.ops.dsflash.fused_router(*args)
     assert all(torch.equal(a, b) for a, b in zip(first, torch.ops.dsflash.fused_router(*args)))
