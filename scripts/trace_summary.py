@@ -118,33 +118,43 @@ def summarize(events: list[dict], floor_bytes: dict | None = None, bandwidth: fl
     }
 
 
-def layer_kernels(events: list[dict], marker: str = "_router_kernel", index: int = 0) -> list[dict]:
-    """The device work from the index-th launch of `marker` (once per layer: the router) up to the next, in
-    order: each kernel's name, grid, duration, share of the span (path_shares) and the idle gap before it (where
-    one layer's time goes)."""
+def all_layer_kernels(events: list[dict], marker: str = "_router_kernel") -> tuple[list[list[dict]], int]:
+    """Every layer's device work, each from one launch of `marker` (once per layer: the router) up to the next,
+    in order: each kernel's name, grid, duration, share of the span (path_shares) and the idle gap before it;
+    and how many launches of `marker` the trace holds. The events are sorted and shared out once."""
     device = device_events(events)
     shares = path_shares(device)
     marks = [i for i, e in enumerate(device) if e["name"] == marker]
-    if index + 1 >= len(marks):
-        raise ValueError(f"trace_summary: {len(marks)} launches of {marker}; layer {index} needs {index + 2}")
-    rows, end = [], None
-    for e, share in zip(device[marks[index]:marks[index + 1]], shares[marks[index]:marks[index + 1]]):
-        rows.append({"gap_us": 0.0 if end is None else max(0.0, e["ts"] - end), "us": e["dur"], "path_us": share,
-                     "grid": str(e.get("args", {}).get("grid")), "name": e["name"][:90]})
-        end = e["ts"] + e["dur"]
-    return rows
+    layers = []
+    for start, stop in zip(marks, marks[1:]):
+        rows, end = [], None
+        for e, share in zip(device[start:stop], shares[start:stop]):
+            rows.append({"gap_us": 0.0 if end is None else max(0.0, e["ts"] - end), "us": e["dur"],
+                         "path_us": share, "grid": str(e.get("args", {}).get("grid")), "name": e["name"][:90]})
+            end = e["ts"] + e["dur"]
+        layers.append(rows)
+    return layers, len(marks)
+
+
+def layer_kernels(events: list[dict], marker: str = "_router_kernel", index: int = 0) -> list[dict]:
+    """all_layer_kernels' layer `index` (where one layer's time goes)."""
+    return _layer(*all_layer_kernels(events, marker), marker, index)
+
+
+def _layer(layers: list[list[dict]], launches: int, marker: str, index: int) -> list[dict]:
+    if index >= len(layers):
+        raise ValueError(f"trace_summary: {launches} launches of {marker}; layer {index} needs {index + 2}")
+    return layers[index]
 
 
 def layer_medians(events: list[dict], marker: str = "_router_kernel", index: int = 0) -> tuple[list[dict], int]:
     """layer_kernels(index) with each kernel's us, path us and gap the median over every layer that launches the
     same kernels in the same order (one layer's figures move by a few us from layer to layer: PDL waits, the
     memory system), and how many layers that is."""
-    device = device_events(events)
-    layers = sum(e["name"] == marker for e in device) - 1
-    rows = layer_kernels(events, marker, index)
+    layers, launches = all_layer_kernels(events, marker)
+    rows = [dict(row) for row in _layer(layers, launches, marker, index)]
     names = [r["name"] for r in rows]
-    alike = [other for other in (layer_kernels(events, marker, i) for i in range(layers))
-             if [r["name"] for r in other] == names]
+    alike = [other for other in layers if [r["name"] for r in other] == names]
     for position, row in enumerate(rows):
         for key in ("us", "path_us", "gap_us"):
             row[key] = statistics.median(other[position][key] for other in alike)
