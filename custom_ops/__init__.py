@@ -6,6 +6,7 @@ registered for CUDA (`register_kernel("cuda")`) and the reference stays the CPU 
 
 from . import attention, indexer, records, router, topk  # noqa: F401  (registration side effects)
 from . import mhc, mhc_split  # noqa: F401  (registration side effects: the mHC seam ops, fused and split)
+from . import mhc_deferred  # noqa: F401  (registration side effects: the seam ops with their mixes finished later)
 from . import fp8_linear, mxfp4_experts  # noqa: F401  (registration side effects: native-weight projections)
 from . import routed_experts  # noqa: F401  (registration side effects: the few-token routed experts)
 from . import bf16_gemv, bf16_linear  # noqa: F401  (registration side effects: the few-row bf16 projections)

@@ -29,6 +29,15 @@ from dsflash_compile.mhc import hc_mixes, hc_post, hc_pre
 # one-launch rows kernel before them: 29.3 / 28.3 / 31.1 us at 32 / 64 / 128). 32 is the fewest tokens swept where
 # the rows kernels win; the one-token kernel takes 16.5 us at 16, the overlap pass's largest seam
 ROWS_MIN_TOKENS = 32
+# The one-token seam kernel's columns of D per program up to 16 tokens (mhc_triton.py), and so the width of the
+# chunks whose partials a deferred seam returns (mhc_deferred.py)
+SEAM_BLOCK_D = 64
+
+
+def partial_width(hc: int) -> int:
+    """Floats in a row of the seam kernel's partials (one chunk of one token): the (2 + hc) hc mix dot products,
+    the streams' and the collapse's sums of squares, zeros up to a power of 2."""
+    return 1 << ((2 + hc) * hc + 1).bit_length()
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -147,6 +147,32 @@ def _rms_norm_f32(x, weight, ss, norm_eps, D: tl.constexpr):
 
 
 @triton.jit
+def _mix_sums(row, chunks, partial_ptr, HC: tl.constexpr, PART: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """One token's mix dot products ([hc] pre, [hc] post, [hc, hc] comb) and its streams' sum of squares, each
+    added over the chunks in chunk order, from partials [tokens, chunks, PART]."""
+    MIX: tl.constexpr = (2 + HC) * HC
+    i = tl.arange(0, HC)
+    ch = tl.arange(0, CHUNKS_PAD)
+    rows = partial_ptr + (row * chunks + ch) * PART
+    live = ch < chunks
+    # .cg: bypass L1 (not coherent across SMs) to read what the other programs wrote
+    pre_dot = tl.sum(tl.load(rows[:, None] + i[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg"), 0)
+    post_dot = tl.sum(tl.load(rows[:, None] + HC + i[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg"), 0)
+    comb_dot = tl.sum(tl.load(rows[:, None, None] + 2 * HC + i[None, :, None] * HC + i[None, None, :],
+                              mask=live[:, None, None], other=0.0, cache_modifier=".cg"), 0)
+    streams_ss = tl.sum(tl.load(rows + MIX, mask=live, other=0.0, cache_modifier=".cg"), 0)
+    return pre_dot, post_dot, comb_dot, streams_ss
+
+
+@triton.jit
+def _store_mixes(row, pre, post, comb, pre_out_ptr, post_out_ptr, comb_out_ptr, HC: tl.constexpr):
+    i = tl.arange(0, HC)
+    tl.store(pre_out_ptr + row * HC + i, pre)
+    tl.store(post_out_ptr + row * HC + i, post)
+    tl.store(comb_out_ptr + row * HC * HC + i[:, None] * HC + i[None, :], comb)
+
+
+@triton.jit
 def _finish_token(row, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr, pre_out_ptr, post_out_ptr,
                   comb_out_ptr, norm_eps, hc_eps, iters, HC: tl.constexpr, D: tl.constexpr, PART: tl.constexpr,
                   CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr, mixes, collapse):
@@ -154,26 +180,16 @@ def _finish_token(row, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, nor
     (each where its flag is on), from partials [tokens, chunks, PART]: MIX mix dot products, then the streams'
     and the collapse's sums of squares; the collapsed row is normalised in place."""
     MIX: tl.constexpr = (2 + HC) * HC
-    i = tl.arange(0, HC)
-    ch = tl.arange(0, CHUNKS_PAD)
-    rows = partial_ptr + (row * chunks + ch) * PART
-    live = ch < chunks
-    # .cg: bypass L1 (not coherent across SMs) to read what the other programs wrote
     if mixes != 0:
-        pre_dot = tl.sum(tl.load(rows[:, None] + i[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg"), 0)
-        post_dot = tl.sum(tl.load(rows[:, None] + HC + i[None, :], mask=live[:, None], other=0.0,
-                                  cache_modifier=".cg"), 0)
-        comb_dot = tl.sum(tl.load(rows[:, None, None] + 2 * HC + i[None, :, None] * HC + i[None, None, :],
-                                  mask=live[:, None, None], other=0.0, cache_modifier=".cg"), 0)
-        streams_ss = tl.sum(tl.load(rows + MIX, mask=live, other=0.0, cache_modifier=".cg"), 0)
+        pre_dot, post_dot, comb_dot, streams_ss = _mix_sums(row, chunks, partial_ptr, HC, PART, CHUNKS_PAD)
         pre, post, comb = _mixes(pre_dot, post_dot, comb_dot, streams_ss, scale_ptr, base_ptr, norm_eps, hc_eps,
                                  iters, HC, D)
-        tl.store(pre_out_ptr + row * HC + i, pre)
-        tl.store(post_out_ptr + row * HC + i, post)
-        tl.store(comb_out_ptr + row * HC * HC + i[:, None] * HC + i[None, :], comb)
+        _store_mixes(row, pre, post, comb, pre_out_ptr, post_out_ptr, comb_out_ptr, HC)
 
     if collapse != 0:
-        collapse_ss = tl.sum(tl.load(rows + MIX + 1, mask=live, other=0.0, cache_modifier=".cg"), 0)
+        ch = tl.arange(0, CHUNKS_PAD)
+        rows = partial_ptr + (row * chunks + ch) * PART
+        collapse_ss = tl.sum(tl.load(rows + MIX + 1, mask=ch < chunks, other=0.0, cache_modifier=".cg"), 0)
         for d0 in range(0, D, NORM_BLOCK):
             d = d0 + tl.arange(0, NORM_BLOCK)
             x = tl.load(normed_ptr + row * D + d, mask=d < D, other=0.0, cache_modifier=".cg").to(tl.float32)

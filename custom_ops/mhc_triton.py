@@ -32,7 +32,7 @@ import triton.language as tl
 from . import mhc_rows_triton
 from .attention_triton import _num_sms
 from .block_counters import block_counters
-from .mhc import ROWS_MIN_TOKENS
+from .mhc import ROWS_MIN_TOKENS, SEAM_BLOCK_D, partial_width
 from .mhc_finish_triton import _finish_token
 from .pdl import launch_options, pdl_wait
 
@@ -41,10 +41,10 @@ from .pdl import launch_options, pdl_wait
 # apart): the one launch and both split launches then run one binary, so their reductions add in the same order.
 # As constexprs each variant was compiled on its own, and on the H200 (11-30) the split seam's bits differed
 # from the fused one's (the sm_90 code gave some reductions other layouts, hence other summation orders).
-@triton.jit(do_not_specialize=["has_post", "mixes", "collapse", "share_finish"])
+@triton.jit(do_not_specialize=["has_post", "mixes", "collapse", "share_finish", "finish_mixes"])
 def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, scale_ptr, base_ptr, weight_ptr,
                  new_streams_ptr, normed_ptr, pre_out_ptr, post_out_ptr, comb_out_ptr, partial_ptr, counter_ptr,
-                 N, norm_eps, hc_eps, iters, has_post, mixes, collapse, share_finish,
+                 N, norm_eps, hc_eps, iters, has_post, mixes, collapse, share_finish, finish_mixes,
                  HC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
                  PART: tl.constexpr, CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
@@ -95,11 +95,13 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
     # no more than SMs (_may_share_finish), so a waiter never starves the last program of a slot. Either half
     # computes what the one finishing program would: same bits.
     # share_finish is off under the interpreter, which runs the programs one after another.
-    shared = (share_finish != 0) & (mixes != 0) & (collapse != 0) & (chunks > 1)
+    # finish_mixes off (mhc_deferred.py): the partials are an output, the mixes are finished by a later kernel.
+    finish = (mixes != 0) & (finish_mixes != 0)
+    shared = (share_finish != 0) & finish & (collapse != 0) & (chunks > 1)
     if ticket == chunks - 1:
         _finish_block(block, N, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr, pre_out_ptr,
                       post_out_ptr, comb_out_ptr, norm_eps, hc_eps, iters, HC, D, PART, CHUNKS_PAD, NORM_BLOCK,
-                      BLOCK_T, mixes, tl.where(shared, 0, collapse))
+                      BLOCK_T, finish.to(tl.int32), tl.where(shared, 0, collapse))
         if not shared:
             tl.atomic_xchg(counter_ptr + block, 0)
     elif shared & (ticket == chunks - 2):
@@ -124,7 +126,7 @@ def _finish_block(block, N, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr
                           NORM_BLOCK, mixes, collapse)
 
 
-BLOCK_D = 64
+BLOCK_D = SEAM_BLOCK_D
 WIDE_BLOCK_D = 128
 NORM_BLOCK = 1024
 
@@ -161,7 +163,7 @@ def takes_rows(tokens: int, mixes: bool, collapse: bool) -> bool:
 
 def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters,
                     block_t=1, block_d=None, num_warps=4, norm_block=None, share_finish=None, mixes=True,
-                    collapse=True, rows=None, rows_launch=None):
+                    collapse=True, rows=None, rows_launch=None, finish_mixes=True):
     """Both ops: with out/post/comb None (the entry seam) returns (normed, pre, post, comb), else
     (new streams, normed, pre, post, comb); shapes as the ops' references. block_t (tokens per program),
     block_d (columns per program), num_warps, norm_block (the finish's RMSNorm tile) and share_finish (two
@@ -170,48 +172,55 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
     seams only); rows_launch overrides its launch (keys of mhc_rows_triton.LAUNCH).
     The split seam (custom_ops/mhc_split.py) launches _seam_kernel twice: mixes=False (fn, scale, base
     unused) returns the outputs above without (pre, post, comb); collapse=False (pre_lagged, norm_weight
-    unused; out/post/comb None) returns (pre, post, comb) only, counting on the side lane."""
+    unused; out/post/comb None) returns (pre, post, comb) only, counting on the side lane.
+    finish_mixes=False (mhc_deferred.py; mixes and collapse on, not rows): the mixes are left as partials,
+    returned in place of (pre, post, comb): [tokens, chunks, partial_width(hc)] fp32."""
     *lead, hc, dim = streams.shape
     tokens = streams.numel() // (hc * dim)
     rows = takes_rows(tokens, mixes, collapse) if rows is None else rows
-    if rows and not (mixes and collapse):
-        raise ValueError("mhc seam: the rows kernel runs full seams only (mixes and collapse on)")
+    if rows and not (mixes and collapse and finish_mixes):
+        raise ValueError("mhc seam: the rows kernel runs full seams only (mixes and collapse on, finished)")
+    if not finish_mixes and not (mixes and collapse):
+        raise ValueError("mhc seam: finish_mixes=False leaves the mixes of a full seam as partials")
     flat = streams.reshape(tokens, hc, dim).contiguous()
     has_post = out is not None
     new_streams = torch.empty_like(flat) if has_post else flat
     unused = flat  # any tensor, for the pointers a launch's flags leave unread
     normed = flat.new_empty(tokens, dim) if collapse else unused
-    pre_out = flat.new_empty(tokens, hc, dtype=torch.float32) if mixes else unused
-    post_out = torch.empty_like(pre_out) if mixes else unused
-    comb_out = flat.new_empty(tokens, hc, hc, dtype=torch.float32) if mixes else unused
+    finished = mixes and finish_mixes
+    pre_out = flat.new_empty(tokens, hc, dtype=torch.float32) if finished else unused
+    post_out = torch.empty_like(pre_out) if finished else unused
+    comb_out = flat.new_empty(tokens, hc, hc, dtype=torch.float32) if finished else unused
     tensors = (out.reshape(tokens, dim).contiguous() if has_post else flat,
                flat,
                post.reshape(tokens, hc).contiguous() if has_post else unused,
                comb.reshape(tokens, hc, hc).contiguous() if has_post else unused,
                pre_lagged.reshape(tokens, hc).float().contiguous() if collapse else unused,
-               fn.contiguous() if mixes else unused, scale.float().contiguous() if mixes else unused,
-               base.float().contiguous() if mixes else unused, norm_weight.contiguous() if collapse else unused,
+               fn.contiguous() if mixes else unused, scale.float().contiguous() if finished else unused,
+               base.float().contiguous() if finished else unused, norm_weight.contiguous() if collapse else unused,
                new_streams, normed, pre_out, post_out, comb_out)
     if rows:
         if tokens:
             mhc_rows_triton.seam_rows(*tensors, norm_eps, hc_eps, iters, has_post, rows_launch)
-    elif tokens:
-        part = triton.next_power_of_2((2 + hc) * hc + 2)
+    else:
         block_d = block_d or _columns_per_program(tokens)
-        chunks = triton.cdiv(dim, block_d)
-        blocks = triton.cdiv(tokens, block_t)
-        partial = flat.new_empty(tokens, chunks, part, dtype=torch.float32)
-        _seam_kernel[(blocks, chunks)](
-            *tensors, partial, block_counters(flat.device, blocks, "main" if collapse else "side"), tokens,
-            norm_eps, hc_eps, iters, int(has_post), int(mixes), int(collapse),
-            int(_may_share_finish(flat.device, blocks) if share_finish is None else share_finish),
-            HC=hc, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, PART=part, CHUNKS_PAD=triton.next_power_of_2(chunks),
-            NORM_BLOCK=min(norm_block or NORM_BLOCK, triton.next_power_of_2(dim)), num_warps=num_warps,
-            **launch_options(flat.device))
+        chunks, blocks = triton.cdiv(dim, block_d), triton.cdiv(tokens, block_t)
+        partial = flat.new_empty(tokens, chunks, partial_width(hc), dtype=torch.float32)
+        if tokens:
+            _seam_kernel[(blocks, chunks)](
+                *tensors, partial, block_counters(flat.device, blocks, "main" if collapse else "side"), tokens,
+                norm_eps, hc_eps, iters, int(has_post), int(mixes), int(collapse),
+                int(_may_share_finish(flat.device, blocks) if share_finish is None else share_finish),
+                int(finish_mixes), HC=hc, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, PART=partial.shape[2],
+                CHUNKS_PAD=triton.next_power_of_2(chunks),
+                NORM_BLOCK=min(norm_block or NORM_BLOCK, triton.next_power_of_2(dim)), num_warps=num_warps,
+                **launch_options(flat.device))
     lead = tuple(lead)
     outputs = [new_streams.view(lead + (hc, dim))] if has_post else []
     if collapse:
         outputs.append(normed.view(lead + (dim,)))
-    if mixes:
+    if finished:
         outputs += [pre_out.view(lead + (hc,)), post_out.view(lead + (hc,)), comb_out.view(lead + (hc, hc))]
+    elif mixes:
+        outputs.append(partial.view(lead + partial.shape[1:]))
     return tuple(outputs)

@@ -11,6 +11,10 @@ kernel may write or read (so, at its top). A kernel that passed its wait can onl
 finished, which finished after the one before that, so the order holds along the whole stream, with kernels
 launched without PDL (Inductor's, cuBLAS's) in between as well.
 
+One kind of kernel works before its wait (mhc_mixes_finish_triton.py): `pdl_release` at its top lets the next
+kernel be scheduled at once, it reads only what a kernel at least two launches back wrote (finished: the kernel
+just before it has passed its own wait), and `pdl_wait_only` comes before its first store.
+
 `launch_options(device)` gives a kernel launch its keyword arguments: PDL on sm_90+ CUDA devices unless turned off
 (`DSFLASH_PDL=0`, or `launches(False)` around the calls, as CompileOptions.pdl does around a runner's graphs).
 Off (and for CPU tensors: Triton's interpreter, which runs no inline PTX) `PDL` is False and the wait compiles away.
@@ -73,3 +77,16 @@ if triton is not None:
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
+
+    @triton.jit
+    def pdl_release(PDL: tl.constexpr):
+        """Let the next kernel be scheduled now, before this kernel's wait (its own wait still waits for this
+        kernel's end): for a kernel that works before its wait, which then calls pdl_wait_only."""
+        if PDL:
+            gdc_launch_dependents()
+
+    @triton.jit
+    def pdl_wait_only(PDL: tl.constexpr):
+        """Wait until the stream's previous kernel has finished (after pdl_release)."""
+        if PDL:
+            gdc_wait()

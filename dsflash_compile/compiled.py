@@ -46,6 +46,7 @@ from .custom_ops.bf16_linear import MAX_ROWS as LINEAR_MAX_ROWS
 from .custom_ops.bf16_linear import TALL_MIN_K as LINEAR_TALL_MIN_K
 from .custom_ops.bf16_linear import TALL_MIN_ROWS as LINEAR_TALL_MIN_ROWS
 from .custom_ops.mhc import ROWS_MIN_TOKENS
+from .custom_ops.mhc_deferred import DEFER_MAX_TOKENS
 from .custom_ops.pdl import launches
 from .custom_ops.routed_experts import MAX_TOKENS as ROUTED_MAX_TOKENS
 from .layers import QuantLinear
@@ -69,6 +70,10 @@ class CompileOptions:
     # 0.2 ms (overlap-flash-40l-e8-b*-2026-11-30*.json, scripts/bench_overlap.py)
     mhc_overlap: bool = False
     mhc_overlap_max_tokens: int = 16  # below custom_ops.mhc.ROWS_MIN_TOKENS (checked)
+    # issue 5: each seam of at most custom_ops.mhc_deferred.DEFER_MAX_TOKENS tokens (decode) leaves its mixes as
+    # partials, finished by a kernel placed before their first reader (one sublayer later) that computes them
+    # while the sublayer's last kernel runs (passes/mhc_defer.py): the seam's path ends after its collapse
+    mhc_defer_mixes: bool = True
     # issue 5: grouped GEMMs of the bf16 routed experts with at most this many (token, slot) rows run
     # dsflash::grouped_mm (each picked expert's weight streamed about once, its row tiles as tall as the rows per
     # expert: mxfp4_experts_triton.bf16_launch) instead of torch._grouped_mm, whose CUTLASS grouped GEMM took 63
@@ -285,7 +290,9 @@ class CompiledRunner:
             raise ValueError("compile(): DeepseekV41TextConfig.emulate_reference_index_key_pointer needs a host "
                              "sync per layer (it emulates a reference bug); turn it off to compile")
         overlap = options.mhc_overlap_max_tokens if options.mhc_overlap else 0
-        self.pass_manager = passes.install(text, mhc_overlap_tokens=overlap) if options.passes else None
+        defer = DEFER_MAX_TOKENS if options.mhc_defer_mixes else 0
+        self.pass_manager = (passes.install(text, mhc_overlap_tokens=overlap, mhc_defer_tokens=defer)
+                             if options.passes else None)
         if not options.passes:
             passes.use(None)  # a manager installed earlier would still run
         # Round where the model rounds (its bf16 casts are the reference's rounding points); by default

@@ -31,9 +31,14 @@ def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base:
     One RMS statistic over all hc * D values scales the [24]-wide projection; the first hc entries give
     the pre-mix, the next hc the post-mix, the last hc * hc the comb logits (row a = input stream).
     """
-    hc = streams.shape[-2]
     flat = streams.flatten(-2).float()
     mixes = torch.nn.functional.linear(flat, fn.float()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    return split_mixes(mixes, streams.shape[-2], scale, base, hc_eps, sinkhorn_iters)
+
+
+def split_mixes(mixes: torch.Tensor, hc: int, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
+                sinkhorn_iters: int):
+    """The RMS-scaled projection [..., (2 + hc) hc] -> (pre, post, comb), as hc_mixes describes."""
     pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb_logits = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))

@@ -3,6 +3,7 @@
 from torch._inductor import config as inductor_config
 
 from .manager import DsflashPassManager
+from .mhc_defer import MhcDeferPass
 from .mhc_fusion import MhcFusionPass
 from .mhc_overlap import MhcOverlapPass
 from .rounding import keep_model_rounding
@@ -21,21 +22,23 @@ def use(manager: DsflashPassManager | None) -> None:
         keep_model_rounding()  # the patterns hold the model's bf16 rounding points
 
 
-def install(text_config, mhc_overlap_tokens: int = 0) -> DsflashPassManager:
+def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0) -> DsflashPassManager:
     """Make Inductor run our passes (post-grad) for graphs compiled from now on; returns the manager,
     whose `matches` counts the rewrites. Patterns use the config's router and mHC constants.
     mhc_overlap_tokens > 0: fused seams of at most that many tokens are split so that their mixes run on a
-    side CUDA stream (MhcOverlapPass); 0 keeps every seam one launch."""
+    side CUDA stream (MhcOverlapPass); 0 keeps every seam one launch. mhc_defer_tokens > 0: fused seams of at
+    most that many tokens leave their mixes to a finishing op before the mixes' first reader (MhcDeferPass)."""
     manager = DsflashPassManager([
         RouterFusionPass(text_config.num_experts_per_tok, text_config.norm_topk_prob,
                          text_config.routed_scaling_factor),
         MhcFusionPass(text_config.rms_norm_eps, text_config.hc_eps, text_config.hc_sinkhorn_iters,
                       text_config.hc_mult),
         *([MhcOverlapPass(mhc_overlap_tokens)] if mhc_overlap_tokens > 0 else []),
+        *([MhcDeferPass(mhc_defer_tokens)] if mhc_defer_tokens > 0 else []),
     ])
     use(manager)
     return manager
 
 
-__all__ = ["DsflashPassManager", "MhcFusionPass", "MhcOverlapPass", "RouterFusionPass", "install",
+__all__ = ["DsflashPassManager", "MhcDeferPass", "MhcFusionPass", "MhcOverlapPass", "RouterFusionPass", "install",
            "keep_model_rounding", "use"]

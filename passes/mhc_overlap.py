@@ -20,58 +20,11 @@ the mixes include the next seam's ops, which also read X', so X' stays alive (an
 until after the join.
 """
 
-import math
-import operator
-
 import torch
-from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
+
+from .graph_edit import call, fused_seams, seam_arguments, static_tokens, views_and_readers
 
 ops = torch.ops.dsflash
-
-
-def _tokens(streams: torch.fx.Node) -> int | None:
-    """Tokens of a seam's streams [..., hc, D], or None if not a static count."""
-    lead = streams.meta["val"].shape[:-2]
-    return math.prod(lead) if all(isinstance(n, int) for n in lead) else None
-
-
-def _call(graph: torch.fx.Graph, op, args: tuple, outputs: int):
-    """Insert op(*args) (at the graph's insertion point) with its fake value; its `outputs` getitems."""
-    vals = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
-    fake_mode = detect_fake_mode(vals) or FakeTensorMode()
-    with fake_mode:
-        val = op(*vals)
-    node = graph.call_function(op, args)
-    node.meta["val"] = val
-    if not outputs:
-        return node
-    items = []
-    for i in range(outputs):
-        item = graph.call_function(operator.getitem, (node, i))
-        item.meta["val"] = val[i]
-        items.append(item)
-    return items
-
-
-def _is_view(node: torch.fx.Node) -> bool:
-    """A node that only reinterprets its input (no kernel reads data); post-grad graphs spell views reshape."""
-    return node.op == "call_function" and (node.target is torch.ops.aten.reshape.default
-                                           or getattr(node.target, "is_view", False))
-
-
-def _views_and_readers(items: list[torch.fx.Node]) -> tuple[set, set]:
-    """The views taken of `items` (transitively) and the nodes that read them or their views."""
-    views, readers, todo = set(), set(), list(items)
-    while todo:
-        for user in todo.pop().users:
-            if _is_view(user):
-                if user not in views:
-                    views.add(user)
-                    todo.append(user)
-            else:
-                readers.add(user)
-    return views, readers
 
 
 class MhcOverlapPass:
@@ -83,36 +36,29 @@ class MhcOverlapPass:
 
     def apply(self, graph: torch.fx.Graph) -> int:
         """Split every fused seam within the cutoff; returns how many were split."""
-        split = 0
-        for target in (ops.mhc_seam.default, ops.mhc_entry_seam.default):
-            for node in list(graph.find_nodes(op="call_function", target=target)):
-                split += self._split(graph, node)
-        return split
+        return sum(self._split(graph, node) for node in fused_seams(graph))
 
     def _split(self, graph: torch.fx.Graph, node: torch.fx.Node) -> int:
-        entry = node.target is ops.mhc_entry_seam.default
-        if entry:
-            streams, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters = node.args
-        else:
-            out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters = node.args
-        tokens = _tokens(streams)
-        if tokens is None or tokens > self.options["max_tokens"] or fn.meta["val"].dtype != torch.float32:
+        a = seam_arguments(node)
+        tokens = static_tokens(a.streams)
+        if tokens is None or tokens > self.options["max_tokens"] or a.fn.meta["val"].dtype != torch.float32:
             return 0
         with graph.inserting_before(node):
-            if entry:
-                inputs = [_call(graph, ops.mhc_entry_input.default, (streams, pre_lagged, norm_weight, norm_eps), 0)]
-                mixed = streams
+            if a.out is None:
+                inputs = [call(graph, ops.mhc_entry_input.default,
+                               (a.streams, a.pre_lagged, a.norm_weight, a.norm_eps), 0)]
+                mixed = a.streams
             else:
-                inputs = _call(graph, ops.mhc_seam_input.default,
-                               (out, streams, post, comb, pre_lagged, norm_weight, norm_eps), 2)
+                inputs = call(graph, ops.mhc_seam_input.default,
+                              (a.out, a.streams, a.post, a.comb, a.pre_lagged, a.norm_weight, a.norm_eps), 2)
                 mixed = inputs[0]
-            mixes = _call(graph, ops.mhc_mixes.default, (mixed, fn, scale, base, norm_eps, hc_eps, iters), 3)
+            mixes = call(graph, ops.mhc_mixes.default, (mixed, a.fn, a.scale, a.base, a.norm_eps, a.hc_eps, a.iters), 3)
         for item in list(node.users):
             item.replace_all_uses_with((inputs + mixes)[item.args[1]])
             graph.erase_node(item)
         graph.erase_node(node)
         order = {n: i for i, n in enumerate(graph.nodes)}
-        views, readers = _views_and_readers(mixes)
+        views, readers = views_and_readers(mixes)
         first_reader = min(readers, key=order.__getitem__, default=mixes[-1].next)
         # the sublayer: what runs between the fork and the first reader; its results read at or after that
         # reader are the join's `after`, so Inductor keeps the join behind the sublayer
@@ -120,7 +66,7 @@ class MhcOverlapPass:
         after = [n for n in between if isinstance(n.meta.get("val"), torch.Tensor)
                  and any(order[user] >= order[first_reader] for user in n.users)]
         with graph.inserting_before(first_reader):
-            _call(graph, ops.mhc_join_.default, (*mixes, after), 0)
+            call(graph, ops.mhc_join_.default, (*mixes, after), 0)
         for view in sorted(views, key=order.__getitem__):  # views of the mixes move behind the join too
             if order[view] < order[first_reader]:
                 first_reader.prepend(view)

@@ -54,6 +54,7 @@ VARIANTS = {
     "cublas-linear": {"linear_few_rows": 0},  # decode's bf16 projections on cuBLAS (before dsflash::bf16_linear)
     "tiled-linear": {"linear_gemv": False},  # one-row projections on bf16_linear's kernel (before dsflash::bf16_gemv)
     "cublas-tall": {"linear_tall": False},  # 33-64 rows of wo_a / wo_b on cuBLAS (before QuantLinear.tall_rows)
+    "fused-mixes": {"mhc_defer_mixes": False},  # each seam finishes its own mixes (before passes/mhc_defer.py)
     "one-graph": {"decode_graph_pieces": 1},  # the decode step as one CUDA graph (before piecewise_graph.py)
     "even-pieces": {"decode_graph_pieces": 4, "decode_graph_growth": 1.0},  # 4 even pieces (before 12-02 s)
     # issue 5's decode fusions off: shared expert on its own GEMMs, wq_a and wkv apart, Engram and set-up eager
@@ -312,8 +313,8 @@ def main() -> None:
     for batch, row in rows.items():
         row["floor"] = floor(model, batch, args.context, bandwidth, rate)
         fl = row["floor"]["floor_s"]
-        summary = {k: round(v * 1e6, 1) for k, v in row.items() if k.endswith("_s") and "compile" not in k}
-        print(f"batch {batch}: step us {summary}  floor {fl * 1e6:.1f} us  "
+        times = {k: round(v * 1e6, 1) for k, v in row.items() if k.endswith("_s") and "compile" not in k}
+        print(f"batch {batch}: step us {times}  floor {fl * 1e6:.1f} us  "
               f"compile s { {k: round(v, 1) for k, v in row.items() if 'compile_s' in k} }")
         for k in ["day_zero_profile"] + [f"{v.replace('-', '_')}_profile" for v in VARIANTS]:
             if k in row:

@@ -25,7 +25,8 @@ rows kernels took 17.0 / 19.6 / 22.8 / 91 / 340 us at 32 / 64 / 128 / 1024 / 409
 --parts: where one seam's time goes, at 1 and 16 tokens: the whole seam at the default launch and a few others
 (one program finishing a block, the RMSNorm after the Sinkhorn; norm_block: the finish's RMSNorm in one tile),
 and the kernel with its runtime flags off (mixes only: GEMV + Sinkhorn finish, also with 1 Sinkhorn round
-instead of 20; collapse only: expansion + RMSNorm finish; neither: launch, expansion and the counter), each
+instead of 20; collapse only: expansion + RMSNorm finish; neither: launch, expansion and the counter; mixes
+left as partials and mixes finish alone: the deferred seam's two launches, custom_ops/mhc_deferred.py), each
 with `fn` hot in L2 (one copy) and cold (COLD_COPIES copies of fn in turn, as in a decode step, where the 80
 seams' 2 MB each do not stay in the 50 MB L2).
 """
@@ -45,6 +46,7 @@ from bench_mhc import HC_EPS, ITERS, NORM_EPS, errors, make_case  # noqa: E402
 from dsflash_compile.benchmarking import (print_table, run_metadata, save_results, sweep_variant,  # noqa: E402
                                           time_graph)
 from dsflash_compile.custom_ops import mhc_rows_triton, mhc_triton  # noqa: E402
+from dsflash_compile.custom_ops.mhc_mixes_finish_triton import mhc_mixes_finish_triton  # noqa: E402
 from dsflash_compile.custom_ops.mhc import entry_seam_reference, seam_reference  # noqa: E402
 
 COLUMNS = [("tokens", "tokens", "d"), ("tokens/program", "block_t", "d"), ("columns/program", "block_d", "d"),
@@ -141,6 +143,16 @@ def sweep_parts(tokens: int) -> list[dict]:
                                                                   None, weight, *consts, mixes=False)
     parts["neither"] = lambda f: mhc_triton.mhc_seam_triton(out, streams, post, comb, None, None, None, None, None,
                                                             *consts, mixes=False, collapse=False)
+    # the deferred seam (custom_ops/mhc_deferred.py): the seam with its mixes left as partials, then the finish
+    parts["mixes left as partials"] = lambda f: mhc_triton.mhc_seam_triton(
+        out, streams, post, comb, pre_lagged, f, None, None, weight, *consts, block_d=64, rows=False,
+        finish_mixes=False)
+    parts["mixes left as partials, norm_block 8192"] = lambda f: mhc_triton.mhc_seam_triton(
+        out, streams, post, comb, pre_lagged, f, None, None, weight, *consts, block_d=64, rows=False,
+        finish_mixes=False, norm_block=8192)
+    partials = parts["mixes left as partials"](fn)[-1]
+    parts["mixes finish alone"] = lambda f: mhc_mixes_finish_triton(partials, scale, base, streams.shape[-1],
+                                                                    *consts)
     rows = []
     for name, call in parts.items():
         check = agrees(call(fn)) if name.startswith("seam") else "part"

@@ -29,7 +29,7 @@ FAMILIES = (
     ("moe", r"GroupProblem|prepare_grouped_gemm_data|_grouped_kernel|_grouped_swiglu_kernel|^_up_kernel|^_down_kernel|"
             r"_expert_order_kernel"),
     ("gemm", r"nvjet|gemv|splitKreduce|cublas|cutlass|xmma|gemm|_fp8_linear_kernel|_bf16_linear_kernel"),
-    ("mhc", r"_seam|sinkhorn|_finish_rows_kernel"),
+    ("mhc", r"_seam|sinkhorn|_finish_rows_kernel|_mixes_finish_kernel"),
     ("router", r"_router_kernel"),
     ("attention", r"_attention_kernel|_merge_kernel"),
     ("cache_write", r"_record_write"),

@@ -16,7 +16,7 @@ from dsflash_compile.compiled import CompileOptions
 from dsflash_compile.layers import RMSNorm
 from dsflash_compile.passes import MhcFusionPass, MhcOverlapPass
 from dsflash_compile.custom_ops.mhc import ROWS_MIN_TOKENS
-from dsflash_compile.passes.mhc_overlap import _views_and_readers
+from dsflash_compile.passes.graph_edit import views_and_readers
 from test_compile import distinct_roles, fresh_dynamo, prompts, tiny_model  # noqa: F401  (fresh_dynamo: a fixture)
 from graph_caches import graph_caches_off
 from interp import report, requires_interpreter, run_interpreted
@@ -99,7 +99,7 @@ def joins_precede_readers(graph) -> bool:
     order = {n: i for i, n in enumerate(graph.nodes)}
     for node in graph.find_nodes(op="call_function", target=ops.mhc_mixes.default):
         items = list(node.users)
-        views, readers = _views_and_readers(items)
+        views, readers = views_and_readers(items)
         first = min(views | readers, key=order.__getitem__, default=None)
         if first is None or first.target is not ops.mhc_join_.default or set(first.args[:3]) != set(items):
             return False
@@ -162,8 +162,9 @@ def test_compile_options_set_the_cutoff(fresh_dynamo):  # noqa: F811
         return [(type(p).__name__, p.options.get("max_tokens")) for p in manager.passes]
 
     assert not CompileOptions().mhc_overlap and CompileOptions().mhc_overlap_max_tokens == 16  # off: 0.99x at B1
-    assert passes(mhc_overlap=True, mhc_overlap_max_tokens=8)[1:] == [("MhcFusionPass", None), ("MhcOverlapPass", 8)]
-    assert passes()[1:] == [("MhcFusionPass", None)]
+    assert passes(mhc_overlap=True, mhc_overlap_max_tokens=8, mhc_defer_mixes=False)[1:] == [
+        ("MhcFusionPass", None), ("MhcOverlapPass", 8)]
+    assert passes(mhc_defer_mixes=False)[1:] == [("MhcFusionPass", None)]
     with pytest.raises(ValueError, match="mhc_overlap_max_tokens"):
         CompileOptions(mhc_overlap_max_tokens=0)
     with pytest.raises(ValueError, match=f"fewer than {ROWS_MIN_TOKENS} tokens"):  # the rows kernel's seams
@@ -272,7 +273,7 @@ def test_kernel_halves_run_the_one_launch_binary():
     from dsflash_compile.custom_ops import mhc_triton
 
     kernel = mhc_triton._seam_kernel
-    flags = {"has_post", "mixes", "collapse", "share_finish"}
+    flags = {"has_post", "mixes", "collapse", "share_finish", "finish_mixes"}  # the last: mhc_deferred.py
     assert {p.name for p in kernel.params if p.do_not_specialize} == flags
     assert {p.name for p in kernel.params if p.is_constexpr} == {"HC", "D", "BLOCK_D", "BLOCK_T", "PART",
                                                                  "CHUNKS_PAD", "NORM_BLOCK", "PDL"}

@@ -37,8 +37,11 @@ def router_case(experts, hidden, tokens, dtype, seed=0, device="cpu"):
 
 
 def weight_error(got, want) -> float:
-    """Worst error relative to the reference weight (tiny weights count as 1e-30)."""
-    return ((got - want).abs() / want.abs().clamp_min(1e-30)).max().item()
+    """Worst error relative to the reference weight, after 2e-7 of absolute slack: a tiny weight comes from a very
+    negative logit, where sqrt(softplus) ~ exp(x / 2) carries half the logit's absolute error as relative error,
+    and a 5120-term fp32 dot in another order errs by ~1e-5 (H200, 8 experts, 3000 tokens: 9.3e-5 relative on
+    weights ~1e-3 without the slack; benchmarks/results/router-8-experts-diag-2026-12-03-x3.log)."""
+    return (((got - want).abs() - 2e-7).clamp_min(0) / want.abs().clamp_min(1e-30)).max().item()
 
 
 def interpreter_checks():

@@ -1,0 +1,165 @@
+"""An mHC seam whose mixes are finished later (issue 5): `dsflash::mhc_seam` / `mhc_entry_seam` as a seam op
+that leaves its mixes as partials and a finishing op placed before the mixes' first reader, for the deferral
+pass (passes/mhc_defer.py). With X the streams a seam receives (mhc.py gives the math):
+
+    mhc_seam_partials(out, X, q, C, p_lagged, fn, w)  -> (X', normed, partials)
+    mhc_entry_seam_partials(X, p_lagged, fn, w)        -> (normed, partials)
+    mhc_mixes_finish(partials, scale, base, D, after, early) -> (p, q', C')   this seam's mixes
+
+partials [..., chunks, partial_width(hc)] fp32, one row per chunk of SEAM_BLOCK_D columns of D: the (2 + hc) hc
+mix dot products of the chunk, the streams' sum of squares over it, the collapse's, then zeros. The finish adds
+the rows in chunk order, then runs the mixes' RMS scaling, sigmoids and Sinkhorn (the model's split_mixes).
+
+Why: at one token the seam's critical path is its mixes' finish, one program adding the partials and running 20
+Sinkhorn rounds (H200, sweep_mhc.py --parts, 12-02 t: the seam 7.8 us, its mixes alone 7.5, its collapse alone
+4.5), while lagged mHC first reads the mixes one sublayer later. Placed before that reader, the finishing kernel
+computes them while the sublayer's last kernel still runs (mhc_mixes_finish_triton.py) and the seam ends after
+its collapse. `after` (never read) holds tensors the sublayer computed from the seam's outputs: Inductor then
+issues the finish after them, which puts a kernel between the seam and the finish, as the finish's early start
+(`early`, set by the pass) needs; without `early` the finish kernel waits first, like any other. On CUDA the
+seam op runs the fused seam's kernel (any token count) with its finish of the mixes switched off (a runtime
+flag) and the RMSNorm in one tile (NORM_BLOCK): X' and normed as the fused seam computes them.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .mhc import SEAM_BLOCK_D, check_seam_args, partial_width, rms_norm
+from dsflash_compile.mhc import hc_post, hc_pre, split_mixes
+
+# With the mixes deferred the collapse's RMSNorm is the seam's path: one tile of the whole row (H200, one token,
+# sweep_mhc.py --parts, 12-03 x2: 4.66 us a seam against 5.21 in tiles of 1024)
+NORM_BLOCK = 8192
+# the deferral pass's largest seam: up to here the seam kernel runs chunks of SEAM_BLOCK_D columns
+# (mhc_triton._columns_per_program), so the partials are the ones a fused seam adds
+DEFER_MAX_TOKENS = 16
+
+
+def partials_shape(streams_shape) -> tuple:
+    """Shape of the partials of streams [..., hc, D]: [..., chunks, partial_width(hc)]."""
+    *lead, hc, dim = streams_shape
+    return (*lead, math.ceil(dim / SEAM_BLOCK_D), partial_width(hc))
+
+
+def mix_partials(streams: Tensor, fn: Tensor, collapsed: Tensor) -> Tensor:
+    """partials (module docstring) of streams [..., hc, D] bf16 with the mixes' fn [(2+hc)hc, hc D] and the
+    collapse [..., D] bf16 (before its RMSNorm), in fp32."""
+    *lead, hc, dim = streams.shape
+    chunks, width = partials_shape(streams.shape)[-2:]
+    mix, pad = fn.shape[0], chunks * SEAM_BLOCK_D - dim
+
+    def chunked(x):  # [..., D] -> [..., chunks, SEAM_BLOCK_D], zero-padded
+        return F.pad(x.float(), (0, pad)).unflatten(-1, (chunks, SEAM_BLOCK_D))
+
+    x = chunked(streams)  # [..., hc, chunks, block]
+    w = chunked(fn.unflatten(-1, (hc, dim)))  # [mix, hc, chunks, block]
+    partials = streams.new_zeros(*lead, chunks, width, dtype=torch.float32)
+    partials[..., :mix] = torch.einsum("...icb,micb->...cm", x, w)
+    partials[..., mix] = x.square().sum((-3, -1))
+    partials[..., mix + 1] = chunked(collapsed).square().sum(-1)
+    return partials
+
+
+def seam_partials_reference(out, streams, post, comb, pre_lagged, fn, norm_weight, norm_eps):
+    """(new streams, normed, partials); out/post/comb None: the entry seam, (normed, partials)."""
+    new = streams if out is None else hc_post(out, streams, post, comb)
+    collapsed = hc_pre(new, pre_lagged)
+    outputs = (rms_norm(collapsed, norm_weight, norm_eps), mix_partials(new, fn, collapsed))
+    return tuple(t.contiguous() for t in (outputs if out is None else (new, *outputs)))
+
+
+def mixes_finish_reference(partials, scale, base, dim, norm_eps, hc_eps, iters):
+    hc = math.isqrt(base.shape[0] + 1) - 1
+    mix = (2 + hc) * hc
+    sums = partials.sum(-2)
+    mixes = sums[..., :mix] * torch.rsqrt(sums[..., mix:mix + 1] / (hc * dim) + norm_eps)
+    return tuple(t.contiguous() for t in split_mixes(mixes, hc, scale, base, hc_eps, iters))
+
+
+def check_finish_args(partials, scale, base, dim) -> None:
+    hc = math.isqrt(base.shape[0] + 1) - 1
+    if base.dim() != 1 or (2 + hc) * hc != base.shape[0]:
+        raise ValueError(f"mhc mixes finish: base has shape {tuple(base.shape)}; expected [(2 + hc) hc]")
+    if tuple(scale.shape) != (3,):
+        raise ValueError(f"mhc mixes finish: scale has shape {tuple(scale.shape)}; expected (3,)")
+    want = partials_shape((hc, dim))
+    if partials.dim() < 2 or tuple(partials.shape[-2:]) != want or partials.dtype != torch.float32:
+        raise ValueError(f"mhc mixes finish: partials are {partials.dtype} {tuple(partials.shape)}; expected fp32 "
+                         f"[..., {want[0]}, {want[1]}] for hc {hc} and D {dim}")
+
+
+@torch.library.custom_op("dsflash::mhc_seam_partials", mutates_args=())
+def mhc_seam_partials(out: Tensor, streams: Tensor, post: Tensor, comb: Tensor, pre_lagged: Tensor, fn: Tensor,
+                      norm_weight: Tensor, norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(new streams bf16 [..., hc, D], normed bf16 [..., D], partials); arguments as dsflash::mhc_seam's."""
+    check_seam_args(out, streams, post, comb, pre_lagged, fn, None, None, norm_weight)
+    return seam_partials_reference(out, streams, post, comb, pre_lagged, fn, norm_weight, norm_eps)
+
+
+@mhc_seam_partials.register_fake
+def _(out, streams, post, comb, pre_lagged, fn, norm_weight, norm_eps):
+    return (torch.empty_like(streams), torch.empty_like(out),
+            streams.new_empty(partials_shape(streams.shape), dtype=torch.float32))
+
+
+@torch.library.custom_op("dsflash::mhc_entry_seam_partials", mutates_args=())
+def mhc_entry_seam_partials(streams: Tensor, pre_lagged: Tensor, fn: Tensor, norm_weight: Tensor,
+                            norm_eps: float) -> tuple[Tensor, Tensor]:
+    """mhc_seam_partials without the expansion: (normed, partials) of the streams as given."""
+    check_seam_args(None, streams, None, None, pre_lagged, fn, None, None, norm_weight)
+    return seam_partials_reference(None, streams, None, None, pre_lagged, fn, norm_weight, norm_eps)
+
+
+@mhc_entry_seam_partials.register_fake
+def _(streams, pre_lagged, fn, norm_weight, norm_eps):
+    return (streams.new_empty(streams.shape[:-2] + streams.shape[-1:]),
+            streams.new_empty(partials_shape(streams.shape), dtype=torch.float32))
+
+
+@torch.library.custom_op("dsflash::mhc_mixes_finish", mutates_args=())
+def mhc_mixes_finish(partials: Tensor, scale: Tensor, base: Tensor, dim: int, norm_eps: float, hc_eps: float,
+                     iters: int, after: list[Tensor], early: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """(pre, post, comb) fp32 of a seam of streams [..., hc, dim], from its partials [..., chunks, PART];
+    `after` is not read; early: the partials come from a kernel at least two launches back (module docstring)."""
+    check_finish_args(partials, scale, base, dim)
+    return mixes_finish_reference(partials, scale, base, dim, norm_eps, hc_eps, iters)
+
+
+@mhc_mixes_finish.register_fake
+def _(partials, scale, base, dim, norm_eps, hc_eps, iters, after, early=False):
+    lead, hc = partials.shape[:-2], math.isqrt(base.shape[0] + 1) - 1
+    return (partials.new_empty(lead + (hc,)), partials.new_empty(lead + (hc,)), partials.new_empty(lead + (hc, hc)))
+
+
+try:  # Triton is optional on CPU machines
+    from . import mhc_mixes_finish_triton, mhc_triton
+except ImportError:  # pragma: no cover - CPU machines without triton
+    mhc_triton = None
+
+if mhc_triton is not None:
+    @mhc_seam_partials.register_kernel("cuda")
+    def _(out, streams, post, comb, pre_lagged, fn, norm_weight, norm_eps):
+        check_seam_args(out, streams, post, comb, pre_lagged, fn, None, None, norm_weight)
+        if not mhc_triton.kernel_fits(streams, fn):
+            return seam_partials_reference(out, streams, post, comb, pre_lagged, fn, norm_weight, norm_eps)
+        return mhc_triton.mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, None, None, norm_weight, norm_eps,
+                                          0.0, 0, block_d=SEAM_BLOCK_D, norm_block=NORM_BLOCK, rows=False,
+                                          finish_mixes=False)
+
+    @mhc_entry_seam_partials.register_kernel("cuda")
+    def _(streams, pre_lagged, fn, norm_weight, norm_eps):
+        check_seam_args(None, streams, None, None, pre_lagged, fn, None, None, norm_weight)
+        if not mhc_triton.kernel_fits(streams, fn):
+            return seam_partials_reference(None, streams, None, None, pre_lagged, fn, norm_weight, norm_eps)
+        return mhc_triton.mhc_seam_triton(None, streams, None, None, pre_lagged, fn, None, None, norm_weight,
+                                          norm_eps, 0.0, 0, block_d=SEAM_BLOCK_D, norm_block=NORM_BLOCK, rows=False,
+                                          finish_mixes=False)
+
+    @mhc_mixes_finish.register_kernel("cuda")
+    def _(partials, scale, base, dim, norm_eps, hc_eps, iters, after, early=False):
+        check_finish_args(partials, scale, base, dim)
+        return mhc_mixes_finish_triton.mhc_mixes_finish_triton(partials, scale, base, dim, norm_eps, hc_eps, iters,
+                                                                early)

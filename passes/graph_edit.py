@@ -1,0 +1,68 @@
+"""Small FX graph edits the passes share: the fused seams and their arguments, a static token count, an op call
+with its fake value, views and readers."""
+
+import math
+import operator
+from types import SimpleNamespace
+
+import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+ops = torch.ops.dsflash
+
+
+def fused_seams(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The graph's dsflash::mhc_seam nodes, then its dsflash::mhc_entry_seam nodes."""
+    return [node for target in (ops.mhc_seam.default, ops.mhc_entry_seam.default)
+            for node in graph.find_nodes(op="call_function", target=target)]
+
+
+def seam_arguments(node: torch.fx.Node) -> SimpleNamespace:
+    """A fused seam's arguments as attributes named as in its schema; out, post and comb None for an entry seam."""
+    names = [argument.name for argument in node.target._schema.arguments]
+    return SimpleNamespace(**{"out": None, "post": None, "comb": None, **dict(zip(names, node.args, strict=True))})
+
+
+def static_tokens(streams: torch.fx.Node) -> int | None:
+    """Tokens of a seam's streams [..., hc, D], or None if not a static count."""
+    lead = streams.meta["val"].shape[:-2]
+    return math.prod(lead) if all(isinstance(n, int) for n in lead) else None
+
+
+def call(graph: torch.fx.Graph, op, args: tuple, outputs: int):
+    """Insert op(*args) (at the graph's insertion point) with its fake value; its `outputs` getitems."""
+    vals = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
+    fake_mode = detect_fake_mode(vals) or FakeTensorMode()
+    with fake_mode:
+        val = op(*vals)
+    node = graph.call_function(op, args)
+    node.meta["val"] = val
+    if not outputs:
+        return node
+    items = []
+    for i in range(outputs):
+        item = graph.call_function(operator.getitem, (node, i))
+        item.meta["val"] = val[i]
+        items.append(item)
+    return items
+
+
+def is_view(node: torch.fx.Node) -> bool:
+    """A node that only reinterprets its input (no kernel reads data); post-grad graphs spell views reshape."""
+    return node.op == "call_function" and (node.target is torch.ops.aten.reshape.default
+                                           or getattr(node.target, "is_view", False))
+
+
+def views_and_readers(items: list[torch.fx.Node]) -> tuple[set, set]:
+    """The views taken of `items` (transitively) and the nodes that read them or their views."""
+    views, readers, todo = set(), set(), list(items)
+    while todo:
+        for user in todo.pop().users:
+            if is_view(user):
+                if user not in views:
+                    views.add(user)
+                    todo.append(user)
+            else:
+                readers.add(user)
+    return views, readers
