@@ -11,6 +11,8 @@ runs one program per row. The reference is the model's own functions (CPU, and C
 take).
 """
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -21,9 +23,12 @@ from .mhc import rms_norm
 
 
 @torch.library.custom_op("dsflash::kv_norm_rope", mutates_args=())
-def kv_norm_rope(kv: Tensor, weight: Tensor, eps: float, rot: Tensor, quantize: bool) -> Tensor:
+def kv_norm_rope(kv: Tensor, weight: Tensor, eps: float, rot: Tensor, quantize: bool,
+                 after: Optional[Tensor] = None, early: bool = False) -> Tensor:
     """kv bf16 [..., T, D] (any row stride); weight bf16 [D]; rot fp32 [..., T, r/2, 2] (rope.rotation).
-    Returns bf16 [..., T, D], contiguous."""
+    Returns bf16 [..., T, D], contiguous. after (never read) and early: set by passes/early_reads.py, after a
+    tensor a kernel computed from the inputs' producers (so that kernel runs between them and this op); early,
+    the kernel reads and computes before its PDL wait (kv_norm_rope_triton.py)."""
     return kv_norm_rope_reference(kv, weight, eps, rot, quantize)
 
 
@@ -50,7 +55,7 @@ def kv_norm_rope_reference(kv, weight, eps, rot, quantize):
 
 
 @kv_norm_rope.register_fake
-def _(kv, weight, eps, rot, quantize):
+def _(kv, weight, eps, rot, quantize, after=None, early=False):
     check_inputs(kv, weight, rot, quantize)
     return kv.new_empty(kv.shape)
 
@@ -62,8 +67,8 @@ except ImportError:  # pragma: no cover - CPU machines without triton
 
 if kv_norm_rope_triton is not None:
     @kv_norm_rope.register_kernel("cuda")
-    def _(kv, weight, eps, rot, quantize):
+    def _(kv, weight, eps, rot, quantize, after=None, early=False):
         check_inputs(kv, weight, rot, quantize)
         if not kv_norm_rope_triton.kernel_fits(kv):
             return kv_norm_rope_reference(kv, weight, eps, rot, quantize)
-        return kv_norm_rope_triton.kv_norm_rope_triton(kv, weight, eps, rot, quantize)
+        return kv_norm_rope_triton.kv_norm_rope_triton(kv, weight, eps, rot, quantize, early)

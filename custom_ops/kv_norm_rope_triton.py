@@ -4,6 +4,11 @@ The row (D values, a power of two) is held in registers: its sum of squares, the
 the seam's formula), the rotation of the trailing pairs (the row viewed as [D / 2, 2], the pairs before the tail kept)
 and the FP8 rounding of its groups (routed_experts_triton's, quant.fp8_qdq's values bit for bit). The norm and
 the RoPE products round to bf16 in integer arithmetic (_round_bf16), which the interpreter runs as the GPU does.
+
+EARLY (the op's `early`, set by passes/early_reads.py where a kernel computed from the inputs' producers runs
+between them and this one): the program releases the next kernel, loads and computes before its PDL wait and
+only stores after it (pdl.py; the row comes from the wq_a + wkv projection, three launches back in the decode
+step: its path would shrink to the wait and the store).
 """
 
 import torch
@@ -11,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .mhc_finish_triton import _rms_norm_f32
-from .pdl import launch_options, pdl_wait
+from .pdl import launch_options, pdl_release, pdl_wait, pdl_wait_only
 from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
 
 MAX_DIM = 4096  # a row in registers (the release's 512 at 4 warps: 4 values a thread)
@@ -19,9 +24,12 @@ MAX_DIM = 4096  # a row in registers (the release's 512 at 4 warps: 4 values a t
 
 @triton.jit
 def _kv_norm_rope_kernel(kv_ptr, w_ptr, rot_ptr, out_ptr, row_stride, eps, D: tl.constexpr, PAIRS: tl.constexpr,
-                         QUANT: tl.constexpr, PDL: tl.constexpr):
+                         QUANT: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     """kv rows [N, D] (stride row_stride, unit column stride), rot [N, PAIRS, 2] and out [N, D] contiguous."""
-    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
+    if EARLY:
+        pdl_release(PDL)
+    else:
+        pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D)
     x = tl.load(kv_ptr + row * row_stride + d).to(tl.float32)
@@ -36,6 +44,8 @@ def _kv_norm_rope_kernel(kv_ptr, w_ptr, rot_ptr, out_ptr, row_stride, eps, D: tl
     y = tl.reshape(tl.join(rotated_even, rotated_odd), (1, D))
     if QUANT:
         y = _fp8_qdq_groups(y, 1, D)  # E4M3 values times a power of two: exact in bf16
+    if EARLY:
+        pdl_wait_only(PDL)
     tl.store(out_ptr + row * D + tl.reshape(d, (1, D)), y.to(tl.bfloat16))
 
 
@@ -46,8 +56,8 @@ def kernel_fits(kv) -> bool:
     return 64 <= dim <= MAX_DIM and dim & (dim - 1) == 0
 
 
-def kv_norm_rope_triton(kv, weight, eps, rot, quantize):
-    """bf16 [..., T, D] as the reference."""
+def kv_norm_rope_triton(kv, weight, eps, rot, quantize, early=False):
+    """bf16 [..., T, D] as the reference; early: the kernel's EARLY (module docstring)."""
     dim, pairs = kv.shape[-1], rot.shape[-2]
     rows = kv.reshape(-1, dim)  # a view for a column slice of a wider projection (wq_a + wkv's kv part)
     if rows.stride(-1) != 1:
@@ -55,6 +65,6 @@ def kv_norm_rope_triton(kv, weight, eps, rot, quantize):
     out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
     if rows.shape[0]:
         _kv_norm_rope_kernel[(rows.shape[0],)](rows, weight.contiguous(), rot.contiguous(), out, rows.stride(0),
-                                               eps, D=dim, PAIRS=pairs, QUANT=quantize,
+                                               eps, D=dim, PAIRS=pairs, QUANT=quantize, EARLY=early,
                                                num_warps=4 if dim <= 1024 else 8, **launch_options(rows.device))
     return out

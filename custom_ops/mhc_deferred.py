@@ -81,7 +81,7 @@ def mixes_finish_reference(partials, scale, base, dim, norm_eps, hc_eps, iters):
 
 
 def check_finish_args(partials, scale, base, dim) -> None:
-    hc = math.isqrt(base.shape[0] + 1) - 1
+    hc = math.isqrt(base.shape[0] + 1) - 1 if base.dim() == 1 else 0
     if base.dim() != 1 or (2 + hc) * hc != base.shape[0]:
         raise ValueError(f"mhc mixes finish: base has shape {tuple(base.shape)}; expected [(2 + hc) hc]")
     if tuple(scale.shape) != (3,):

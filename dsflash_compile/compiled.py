@@ -76,6 +76,10 @@ class CompileOptions:
     # B1 side by side (12-03 x3): 10.54 ms against 10.75, logits bit-equal (compile_and_profile --variants
     # passes,fused-mixes)
     mhc_defer_mixes: bool = True
+    # issue 5: dsflash::kv_norm_rope reads and computes before its PDL wait where a kernel computed from its
+    # inputs' producers runs between them (passes/early_reads.py). Off until measured on the H200 (built 12-03 x:
+    # compile_and_profile --variants passes,early-reads)
+    early_reads: bool = False
     # issue 5: grouped GEMMs of the bf16 routed experts with at most this many (token, slot) rows run
     # dsflash::grouped_mm (each picked expert's weight streamed about once, its row tiles as tall as the rows per
     # expert: mxfp4_experts_triton.bf16_launch) instead of torch._grouped_mm, whose CUTLASS grouped GEMM took 63
@@ -293,8 +297,8 @@ class CompiledRunner:
                              "sync per layer (it emulates a reference bug); turn it off to compile")
         overlap = options.mhc_overlap_max_tokens if options.mhc_overlap else 0
         defer = DEFER_MAX_TOKENS if options.mhc_defer_mixes else 0
-        self.pass_manager = (passes.install(text, mhc_overlap_tokens=overlap, mhc_defer_tokens=defer)
-                             if options.passes else None)
+        self.pass_manager = (passes.install(text, mhc_overlap_tokens=overlap, mhc_defer_tokens=defer,
+                                            early_reads=options.early_reads) if options.passes else None)
         if not options.passes:
             passes.use(None)  # a manager installed earlier would still run
         # Round where the model rounds (its bf16 casts are the reference's rounding points); by default

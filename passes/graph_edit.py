@@ -1,5 +1,5 @@
 """Small FX graph edits the passes share: the fused seams and their arguments, a static token count, an op call
-with its fake value, views and readers."""
+with its fake value, views and readers, descendants, and which nodes' kernels start before their PDL wait."""
 
 import math
 import operator
@@ -66,3 +66,26 @@ def views_and_readers(items: list[torch.fx.Node]) -> tuple[set, set]:
             else:
                 readers.add(user)
     return views, readers
+
+
+def descendants(node: torch.fx.Node) -> set:
+    """The nodes computed from `node`'s outputs."""
+    seen, todo = set(), [node]
+    while todo:
+        for user in todo.pop().users:
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return seen
+
+
+def starts_early(node: torch.fx.Node) -> bool:
+    """A node (or an item of one) whose kernel works before its PDL wait (custom_ops/pdl.py): it cannot be the
+    kernel that an early op needs between its inputs' producers and itself."""
+    if node.target is operator.getitem:
+        node = node.args[0]
+    if node.target not in (ops.mhc_mixes_finish.default, ops.kv_norm_rope.default):
+        return False
+    early = node.kwargs.get("early", node.args[8] if node.target is ops.mhc_mixes_finish.default
+                            and len(node.args) > 8 else False)
+    return bool(early)

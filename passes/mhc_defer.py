@@ -18,31 +18,12 @@ Runs after the mHC fusion and overlap passes, on seams whose token count is stat
 and whose fn is fp32 (the kernel's); at most mhc_deferred.DEFER_MAX_TOKENS tokens.
 """
 
-import operator
-
 import torch
 
-from .graph_edit import call, fused_seams, is_view, seam_arguments, static_tokens, views_and_readers
+from .graph_edit import (call, descendants, fused_seams, is_view, seam_arguments, starts_early, static_tokens,
+                         views_and_readers)
 
 ops = torch.ops.dsflash
-
-
-def _descendants(node: torch.fx.Node) -> set:
-    """The nodes computed from `node`'s outputs."""
-    seen, todo = set(), [node]
-    while todo:
-        for user in todo.pop().users:
-            if user not in seen:
-                seen.add(user)
-                todo.append(user)
-    return seen
-
-
-def _is_finish(node: torch.fx.Node) -> bool:
-    """A finish op or one of its outputs (its kernel starts before its wait, so it cannot be the kernel between)."""
-    if node.target is operator.getitem:
-        node = node.args[0]
-    return node.target is ops.mhc_mixes_finish.default
 
 
 class MhcDeferPass:
@@ -71,10 +52,10 @@ class MhcDeferPass:
         if not readers:
             return 0
         first_reader = min(readers, key=order.__getitem__)
-        computed = _descendants(node)
+        computed = descendants(node)
         after = [n for n in list(graph.nodes)[order[node] + 1:order[first_reader]]
                  if n in computed and n.op == "call_function" and n not in views and n not in node.users
-                 and isinstance(n.meta.get("val"), torch.Tensor) and not is_view(n) and not _is_finish(n)
+                 and isinstance(n.meta.get("val"), torch.Tensor) and not is_view(n) and not starts_early(n)
                  and any(order[reader] >= order[first_reader] for reader in views_and_readers([n])[1])]
         if not after:
             return 0

@@ -74,6 +74,8 @@ def test_opcheck_and_errors():
     kv, weight, rot = case_inputs(*CASES["chunk"])
     for quantize in (True, False):
         torch.library.opcheck(torch.ops.dsflash.kv_norm_rope.default, (kv, weight, EPS, rot, quantize))
+    # after (never read) and early (the kernel's EARLY) change nothing on the CPU
+    torch.library.opcheck(torch.ops.dsflash.kv_norm_rope.default, (kv, weight, EPS, rot, True, kv * 2, True))
     op = torch.ops.dsflash.kv_norm_rope
     with pytest.raises(TypeError, match="must be bf16 and rot fp32"):
         op(kv.float(), weight, EPS, rot, True)
@@ -88,11 +90,14 @@ def test_opcheck_and_errors():
 _KERNEL = dict(kv_ptr="*bf16", w_ptr="*bf16", rot_ptr="*fp32", out_ptr="*bf16", row_stride="i32", eps="fp32")
 
 
-def test_kernel_compiles_for_hopper_without_spills():
-    """The release row (512 values, 32 rotated pairs, FP8) at its launch's 4 warps."""
+@pytest.mark.parametrize("early", [False, True])
+def test_kernel_compiles_for_hopper_without_spills(early):
+    """The release row (512 values, 32 rotated pairs, FP8) at its launch's 4 warps, waiting first or (EARLY)
+    working before its wait."""
     from dsflash_compile.custom_ops import kv_norm_rope_triton as module
 
-    check_compiles_for_hopper(module, ("_kv_norm_rope_kernel", _KERNEL, dict(D=512, PAIRS=32, QUANT=True), 4))
+    check_compiles_for_hopper(module, ("_kv_norm_rope_kernel", _KERNEL,
+                                       dict(D=512, PAIRS=32, QUANT=True, EARLY=early), 4))
 
 
 @requires_cuda
@@ -110,3 +115,24 @@ def test_kernel_on_cuda_and_in_a_cuda_graph():
     rot.copy_(fresh[2])
     graph.replay()
     assert torch.equal(out, torch.ops.dsflash.kv_norm_rope(kv, weight, EPS, rot, True))
+
+
+@requires_cuda
+def test_early_kernel_after_a_kernel_between():
+    """early=True with a kernel between the row's producer and the op (what passes/early_reads.py guarantees):
+    the same bits as waiting first, eagerly and replayed in a CUDA graph."""
+    kv, weight, rot = case_inputs(*CASES["decode_release"], device="cuda")
+
+    def step(early):
+        wide = kv * 1  # the producer
+        between = wide.sum(-1)  # a kernel computed from it
+        return torch.ops.dsflash.kv_norm_rope(wide, weight, EPS, rot, True, between, early)
+
+    assert torch.equal(step(True), step(False))
+    step(True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(True)
+    kv.copy_(case_inputs(*CASES["decode_release"], seed=1, device="cuda")[0])
+    graph.replay()
+    assert torch.equal(out, step(False))
