@@ -39,6 +39,11 @@ NORM_BLOCK = 8192
 DEFER_MAX_TOKENS = 16
 
 
+def mix_streams(base: Tensor) -> int:
+    """hc of the mixes whose base has (2 + hc) hc entries."""
+    return math.isqrt(base.shape[0] + 1) - 1
+
+
 def partials_shape(streams_shape) -> tuple:
     """Shape of the partials of streams [..., hc, D]: [..., chunks, partial_width(hc)]."""
     *lead, hc, dim = streams_shape
@@ -73,7 +78,7 @@ def seam_partials_reference(out, streams, post, comb, pre_lagged, fn, norm_weigh
 
 
 def mixes_finish_reference(partials, scale, base, dim, norm_eps, hc_eps, iters):
-    hc = math.isqrt(base.shape[0] + 1) - 1
+    hc = mix_streams(base)
     mix = (2 + hc) * hc
     sums = partials.sum(-2)
     mixes = sums[..., :mix] * torch.rsqrt(sums[..., mix:mix + 1] / (hc * dim) + norm_eps)
@@ -81,7 +86,7 @@ def mixes_finish_reference(partials, scale, base, dim, norm_eps, hc_eps, iters):
 
 
 def check_finish_args(partials, scale, base, dim) -> None:
-    hc = math.isqrt(base.shape[0] + 1) - 1 if base.dim() == 1 else 0
+    hc = mix_streams(base) if base.dim() == 1 else 0
     if base.dim() != 1 or (2 + hc) * hc != base.shape[0]:
         raise ValueError(f"mhc mixes finish: base has shape {tuple(base.shape)}; expected [(2 + hc) hc]")
     if tuple(scale.shape) != (3,):
@@ -131,7 +136,7 @@ def mhc_mixes_finish(partials: Tensor, scale: Tensor, base: Tensor, dim: int, no
 
 @mhc_mixes_finish.register_fake
 def _(partials, scale, base, dim, norm_eps, hc_eps, iters, after, early=False):
-    lead, hc = partials.shape[:-2], math.isqrt(base.shape[0] + 1) - 1
+    lead, hc = partials.shape[:-2], mix_streams(base)
     return (partials.new_empty(lead + (hc,)), partials.new_empty(lead + (hc,)), partials.new_empty(lead + (hc, hc)))
 
 
@@ -162,5 +167,5 @@ if mhc_triton is not None:
     @mhc_mixes_finish.register_kernel("cuda")
     def _(partials, scale, base, dim, norm_eps, hc_eps, iters, after, early=False):
         check_finish_args(partials, scale, base, dim)
-        return mhc_mixes_finish_triton.mhc_mixes_finish_triton(partials, scale, base, dim, norm_eps, hc_eps, iters,
-                                                                early)
+        return mhc_mixes_finish_triton.mhc_mixes_finish_triton(partials, scale, base, mix_streams(base), dim,
+                                                                norm_eps, hc_eps, iters, early)

@@ -147,14 +147,19 @@ def _rms_norm_f32(x, weight, ss, norm_eps, D: tl.constexpr):
 
 
 @triton.jit
+def _partial_rows(row, chunks, partial_ptr, PART: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """Pointers to one token's partials rows [CHUNKS_PAD] and which of them are real chunks."""
+    ch = tl.arange(0, CHUNKS_PAD)
+    return partial_ptr + (row * chunks + ch) * PART, ch < chunks
+
+
+@triton.jit
 def _mix_sums(row, chunks, partial_ptr, HC: tl.constexpr, PART: tl.constexpr, CHUNKS_PAD: tl.constexpr):
     """One token's mix dot products ([hc] pre, [hc] post, [hc, hc] comb) and its streams' sum of squares, each
     added over the chunks in chunk order, from partials [tokens, chunks, PART]."""
     MIX: tl.constexpr = (2 + HC) * HC
     i = tl.arange(0, HC)
-    ch = tl.arange(0, CHUNKS_PAD)
-    rows = partial_ptr + (row * chunks + ch) * PART
-    live = ch < chunks
+    rows, live = _partial_rows(row, chunks, partial_ptr, PART, CHUNKS_PAD)
     # .cg: bypass L1 (not coherent across SMs) to read what the other programs wrote
     pre_dot = tl.sum(tl.load(rows[:, None] + i[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg"), 0)
     post_dot = tl.sum(tl.load(rows[:, None] + HC + i[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg"), 0)
@@ -187,9 +192,8 @@ def _finish_token(row, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, nor
         _store_mixes(row, pre, post, comb, pre_out_ptr, post_out_ptr, comb_out_ptr, HC)
 
     if collapse != 0:
-        ch = tl.arange(0, CHUNKS_PAD)
-        rows = partial_ptr + (row * chunks + ch) * PART
-        collapse_ss = tl.sum(tl.load(rows + MIX + 1, mask=ch < chunks, other=0.0, cache_modifier=".cg"), 0)
+        rows, live = _partial_rows(row, chunks, partial_ptr, PART, CHUNKS_PAD)
+        collapse_ss = tl.sum(tl.load(rows + MIX + 1, mask=live, other=0.0, cache_modifier=".cg"), 0)
         for d0 in range(0, D, NORM_BLOCK):
             d = d0 + tl.arange(0, NORM_BLOCK)
             x = tl.load(normed_ptr + row * D + d, mask=d < D, other=0.0, cache_modifier=".cg").to(tl.float32)

@@ -11,8 +11,6 @@ the next one be scheduled at its top, so that one's programs are placed as early
 sublayer's last kernel; its wait still waits for this kernel's end. Without EARLY it waits first, as any kernel.
 """
 
-import math
-
 import triton
 import triton.language as tl
 
@@ -37,13 +35,12 @@ def _mixes_finish_kernel(partial_ptr, scale_ptr, base_ptr, pre_out_ptr, post_out
     _store_mixes(row, pre, post, comb, pre_out_ptr, post_out_ptr, comb_out_ptr, HC)
 
 
-def mhc_mixes_finish_triton(partials, scale, base, dim: int, norm_eps: float, hc_eps: float, iters: int,
+def mhc_mixes_finish_triton(partials, scale, base, hc: int, dim: int, norm_eps: float, hc_eps: float, iters: int,
                             early: bool = False, num_warps: int = 4):
-    """(pre [..., hc], post [..., hc], comb [..., hc, hc]) fp32 from partials [..., chunks, PART] fp32 (shapes
-    checked by the op); early: computed before the PDL wait (module docstring: only with a kernel between the
+    """(pre [..., hc], post [..., hc], comb [..., hc, hc]) fp32 from partials [..., chunks, PART] fp32 of a seam of
+    hc streams of dim values (shapes checked by the op); early: computed before the PDL wait (module docstring: only with a kernel between the
     partials' and this one). num_warps: the seam kernel's, whose finish this is."""
     *lead, chunks, part = partials.shape
-    hc = math.isqrt(base.shape[0] + 1) - 1  # base: (2 + hc) hc
     tokens = partials.numel() // (chunks * part)
     flat = partials.reshape(tokens, chunks, part).contiguous()
     pre = flat.new_empty(tokens, hc)

@@ -80,12 +80,15 @@ def descendants(node: torch.fx.Node) -> set:
 
 
 def starts_early(node: torch.fx.Node) -> bool:
-    """A node (or an item of one) whose kernel works before its PDL wait (custom_ops/pdl.py): it cannot be the
-    kernel that an early op needs between its inputs' producers and itself."""
+    """A node (or an item of one) whose kernel works before its PDL wait (custom_ops/pdl.py): an op called with
+    its `early` argument on. Such a kernel cannot be the one an early op needs between its inputs' producers
+    and itself."""
     if node.target is operator.getitem:
         node = node.args[0]
-    if node.target not in (ops.mhc_mixes_finish.default, ops.kv_norm_rope.default):
+    if not isinstance(node.target, torch._ops.OpOverload):
         return False
-    early = node.kwargs.get("early", node.args[8] if node.target is ops.mhc_mixes_finish.default
-                            and len(node.args) > 8 else False)
-    return bool(early)
+    names = [argument.name for argument in node.target._schema.arguments]
+    if "early" not in names:
+        return False
+    position = names.index("early")
+    return bool(node.kwargs.get("early", node.args[position] if len(node.args) > position else False))

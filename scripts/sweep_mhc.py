@@ -151,7 +151,7 @@ def sweep_parts(tokens: int) -> list[dict]:
         out, streams, post, comb, pre_lagged, f, None, None, weight, *consts, block_d=64, rows=False,
         finish_mixes=False, norm_block=8192)
     partials = parts["mixes left as partials"](fn)[-1]
-    parts["mixes finish alone"] = lambda f: mhc_mixes_finish_triton(partials, scale, base, streams.shape[-1],
+    parts["mixes finish alone"] = lambda f: mhc_mixes_finish_triton(partials, scale, base, *streams.shape[-2:],
                                                                     *consts)
     rows = []
     for name, call in parts.items():

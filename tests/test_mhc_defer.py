@@ -120,7 +120,7 @@ def interpreter_checks():
         new, normed, partials = mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, None, None, weight,
                                                 *consts, block_d=64, rows=False, finish_mixes=False)
         want_partials = mix_partials(new, fn, hc_pre(new, pre_lagged))
-        mixes = mhc_mixes_finish_triton(partials, scale, base, dim, *consts)
+        mixes = mhc_mixes_finish_triton(partials, scale, base, streams.shape[-2], dim, *consts)
         want_mixes = ops.mhc_mixes_finish(partials, scale, base, dim, *consts, [])
         err = (partials - want_partials).abs() / want_partials.abs().amax(-1, keepdim=True)
         same = dict(same_new=torch.equal(new, fused[0]), same_normed=torch.equal(normed, fused[1]))
@@ -280,21 +280,15 @@ def test_cuda_kernels_against_the_fused_seam(lead, dim, early):
 def test_cuda_graph_decode_with_deferred_mixes(fresh_dynamo):  # noqa: F811
     """The tiny model's captured decode graph (2 rows) with the deferral on: both seams of every distinct block
     deferred, and logits within bf16 noise of the seams finished in place, replay after replay the same."""
-    from test_mhc_overlap import teacher_forced
-    from graph_caches import graph_caches_off
+    from test_mhc_overlap import decode_runs
     from test_compile import distinct_roles
 
     model = tiny_model().cuda()
     ids = prompts(2, 28).cuda()
     runs = {}
     for defer in (True, False):
-        torch._dynamo.reset()
-        dsflash_compile.compile(model, max_batch=2, max_length=64, batch_buckets=(2,), prefill_buckets=(32,),
-                                mhc_defer_mixes=defer)
-        runner = model.compiled_runner
-        with graph_caches_off():  # so the passes run (and count) here
-            runs[defer] = [teacher_forced(model, runner.fresh_cache(2, 64), ids, 20) for _ in range(2)]
-        assert runner.pass_manager.matches.get("mhc_defer", 0) == (2 * distinct_roles(model) if defer else 0)
+        runs[defer], matches, _ = decode_runs(model, ids, "mhc_defer", mhc_defer_mixes=defer)
+        assert matches == (2 * distinct_roles(model) if defer else 0)
     for a, b, c in zip(*runs[True], runs[False][0], strict=True):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, c, rtol=0.05, atol=0.05)

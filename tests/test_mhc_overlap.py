@@ -178,24 +178,33 @@ def teacher_forced(model, cache, ids, prompt):
     return logits + [model(ids[:, t:t + 1], cache=cache).logits for t in range(prompt, ids.shape[1])]
 
 
+def decode_runs(model, ids, pass_name, **options) -> tuple[list, int, list]:
+    """The tiny model compiled with these options (2 rows, prefill chunks of 32, CUDA graphs): two teacher-forced
+    runs of its logits (20 prompt columns, then decode), how many rewrites `pass_name` made (Inductor's caches
+    off, so the passes run here) and the batch sizes of the decode graphs captured."""
+    torch._dynamo.reset()
+    dsflash_compile.compile(model, max_batch=2, max_length=64, batch_buckets=(2,), prefill_buckets=(32,), **options)
+    runner = model.compiled_runner
+    with graph_caches_off():
+        runs = [teacher_forced(model, runner.fresh_cache(2, 64), ids, 20) for _ in range(2)]
+    return runs, runner.pass_manager.matches.get(pass_name, 0), list(runner.graphs)
+
+
 @requires_cuda
 @torch.no_grad()
 def test_cuda_graph_decode_same_bits_with_overlap_on_and_off(fresh_dynamo):  # noqa: F811
     """The captured decode graph (the side stream forked from and joined to the capturing stream) gives the
-    same logits with overlap on as with it off (one fused launch per seam), replay after replay."""
+    same logits with overlap on as with it off (one fused launch per seam: the deferral of the mixes off too),
+    replay after replay."""
     model = tiny_model().cuda()
     ids = prompts(2, 28).cuda()
     runs = {}
     for overlap in (True, False):
-        torch._dynamo.reset()
-        dsflash_compile.compile(model, max_batch=2, max_length=64, batch_buckets=(2,), prefill_buckets=(32,),
-                                mhc_overlap=overlap)
-        runner = model.compiled_runner
-        with graph_caches_off():  # so the passes run (and count) here
-            runs[overlap] = [teacher_forced(model, runner.fresh_cache(2, 64), ids, 20) for _ in range(2)]
-        assert list(runner.graphs) == [2]
+        runs[overlap], matches, graphs = decode_runs(model, ids, "mhc_overlap", mhc_overlap=overlap,
+                                                     mhc_defer_mixes=False)
+        assert graphs == [2]
         # prefill (2 x 32 tokens) stays fused; the decode graph's blocks (2 tokens) split both seams
-        assert runner.pass_manager.matches.get("mhc_overlap", 0) == (2 * distinct_roles(model) if overlap else 0)
+        assert matches == (2 * distinct_roles(model) if overlap else 0)
     for a, b, c in zip(*runs[True], runs[False][0], strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
 
