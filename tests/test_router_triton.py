@@ -37,13 +37,16 @@ def router_case(experts, hidden, tokens, dtype, seed=0, device="cpu"):
 
 
 def weight_error(got, want) -> float:
-    """Worst error relative to the reference weight, after 1e-6 of absolute slack (far below the bf16 resolution
-    the weights scale expert outputs at): a small weight comes from a very negative logit, where sqrt(softplus)
-    ~ exp(x / 2) carries half the logit's absolute error as relative error, and the kernel's 5120-term dot on
-    tensor cores differs from the reference's by up to ~2e-4 there (H200, 8 experts, 3000 tokens, one D split:
-    4e-7 on a weight of 4e-3, 9.3e-5 relative; the ids all equal: router-8-experts-diag-2026-12-03-x3.log,
-    cuda-tests-2026-12-03-x5.log: 2e-7 of slack was not enough)."""
-    return (((got - want).abs() - 1e-6).clamp_min(0) / want.abs().clamp_min(1e-30)).max().item()
+    """Worst error relative to the reference weight."""
+    return ((got - want).abs() / want.abs().clamp_min(1e-30)).max().item()
+
+
+# The GPU kernel's 5120-term dot runs on tensor cores in another order than the reference's fp32 matmul: ~2e-4 of
+# absolute error on a logit near -10, where sqrt(softplus(x)) ~ exp(x / 2) turns half of it into relative error of
+# a small weight, and normalising spreads it to the row (H200, 8 experts, 3000 tokens: 9.3e-5 at worst over
+# sessions x and y, every id equal; router-8-experts-diag-2026-12-03-x3.log, cuda-tests-2026-12-03-y1.log). 2e-4 is
+# still 20x below bf16's resolution, the precision the weights scale expert outputs at.
+CUDA_WEIGHT_RTOL = 2e-4
 
 
 def interpreter_checks():
@@ -115,7 +118,7 @@ def test_fused_router_cuda_release_sizes(tokens, dtype, experts):
     got_w, got_ids = torch.ops.dsflash.fused_router(x, weight, bias, 6, True, SCALE)
     want_w, want_ids = route(x, weight, bias, 6, True, SCALE)
     assert torch.equal(got_ids, want_ids)
-    assert weight_error(got_w, want_w) <= 1e-5
+    assert weight_error(got_w, want_w) <= CUDA_WEIGHT_RTOL
 
 
 @requires_cuda
