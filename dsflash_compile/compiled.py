@@ -46,7 +46,6 @@ from .custom_ops.bf16_linear import MAX_ROWS as LINEAR_MAX_ROWS
 from .custom_ops.bf16_linear import TALL_MIN_K as LINEAR_TALL_MIN_K
 from .custom_ops.bf16_linear import TALL_MIN_ROWS as LINEAR_TALL_MIN_ROWS
 from .custom_ops.mhc import ROWS_MIN_TOKENS
-from .custom_ops.l2_prefetch import prefetches_on
 from .custom_ops.mhc_deferred import DEFER_MAX_TOKENS
 from .custom_ops.pdl import launches
 from .custom_ops.routed_experts import MAX_TOKENS as ROUTED_MAX_TOKENS
@@ -82,10 +81,6 @@ class CompileOptions:
     # (12-03 y1, compile_and_profile --variants passes,early-reads): 10.53 ms against 10.50 without, logits
     # bit-equal; the row's kernel 1.5 us of the path a layer either way
     early_reads: bool = False
-    # issue 5: up to this many bytes of each projection's weight are pulled into L2 (dsflash::l2_prefetch) while
-    # the kernels bound by latency before the projection run, where the model runs on an sm_90+ GPU
-    # (passes/l2_prefetch.py). 0: off
-    l2_prefetch_bytes: int = 24 << 20
     # issue 5: grouped GEMMs of the bf16 routed experts with at most this many (token, slot) rows run
     # dsflash::grouped_mm (each picked expert's weight streamed about once, its row tiles as tall as the rows per
     # expert: mxfp4_experts_triton.bf16_launch) instead of torch._grouped_mm, whose CUTLASS grouped GEMM took 63
@@ -224,8 +219,6 @@ class CompileOptions:
         if not 0 <= self.linear_few_rows <= LINEAR_MAX_ROWS:
             raise ValueError(f"CompileOptions.linear_few_rows={self.linear_few_rows}: expected 0 ... {LINEAR_MAX_ROWS} "
                              "(dsflash::bf16_linear's kernel takes at most that many rows)")
-        if self.l2_prefetch_bytes < 0:
-            raise ValueError(f"CompileOptions.l2_prefetch_bytes={self.l2_prefetch_bytes}: expected >= 0 (0: off)")
         if self.decode_graph_pieces < 1:
             raise ValueError(f"CompileOptions.decode_graph_pieces={self.decode_graph_pieces}: expected >= 1")
         if self.decode_graph_growth < 1:
@@ -305,10 +298,8 @@ class CompiledRunner:
                              "sync per layer (it emulates a reference bug); turn it off to compile")
         overlap = options.mhc_overlap_max_tokens if options.mhc_overlap else 0
         defer = DEFER_MAX_TOKENS if options.mhc_defer_mixes else 0
-        prefetch = options.l2_prefetch_bytes if prefetches_on(model.device) else 0
         self.pass_manager = (passes.install(text, mhc_overlap_tokens=overlap, mhc_defer_tokens=defer,
-                                            early_reads=options.early_reads, l2_prefetch_bytes=prefetch)
-                             if options.passes else None)
+                                            early_reads=options.early_reads) if options.passes else None)
         if not options.passes:
             passes.use(None)  # a manager installed earlier would still run
         # Round where the model rounds (its bf16 casts are the reference's rounding points); by default

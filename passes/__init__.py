@@ -3,7 +3,6 @@
 from torch._inductor import config as inductor_config
 
 from .early_reads import EarlyReadsPass
-from .l2_prefetch import L2PrefetchPass
 from .manager import DsflashPassManager
 from .mhc_defer import MhcDeferPass
 from .mhc_fusion import MhcFusionPass
@@ -25,16 +24,14 @@ def use(manager: DsflashPassManager | None) -> None:
 
 
 def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0,
-            early_reads: bool = False, l2_prefetch_bytes: int = 0) -> DsflashPassManager:
+            early_reads: bool = False) -> DsflashPassManager:
     """Make Inductor run our passes (post-grad) for graphs compiled from now on; returns the manager,
     whose `matches` counts the rewrites. Patterns use the config's router and mHC constants.
     mhc_overlap_tokens > 0: fused seams of at most that many tokens are split so that their mixes run on a
     side CUDA stream (MhcOverlapPass); 0 keeps every seam one launch. mhc_defer_tokens > 0: fused seams of at
     most that many tokens leave their mixes to a finishing op before the mixes' first reader (MhcDeferPass).
     early_reads: ops that can read before their PDL wait do where a kernel runs between them and their inputs
-    (EarlyReadsPass). l2_prefetch_bytes > 0: up to that many bytes of each projection's weight are prefetched
-    into L2 while the kernels bound by latency before it run (L2PrefetchPass, last: it anchors on the others'
-    kernels)."""
+    (EarlyReadsPass)."""
     manager = DsflashPassManager([
         RouterFusionPass(text_config.num_experts_per_tok, text_config.norm_topk_prob,
                          text_config.routed_scaling_factor),
@@ -43,11 +40,10 @@ def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0,
         *([MhcOverlapPass(mhc_overlap_tokens)] if mhc_overlap_tokens > 0 else []),
         *([MhcDeferPass(mhc_defer_tokens)] if mhc_defer_tokens > 0 else []),
         *([EarlyReadsPass()] if early_reads else []),
-        *([L2PrefetchPass(l2_prefetch_bytes)] if l2_prefetch_bytes > 0 else []),
     ])
     use(manager)
     return manager
 
 
-__all__ = ["DsflashPassManager", "EarlyReadsPass", "L2PrefetchPass", "MhcDeferPass", "MhcFusionPass", "MhcOverlapPass",
+__all__ = ["DsflashPassManager", "EarlyReadsPass", "MhcDeferPass", "MhcFusionPass", "MhcOverlapPass",
            "RouterFusionPass", "install", "keep_model_rounding", "use"]

@@ -1,6 +1,5 @@
 """Small FX graph edits the passes share: the fused seams and their arguments, a static token count, an op call
-with its fake value, views and readers, descendants and ancestors, and which nodes' kernels start before their
-PDL wait."""
+with its fake value, views and readers, descendants, and which nodes' kernels start before their PDL wait."""
 
 import math
 import operator
@@ -69,35 +68,15 @@ def views_and_readers(items: list[torch.fx.Node]) -> tuple[set, set]:
     return views, readers
 
 
-def _closure(node: torch.fx.Node, neighbours) -> set:
-    seen, todo = set(), [node]
-    while todo:
-        for other in neighbours(todo.pop()):
-            if other not in seen:
-                seen.add(other)
-                todo.append(other)
-    return seen
-
-
 def descendants(node: torch.fx.Node) -> set:
     """The nodes computed from `node`'s outputs."""
-    return _closure(node, lambda n: n.users)
-
-
-def ancestors(node: torch.fx.Node) -> set:
-    """The nodes `node` is computed from."""
-    return _closure(node, lambda n: n.all_input_nodes)
-
-
-def dsflash_op(node: torch.fx.Node):
-    """The dsflash op a node calls (an OpOverload), directly or functionalized (auto_functionalized: an op that
-    writes its inputs, before Inductor turns it back into the in-place call); else None."""
-    target = node.target
-    if target in (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2):
-        target = node.args[0]
-    if isinstance(target, torch._ops.OpOverload) and target.namespace == "dsflash":
-        return target
-    return None
+    seen, todo = set(), [node]
+    while todo:
+        for user in todo.pop().users:
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return seen
 
 
 def starts_early(node: torch.fx.Node) -> bool:
@@ -106,13 +85,10 @@ def starts_early(node: torch.fx.Node) -> bool:
     and itself."""
     if node.target is operator.getitem:
         node = node.args[0]
-    op = dsflash_op(node)
-    if op is None:
+    if not isinstance(node.target, torch._ops.OpOverload):
         return False
-    names = [argument.name for argument in op._schema.arguments]
+    names = [argument.name for argument in node.target._schema.arguments]
     if "early" not in names:
         return False
-    if op is not node.target:  # functionalized: the op's arguments are keywords
-        return bool(node.kwargs.get("early", False))
     position = names.index("early")
     return bool(node.kwargs.get("early", node.args[position] if len(node.args) > position else False))

@@ -35,7 +35,6 @@ FAMILIES = (
     ("cache_write", r"_record_write"),
     ("indexer", r"_scores_kernel|_candidate_union_kernel|_block_max_kernel"),
     ("topk", r"_histogram_kernel|_compact_kernel|_chunk_select_kernel|_finish_kernel"),
-    ("prefetch", r"_l2_prefetch_kernel"),
     ("inductor", r"^triton_"),
     ("aten", r"at::|at_cuda_detail|cub::"),
 )
