@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,7 @@ from .custom_ops.pdl import launches
 from .custom_ops.routed_experts import MAX_TOKENS as ROUTED_MAX_TOKENS
 from .layers import QuantLinear
 from .moe import COUNT_ORDER_BOUND
-from .piecewise_graph import PiecewiseGraph, piece_starts
+from .piecewise_graph import PiecewiseGraph, piece_sizes
 from .trimmed_graphs import TrimmedGraphs
 
 
@@ -179,10 +180,6 @@ class CompileOptions:
     # 3, 5, 9, 18), so the GPU waits only for a one-block piece's launch; 1: even pieces. H200, flash-40l-e8 bf16
     # (12-02 s), against 4 even pieces side by side: B1 11.11 ms against 11.28, B64 17.77 against 18.10
     decode_graph_growth: float = 2.0
-    # with several pieces, the per-forward set-up before the first block (~19 kernels at B1) as a piece of its
-    # own: the GPU then waits only for its launch, and block 0's launches while it runs (B1's first piece, set-up
-    # and block 0, took 142 us of cudaGraphLaunch with the GPU idle in the 12-03 y1 profile). Off until measured
-    decode_graph_setup_piece: bool = False
     # bounded replay's trimmed layers as CUDA graphs too (with cuda_graphs), in chunks longer than
     # prefill_graph_tokens (a shorter chunk's graph holds them)
     trimmed_graphs: bool = True
@@ -378,8 +375,7 @@ class CompiledRunner:
 
     def _capture(self, step, pieces: int = 1) -> tuple:
         """(CUDA graph, its output) of `step()` (a forward on static inputs), as `pieces` graphs of growing
-        numbers of blocks (PiecewiseGraph, piece_starts), and the set-up before them as one more with
-        decode_graph_setup_piece. The warm-up runs (which compile the blocks for these shapes)
+        numbers of blocks (PiecewiseGraph, piece_sizes). The warm-up runs (which compile the blocks for these shapes)
         change the cache, so its tensors are saved (a copy the size of the cache) and restored after each: a
         second run from where the first left off could pass max_length."""
         saved = self.cache.save_state()
@@ -392,8 +388,7 @@ class CompiledRunner:
             self.cache.restore_state(saved)
         del saved
         layers = self.model.model.layers
-        starts = piece_starts(len(layers), pieces, self.options.decode_graph_growth,
-                              pieces > 1 and self.options.decode_graph_setup_piece)
+        starts = itertools.accumulate(piece_sizes(len(layers), pieces, self.options.decode_graph_growth)[:-1])
         cuts = {layers[i] for i in starts}
         graph = PiecewiseGraph(self.pool)
         self.model.model.block_hook = lambda block: graph.cut() if block in cuts else None

@@ -15,7 +15,6 @@ longer on the H200 than their host launch takes).
 
 from __future__ import annotations
 
-import itertools
 from contextlib import contextmanager
 
 import torch
@@ -35,13 +34,6 @@ def piece_sizes(blocks: int, pieces: int, growth: float) -> list[int]:
     for i in sorted(range(pieces), key=lambda i: (shares[i] - int(shares[i]), i), reverse=True)[:rest]:
         sizes[i] += 1
     return sizes
-
-
-def piece_starts(blocks: int, pieces: int, growth: float, setup_apart: bool = False) -> list[int]:
-    """The blocks a new piece starts at (piece_sizes' pieces); setup_apart: block 0 too, so that the set-up
-    before the first block is a piece of its own."""
-    starts = list(itertools.accumulate(piece_sizes(blocks, pieces, growth)[:-1]))
-    return [0, *starts] if setup_apart else starts
 
 
 class PiecewiseGraph:

@@ -56,7 +56,6 @@ VARIANTS = {
     "cublas-tall": {"linear_tall": False},  # 33-64 rows of wo_a / wo_b on cuBLAS (before QuantLinear.tall_rows)
     "fused-mixes": {"mhc_defer_mixes": False},  # each seam finishes its own mixes (before passes/mhc_defer.py)
     "early-reads": {"early_reads": True},  # kv_norm_rope reading before its PDL wait (passes/early_reads.py)
-    "setup-piece": {"decode_graph_setup_piece": True},  # the set-up before block 0 as a graph of its own
     "one-graph": {"decode_graph_pieces": 1},  # the decode step as one CUDA graph (before piecewise_graph.py)
     "even-pieces": {"decode_graph_pieces": 4, "decode_graph_growth": 1.0},  # 4 even pieces (before 12-02 s)
     # issue 5's decode fusions off: shared expert on its own GEMMs, wq_a and wkv apart, Engram and set-up eager

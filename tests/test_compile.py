@@ -14,7 +14,7 @@ from torch._inductor import config as inductor_config
 import dsflash_compile
 from dsflash_compile import DeepseekV41ForCausalLM, preset_config
 from dsflash_compile.cache import CacheCapacityError
-from dsflash_compile.piecewise_graph import piece_sizes, piece_starts
+from dsflash_compile.piecewise_graph import piece_sizes
 
 
 @pytest.fixture
@@ -327,8 +327,6 @@ def test_decode_graph_pieces_grow():
                 assert sum(sizes) == blocks and len(sizes) == min(pieces, blocks), (blocks, pieces, growth)
                 assert min(sizes) >= 1 and sizes == sorted(sizes), (blocks, pieces, growth, sizes)
                 assert growth == 1.0 or pieces > blocks or sizes[0] <= max(1, blocks // pieces)
-    assert piece_starts(40, 7, 2.0) == [1, 3, 5, 8, 13, 22]
-    assert piece_starts(40, 7, 2.0, setup_apart=True) == [0, 1, 3, 5, 8, 13, 22]  # the set-up, then block 0
     model = dsflash_compile.compile(tiny_model(), max_batch=2, max_length=32, backend="eager", passes=False)
     with pytest.raises(CacheCapacityError, match="max_batch=2"):
         model.generate(prompts(3, 8), max_new_tokens=2, do_sample=False)
@@ -377,28 +375,26 @@ def test_cuda_graph_decode_follows_eager(fresh_dynamo, chunk_graph):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="decode CUDA graphs need a GPU")
 @torch.no_grad()
 def test_decode_graph_in_pieces_gives_the_blocks_bits(fresh_dynamo):
-    """The decode step captured as 1, 3 and 9 graphs (tiny has 9 blocks: a cut before every block), and as 3 with
-    the set-up apart (4 graphs), replays the bits of the blocks run without graphs, step after step (the pieces
-    share one pool: replayed in capture order, no piece reads memory a later one reused). Eager-backend blocks:
-    graphs are what is tested."""
+    """The decode step captured as 1, 3 and 9 graphs (tiny has 9 blocks: a cut before every block) replays
+    the bits of the blocks run without graphs, step after step (the pieces share one pool: replayed in
+    capture order, no piece reads memory a later one reused). Eager-backend blocks: graphs are what is tested."""
     ids = prompts(2, 14).cuda()
     logits = {}
-    for pieces, setup_apart in ((1, False), (3, False), (3, True), (9, False), (0, False)):  # 0: no graphs
+    for pieces in (1, 3, 9, 0):  # 0: no graphs
         model = tiny_model().cuda()
         # graphs of eager-backend set-up and Engram code would copy their constants from the host at every call
         # (Dynamo traces through their lru_cache), which a capture refuses: those stay uncompiled, the prompt
         # runs without a chunk graph
         dsflash_compile.compile(model, max_batch=2, max_length=32, batch_buckets=(2,), prefill_buckets=(16,),
                                 backend="eager", passes=False, decode_graph_pieces=max(pieces, 1),
-                                compile_setup=False, compile_engram=False, prefill_graph_tokens=0,
-                                decode_graph_setup_piece=setup_apart)
+                                compile_setup=False, compile_engram=False, prefill_graph_tokens=0)
         runner = model.compiled_runner
         runner.cuda_graphs = pieces > 0
         cache = runner.fresh_cache(2, 32)
         steps = [model(ids[:, :8], cache=cache, logits_to_keep=1).logits]
         steps += [model(ids[:, t:t + 1], cache=cache).logits for t in range(8, 14)]
         if pieces:
-            assert len(runner.graphs[2][0].graphs) == pieces + setup_apart
-        logits[pieces, setup_apart] = steps
-    for key in logits:
-        assert all(torch.equal(a, b) for a, b in zip(logits[key], logits[0, False])), key
+            assert len(runner.graphs[2][0].graphs) == pieces
+        logits[pieces] = steps
+    for pieces in (1, 3, 9):
+        assert all(torch.equal(a, b) for a, b in zip(logits[pieces], logits[0])), pieces
