@@ -15,11 +15,12 @@ Sinkhorn rounds (H200, sweep_mhc.py --parts, 12-02 t: the seam 7.8 us, its mixes
 4.5), while lagged mHC first reads the mixes one sublayer later. Placed before that reader, the finishing kernel
 computes them while the sublayer's last kernel still runs (mhc_mixes_finish_triton.py) and the seam ends after
 its collapse (H200 B1 step, 12-03 x3: the two seams of a layer 7.5 and 5.6 us of the path against 10.4 and 8.2,
-each finish 0.4; 10.54 ms a step against 10.75). `after` (never read) holds tensors the sublayer computed from the seam's outputs: Inductor then
-issues the finish after them, which puts a kernel between the seam and the finish, as the finish's early start
-(`early`, set by the pass) needs; without `early` the finish kernel waits first, like any other. On CUDA the
-seam op runs the fused seam's kernel (any token count) with its finish of the mixes switched off (a runtime
-flag) and the RMSNorm in one tile (NORM_BLOCK): X' and normed as the fused seam computes them.
+each finish 0.4; 10.54 ms a step against 10.75). `after` (never read) holds tensors the sublayer computed from
+the seam's outputs: Inductor then issues the finish after them, which puts a kernel between the seam and the
+finish, as the finish's early start (`early`, set by the pass) needs; without `early` the finish kernel waits
+first, like any other. On CUDA the seam op runs the fused seam's kernel (any token count) with its finish of the
+mixes switched off (a runtime flag) and the RMSNorm in one tile (NORM_BLOCK): X' and normed as the fused seam
+computes them.
 """
 
 import math
@@ -146,8 +147,9 @@ except ImportError:  # pragma: no cover - CPU machines without triton
     mhc_triton = None
 
 if mhc_triton is not None:
-    @mhc_seam_partials.register_kernel("cuda")
-    def _(out, streams, post, comb, pre_lagged, fn, norm_weight, norm_eps):
+    def _seam_partials_cuda(out, streams, post, comb, pre_lagged, fn, norm_weight, norm_eps):
+        """Both seam ops on CUDA (out, post, comb None: the entry seam): the fused seam's kernel with its finish
+        of the mixes off, where it takes the shapes."""
         check_seam_args(out, streams, post, comb, pre_lagged, fn, None, None, norm_weight)
         if not mhc_triton.kernel_fits(streams, fn):
             return seam_partials_reference(out, streams, post, comb, pre_lagged, fn, norm_weight, norm_eps)
@@ -155,14 +157,11 @@ if mhc_triton is not None:
                                           0.0, 0, block_d=SEAM_BLOCK_D, norm_block=NORM_BLOCK, rows=False,
                                           finish_mixes=False)
 
+    mhc_seam_partials.register_kernel("cuda")(_seam_partials_cuda)
+
     @mhc_entry_seam_partials.register_kernel("cuda")
     def _(streams, pre_lagged, fn, norm_weight, norm_eps):
-        check_seam_args(None, streams, None, None, pre_lagged, fn, None, None, norm_weight)
-        if not mhc_triton.kernel_fits(streams, fn):
-            return seam_partials_reference(None, streams, None, None, pre_lagged, fn, norm_weight, norm_eps)
-        return mhc_triton.mhc_seam_triton(None, streams, None, None, pre_lagged, fn, None, None, norm_weight,
-                                          norm_eps, 0.0, 0, block_d=SEAM_BLOCK_D, norm_block=NORM_BLOCK, rows=False,
-                                          finish_mixes=False)
+        return _seam_partials_cuda(None, streams, None, None, pre_lagged, fn, norm_weight, norm_eps)
 
     @mhc_mixes_finish.register_kernel("cuda")
     def _(partials, scale, base, dim, norm_eps, hc_eps, iters, after, early=False):

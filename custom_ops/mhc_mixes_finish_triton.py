@@ -38,8 +38,8 @@ def _mixes_finish_kernel(partial_ptr, scale_ptr, base_ptr, pre_out_ptr, post_out
 def mhc_mixes_finish_triton(partials, scale, base, hc: int, dim: int, norm_eps: float, hc_eps: float, iters: int,
                             early: bool = False, num_warps: int = 4):
     """(pre [..., hc], post [..., hc], comb [..., hc, hc]) fp32 from partials [..., chunks, PART] fp32 of a seam of
-    hc streams of dim values (shapes checked by the op); early: computed before the PDL wait (module docstring: only with a kernel between the
-    partials' and this one). num_warps: the seam kernel's, whose finish this is."""
+    hc streams of dim values (shapes checked by the op); early: computed before the PDL wait (module docstring:
+    only with a kernel between the partials' and this one). num_warps: the seam kernel's, whose finish this is."""
     *lead, chunks, part = partials.shape
     tokens = partials.numel() // (chunks * part)
     flat = partials.reshape(tokens, chunks, part).contiguous()

@@ -1,5 +1,6 @@
 """Small FX graph edits the passes share: the fused seams and their arguments, a static token count, an op call
-with its fake value, views and readers, descendants, and which nodes' kernels start before their PDL wait."""
+with its fake value, views and readers (and moving views), descendants, and which nodes' kernels start before
+their PDL wait."""
 
 import math
 import operator
@@ -66,6 +67,14 @@ def views_and_readers(items: list[torch.fx.Node]) -> tuple[set, set]:
             else:
                 readers.add(user)
     return views, readers
+
+
+def move_views_before(views: set, reader: torch.fx.Node, order: dict) -> None:
+    """Move the views placed before `reader` (by `order`, positions of the graph's nodes) right before it, in
+    their order: views of outputs now computed by a node inserted before the reader."""
+    for view in sorted(views, key=order.__getitem__):
+        if order[view] < order[reader]:
+            reader.prepend(view)
 
 
 def descendants(node: torch.fx.Node) -> set:

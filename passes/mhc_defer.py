@@ -20,8 +20,8 @@ and whose fn is fp32 (the kernel's); at most mhc_deferred.DEFER_MAX_TOKENS token
 
 import torch
 
-from .graph_edit import (call, descendants, fused_seams, is_view, seam_arguments, starts_early, static_tokens,
-                         views_and_readers)
+from .graph_edit import (call, descendants, fused_seams, is_view, move_views_before, seam_arguments, starts_early,
+                         static_tokens, views_and_readers)
 
 ops = torch.ops.dsflash
 
@@ -74,7 +74,5 @@ class MhcDeferPass:
             item.replace_all_uses_with((kept + finished)[item.args[1]])
             graph.erase_node(item)
         graph.erase_node(node)
-        for view in sorted(views, key=order.__getitem__):  # views of the mixes move behind the finish
-            if order[view] < order[first_reader]:
-                first_reader.prepend(view)
+        move_views_before(views, first_reader, order)  # views of the mixes move behind the finish
         return 1

@@ -22,7 +22,7 @@ until after the join.
 
 import torch
 
-from .graph_edit import call, fused_seams, seam_arguments, static_tokens, views_and_readers
+from .graph_edit import call, fused_seams, move_views_before, seam_arguments, static_tokens, views_and_readers
 
 ops = torch.ops.dsflash
 
@@ -52,7 +52,8 @@ class MhcOverlapPass:
                 inputs = call(graph, ops.mhc_seam_input.default,
                               (a.out, a.streams, a.post, a.comb, a.pre_lagged, a.norm_weight, a.norm_eps), 2)
                 mixed = inputs[0]
-            mixes = call(graph, ops.mhc_mixes.default, (mixed, a.fn, a.scale, a.base, a.norm_eps, a.hc_eps, a.iters), 3)
+            mixes = call(graph, ops.mhc_mixes.default,
+                         (mixed, a.fn, a.scale, a.base, a.norm_eps, a.hc_eps, a.iters), 3)
         for item in list(node.users):
             item.replace_all_uses_with((inputs + mixes)[item.args[1]])
             graph.erase_node(item)
@@ -67,7 +68,5 @@ class MhcOverlapPass:
                  and any(order[user] >= order[first_reader] for user in n.users)]
         with graph.inserting_before(first_reader):
             call(graph, ops.mhc_join_.default, (*mixes, after), 0)
-        for view in sorted(views, key=order.__getitem__):  # views of the mixes move behind the join too
-            if order[view] < order[first_reader]:
-                first_reader.prepend(view)
+        move_views_before(views, first_reader, order)  # views of the mixes move behind the join too
         return 1

@@ -46,8 +46,9 @@ from bench_mhc import HC_EPS, ITERS, NORM_EPS, errors, make_case  # noqa: E402
 from dsflash_compile.benchmarking import (print_table, run_metadata, save_results, sweep_variant,  # noqa: E402
                                           time_graph)
 from dsflash_compile.custom_ops import mhc_rows_triton, mhc_triton  # noqa: E402
+from dsflash_compile.custom_ops.mhc import SEAM_BLOCK_D, entry_seam_reference, seam_reference  # noqa: E402
+from dsflash_compile.custom_ops.mhc_deferred import NORM_BLOCK  # noqa: E402
 from dsflash_compile.custom_ops.mhc_mixes_finish_triton import mhc_mixes_finish_triton  # noqa: E402
-from dsflash_compile.custom_ops.mhc import entry_seam_reference, seam_reference  # noqa: E402
 
 COLUMNS = [("tokens", "tokens", "d"), ("tokens/program", "block_t", "d"), ("columns/program", "block_d", "d"),
            ("warps", "num_warps", "d"), ("us", "s", ".2f", 1e6), ("agrees", "agrees", "")]
@@ -145,11 +146,11 @@ def sweep_parts(tokens: int) -> list[dict]:
                                                             *consts, mixes=False, collapse=False)
     # the deferred seam (custom_ops/mhc_deferred.py): the seam with its mixes left as partials, then the finish
     parts["mixes left as partials"] = lambda f: mhc_triton.mhc_seam_triton(
-        out, streams, post, comb, pre_lagged, f, None, None, weight, *consts, block_d=64, rows=False,
+        out, streams, post, comb, pre_lagged, f, None, None, weight, *consts, block_d=SEAM_BLOCK_D, rows=False,
         finish_mixes=False)
-    parts["mixes left as partials, norm_block 8192"] = lambda f: mhc_triton.mhc_seam_triton(
-        out, streams, post, comb, pre_lagged, f, None, None, weight, *consts, block_d=64, rows=False,
-        finish_mixes=False, norm_block=8192)
+    parts[f"mixes left as partials, norm_block {NORM_BLOCK}"] = lambda f: mhc_triton.mhc_seam_triton(
+        out, streams, post, comb, pre_lagged, f, None, None, weight, *consts, block_d=SEAM_BLOCK_D, rows=False,
+        finish_mixes=False, norm_block=NORM_BLOCK)
     partials = parts["mixes left as partials"](fn)[-1]
     parts["mixes finish alone"] = lambda f: mhc_mixes_finish_triton(partials, scale, base, *streams.shape[-2:],
                                                                     *consts)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dsflash_compile
+from dsflash_compile.custom_ops.mhc import SEAM_BLOCK_D
 from dsflash_compile.custom_ops.mhc_deferred import (DEFER_MAX_TOKENS, mix_partials, partials_shape,
                                                      seam_partials_reference)
 from dsflash_compile.mhc import hc_pre
@@ -115,10 +116,10 @@ def interpreter_checks():
     for lead, dim in CASES:
         out, streams, post, comb, pre_lagged, fn, scale, base, weight = seam_args(lead, dim=dim)
         consts = (NORM_EPS, HC_EPS, ITERS)
-        fused = mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, weight, *consts, block_d=64,
-                                rows=False)
+        fused = mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, weight, *consts,
+                                block_d=SEAM_BLOCK_D, rows=False)
         new, normed, partials = mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, None, None, weight,
-                                                *consts, block_d=64, rows=False, finish_mixes=False)
+                                                *consts, block_d=SEAM_BLOCK_D, rows=False, finish_mixes=False)
         want_partials = mix_partials(new, fn, hc_pre(new, pre_lagged))
         mixes = mhc_mixes_finish_triton(partials, scale, base, streams.shape[-2], dim, *consts)
         want_mixes = ops.mhc_mixes_finish(partials, scale, base, dim, *consts, [])
@@ -143,8 +144,8 @@ def test_kernels_match_the_fused_seam_and_the_references(interpreted, lead, dim)
     """The seam kernel's streams and normed rows do not change with its mixes left as partials; the partials
     within fp32 rounding of the reference's chunk sums (relative to each row's largest), the collapse's sum of
     squares within 2% (the interpreter truncates the collapse's bf16 cast where the reference rounds: up to two
-    bf16 ulps, 0.8%, on a square); the
-    finish kernel's mixes within 2e-6 of the reference applied to those partials and of the fused launch's."""
+    bf16 ulps, 0.8%, on a square); the finish kernel's mixes within 2e-6 of the reference applied to those
+    partials and of the fused launch's."""
     r = interpreted[f"{lead}-{dim}"]
     assert r["same_new"] and r["same_normed"] and r["zeros"], r
     assert r["partials_err"] <= 1e-5 and r["collapse_err"] <= 2e-2, r
@@ -158,8 +159,8 @@ def test_finish_kernel_compiles_for_hopper(early):
 
     args = dict(partial_ptr="*fp32", scale_ptr="*fp32", base_ptr="*fp32", pre_out_ptr="*fp32", post_out_ptr="*fp32",
                 comb_out_ptr="*fp32", chunks="i32", norm_eps="fp32", hc_eps="fp32", iters="i32")
-    check_compiles_for_hopper(mhc_mixes_finish_triton,
-                              ("_mixes_finish_kernel", args, dict(HC=4, D=5120, PART=32, CHUNKS_PAD=128, EARLY=early), 4))
+    constexprs = dict(HC=4, D=5120, PART=32, CHUNKS_PAD=128, EARLY=early)
+    check_compiles_for_hopper(mhc_mixes_finish_triton, ("_mixes_finish_kernel", args, constexprs, 4))
 
 
 # -- the pass --------------------------------------------------------------------------------------

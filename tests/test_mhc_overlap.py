@@ -154,8 +154,9 @@ def test_seams_above_the_cutoff_stay_fused(compiling):  # noqa: F811
 
 def test_compile_options_set_the_cutoff(fresh_dynamo):  # noqa: F811
     """compile() installs the overlap pass after the fusion pass with the options' cutoff when asked
-    (mhc_overlap=True), and not by default. (That compiled outputs keep their bits is the tiny layer loop's test above on the CPU,
-    and the decode graph's test below on a GPU: a CPU compile of the whole tiny model takes minutes.)"""
+    (mhc_overlap=True), and not by default. (That compiled outputs keep their bits is the tiny layer loop's test
+    above on the CPU, and the decode graph's test below on a GPU: a CPU compile of the whole tiny model takes
+    minutes.)"""
     def passes(**options):
         dsflash_compile.compile(tiny_model(), max_batch=2, max_length=32, backend="eager", **options)
         manager = torch._inductor.config.post_grad_custom_post_pass
