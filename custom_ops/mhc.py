@@ -32,6 +32,9 @@ ROWS_MIN_TOKENS = 32
 # The one-token seam kernel's columns of D per program up to 16 tokens (mhc_triton.py), and so the width of the
 # chunks whose partials a deferred seam returns (mhc_deferred.py)
 SEAM_BLOCK_D = 64
+# the largest gate a routed seam routes in its finishing program (mhc_triton.py, mhc_deferred.py: one program holds
+# [experts, 256] gate tiles): flash-40l-e8's 8 experts; the release's 384 keep dsflash::fused_router's grid
+ROUTE_MAX_EXPERTS = 16
 
 
 def partial_width(hc: int) -> int:

@@ -5,6 +5,8 @@ pass (passes/mhc_defer.py). With X the streams a seam receives (mhc.py gives the
     mhc_seam_partials(out, X, q, C, p_lagged, fn, w)  -> (X', normed, partials)
     mhc_entry_seam_partials(X, p_lagged, fn, w)        -> (normed, partials)
     mhc_mixes_finish(partials, scale, base, D, after, early) -> (p, q', C')   this seam's mixes
+    mhc_seam_partials_routed(out, X, q, C, p_lagged, fn, w, gate, bias, k, ...)
+                                                       -> (X', normed, partials, weights, ids)
 
 partials [..., chunks, partial_width(hc)] fp32, one row per chunk of SEAM_BLOCK_D columns of D: the (2 + hc) hc
 mix dot products of the chunk, the streams' sum of squares over it, the collapse's, then zeros. The finish adds
@@ -21,6 +23,16 @@ finish, as the finish's early start (`early`, set by the pass) needs; without `e
 first, like any other. On CUDA the seam op runs the fused seam's kernel (any token count) with its finish of the
 mixes switched off (a runtime flag) and the RMSNorm in one tile (NORM_BLOCK): X' and normed as the fused seam
 computes them.
+
+The routed seam (passes/router_seam.py, CompileOptions.router_in_seam) is the FFN's seam with the MoE's router:
+normed's row is routed as dsflash::fused_router routes it (its reference is the two ops'). On CUDA the program that
+norms a row routes it (ROUTE_MAX_EXPERTS experts at most), so the router's own launch, latency-bound at one token
+(H200 B1 step, 12-03 y1: 5.8 us of the path a layer), leaves the step. Measured (12-03 z4) it does not pay: one
+program streams the 80 KB gate in ~8.6 us (the seam 14.0 us of the path against 5.4 + 6.0 for seam and router), so
+the option is off. The gate's tiles would need to be spread over the seam's 80 programs (each its 64 columns,
+loaded before the wait for the row's RMS) to beat the router's launch; a first such kernel (12-03 z5: the last
+program publishes the collapse's sum of squares, the others spin for it, norm their columns and add their share of
+the logits, the last of those takes the top-k) failed its CUDA test at one token and was not kept.
 """
 
 import math
@@ -29,7 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .mhc import SEAM_BLOCK_D, check_seam_args, partial_width, rms_norm
+from .mhc import ROUTE_MAX_EXPERTS, SEAM_BLOCK_D, check_seam_args, partial_width, rms_norm
+from .router import fused_router, fused_router_reference
 from dsflash_compile.mhc import hc_post, hc_pre, split_mixes
 
 # With the mixes deferred the collapse's RMSNorm is the seam's path: one tile of the whole row (H200, one token,
@@ -141,8 +154,28 @@ def _(partials, scale, base, dim, norm_eps, hc_eps, iters, after, early=False):
     return (partials.new_empty(lead + (hc,)), partials.new_empty(lead + (hc,)), partials.new_empty(lead + (hc, hc)))
 
 
+@torch.library.custom_op("dsflash::mhc_seam_partials_routed", mutates_args=())
+def mhc_seam_partials_routed(out: Tensor, streams: Tensor, post: Tensor, comb: Tensor, pre_lagged: Tensor, fn: Tensor,
+                             norm_weight: Tensor, norm_eps: float, gate: Tensor, gate_bias: Tensor, topk: int,
+                             normalize: bool, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """mhc_seam_partials' three outputs, then dsflash::fused_router's two (weights fp32, ids int64 [tokens, topk])
+    of the normed rows with this gate [E, D] and bias [E]."""
+    check_seam_args(out, streams, post, comb, pre_lagged, fn, None, None, norm_weight)
+    new, normed, partials = seam_partials_reference(out, streams, post, comb, pre_lagged, fn, norm_weight, norm_eps)
+    return new, normed, partials, *fused_router_reference(normed.reshape(-1, normed.shape[-1]), gate, gate_bias,
+                                                          topk, normalize, scale)
+
+
+@mhc_seam_partials_routed.register_fake
+def _(out, streams, post, comb, pre_lagged, fn, norm_weight, norm_eps, gate, gate_bias, topk, normalize, scale):
+    tokens = out.numel() // out.shape[-1]
+    return (torch.empty_like(streams), torch.empty_like(out),
+            streams.new_empty(partials_shape(streams.shape), dtype=torch.float32),
+            out.new_empty(tokens, topk, dtype=torch.float32), out.new_empty(tokens, topk, dtype=torch.int64))
+
+
 try:  # Triton is optional on CPU machines
-    from . import mhc_mixes_finish_triton, mhc_triton
+    from . import mhc_mixes_finish_triton, mhc_triton, router_triton
 except ImportError:  # pragma: no cover - CPU machines without triton
     mhc_triton = None
 
@@ -158,6 +191,20 @@ if mhc_triton is not None:
                                           finish_mixes=False)
 
     mhc_seam_partials.register_kernel("cuda")(_seam_partials_cuda)
+
+    @mhc_seam_partials_routed.register_kernel("cuda")
+    def _(out, streams, post, comb, pre_lagged, fn, norm_weight, norm_eps, gate, gate_bias, topk, normalize, scale):
+        tokens = out.numel() // out.shape[-1]
+        route = (gate, gate_bias, topk, normalize, scale)
+        if (not mhc_triton.kernel_fits(streams, fn) or gate.shape[0] > ROUTE_MAX_EXPERTS
+                or not router_triton.kernel_fits(out.reshape(tokens, -1), gate, gate_bias, topk)):
+            new, normed, partials = _seam_partials_cuda(out, streams, post, comb, pre_lagged, fn, norm_weight,
+                                                        norm_eps)
+            return new, normed, partials, *fused_router(normed.reshape(tokens, -1), *route)
+        check_seam_args(out, streams, post, comb, pre_lagged, fn, None, None, norm_weight)
+        return mhc_triton.mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, None, None, norm_weight, norm_eps,
+                                          0.0, 0, block_d=SEAM_BLOCK_D, norm_block=NORM_BLOCK, rows=False,
+                                          finish_mixes=False, route=route)
 
     @mhc_entry_seam_partials.register_kernel("cuda")
     def _(streams, pre_lagged, fn, norm_weight, norm_eps):

@@ -32,9 +32,10 @@ import triton.language as tl
 from . import mhc_rows_triton
 from .attention_triton import _num_sms
 from .block_counters import block_counters
-from .mhc import ROWS_MIN_TOKENS, SEAM_BLOCK_D, partial_width
+from .mhc import ROUTE_MAX_EXPERTS, ROWS_MIN_TOKENS, SEAM_BLOCK_D, partial_width
 from .mhc_finish_triton import _finish_token
 from .pdl import launch_options, pdl_wait
+from .router_triton import _route_row
 
 
 # has_post, mixes, collapse are runtime flags, never specialized (do_not_specialize: Triton would compile a 1
@@ -44,9 +45,12 @@ from .pdl import launch_options, pdl_wait
 @triton.jit(do_not_specialize=["has_post", "mixes", "collapse", "share_finish", "finish_mixes"])
 def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, scale_ptr, base_ptr, weight_ptr,
                  new_streams_ptr, normed_ptr, pre_out_ptr, post_out_ptr, comb_out_ptr, partial_ptr, counter_ptr,
-                 N, norm_eps, hc_eps, iters, has_post, mixes, collapse, share_finish, finish_mixes,
-                 HC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                 PART: tl.constexpr, CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr):
+                 gate_ptr, gate_bias_ptr, route_weights_ptr, route_ids_ptr,
+                 N, norm_eps, hc_eps, iters, has_post, mixes, collapse, share_finish, finish_mixes, experts,
+                 route_scale, HC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+                 PART: tl.constexpr, CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr, ROUTE_TOPK: tl.constexpr,
+                 ROUTE_K_PAD: tl.constexpr, ROUTE_E_PAD: tl.constexpr, ROUTE_NORMALIZE: tl.constexpr,
+                 PDL: tl.constexpr):
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     block = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -101,7 +105,9 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
     if ticket == chunks - 1:
         _finish_block(block, N, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr, pre_out_ptr,
                       post_out_ptr, comb_out_ptr, norm_eps, hc_eps, iters, HC, D, PART, CHUNKS_PAD, NORM_BLOCK,
-                      BLOCK_T, finish.to(tl.int32), tl.where(shared, 0, collapse))
+                      BLOCK_T, finish.to(tl.int32), tl.where(shared, 0, collapse), gate_ptr, gate_bias_ptr,
+                      route_weights_ptr, route_ids_ptr, experts, route_scale, ROUTE_TOPK, ROUTE_K_PAD, ROUTE_E_PAD,
+                      ROUTE_NORMALIZE)
         if not shared:
             tl.atomic_xchg(counter_ptr + block, 0)
     elif shared & (ticket == chunks - 2):
@@ -109,7 +115,8 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
             pass
         _finish_block(block, N, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr, pre_out_ptr,
                       post_out_ptr, comb_out_ptr, norm_eps, hc_eps, iters, HC, D, PART, CHUNKS_PAD, NORM_BLOCK,
-                      BLOCK_T, 0, collapse)
+                      BLOCK_T, 0, collapse, gate_ptr, gate_bias_ptr, route_weights_ptr, route_ids_ptr, experts,
+                      route_scale, ROUTE_TOPK, ROUTE_K_PAD, ROUTE_E_PAD, ROUTE_NORMALIZE)
         tl.atomic_xchg(counter_ptr + block, 0)  # after the last program's increment, which it waited for
 
 
@@ -117,18 +124,28 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
 def _finish_block(block, N, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr, pre_out_ptr,
                   post_out_ptr, comb_out_ptr, norm_eps, hc_eps, iters, HC: tl.constexpr, D: tl.constexpr,
                   PART: tl.constexpr, CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
-                  mixes, collapse):
+                  mixes, collapse, gate_ptr, gate_bias_ptr, route_weights_ptr, route_ids_ptr, experts, route_scale,
+                  ROUTE_TOPK: tl.constexpr, ROUTE_K_PAD: tl.constexpr, ROUTE_E_PAD: tl.constexpr,
+                  ROUTE_NORMALIZE: tl.constexpr):
     for t in range(BLOCK_T):
         row = (block * BLOCK_T + t).to(tl.int64)
         if row < N:
             _finish_token(row, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr, pre_out_ptr,
                           post_out_ptr, comb_out_ptr, norm_eps, hc_eps, iters, HC, D, PART, CHUNKS_PAD,
                           NORM_BLOCK, mixes, collapse)
+            if ROUTE_TOPK > 0:  # the program that normed the row routes it (the MoE's router, mhc_deferred.py)
+                if collapse != 0:
+                    tl.debug_barrier()  # the row's stores by this program's threads, before its loads
+                    _route_row(normed_ptr, row, gate_ptr, gate_bias_ptr, route_weights_ptr, route_ids_ptr, experts,
+                               route_scale, D, ROUTE_TOPK, ROUTE_K_PAD, ROUTE_E_PAD, ROUTE_BLOCK_D, ROUTE_NORMALIZE)
 
 
 BLOCK_D = SEAM_BLOCK_D
 WIDE_BLOCK_D = 128
 NORM_BLOCK = 1024
+# columns of a routing tile (its loop unrolled): at 8 experts 256 compiles for sm_90 without spills beside the
+# deferred seam's 8192-wide RMSNorm tile, 512 and 1024 spilled 600 / 184 bytes (ptxas, 12-03 z)
+ROUTE_BLOCK_D = tl.constexpr(256)
 
 
 def _may_share_finish(device: torch.device, blocks: int) -> bool:
@@ -163,7 +180,7 @@ def takes_rows(tokens: int, mixes: bool, collapse: bool) -> bool:
 
 def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters,
                     block_t=1, block_d=None, num_warps=4, norm_block=None, share_finish=None, mixes=True,
-                    collapse=True, rows=None, rows_launch=None, finish_mixes=True):
+                    collapse=True, rows=None, rows_launch=None, finish_mixes=True, route=None):
     """Both ops: with out/post/comb None (the entry seam) returns (normed, pre, post, comb), else
     (new streams, normed, pre, post, comb); shapes as the ops' references. block_t (tokens per program),
     block_d (columns per program), num_warps, norm_block (the finish's RMSNorm tile) and share_finish (two
@@ -174,7 +191,10 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
     unused) returns the outputs above without (pre, post, comb); collapse=False (pre_lagged, norm_weight
     unused; out/post/comb None) returns (pre, post, comb) only, counting on the side lane.
     finish_mixes=False (mhc_deferred.py; mixes and collapse on, not rows): the mixes are left as partials,
-    returned in place of (pre, post, comb): [tokens, chunks, partial_width(hc)] fp32."""
+    returned in place of (pre, post, comb): [tokens, chunks, partial_width(hc)] fp32.
+    route (gate, bias, topk, normalize, scale; collapse on, not rows, at most ROUTE_MAX_EXPERTS experts): the
+    program that norms a row also routes it as dsflash::fused_router would; (weights fp32, ids int64)
+    [tokens, topk] are returned last."""
     *lead, hc, dim = streams.shape
     tokens = streams.numel() // (hc * dim)
     rows = takes_rows(tokens, mixes, collapse) if rows is None else rows
@@ -182,6 +202,9 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
         raise ValueError("mhc seam: the rows kernel runs full seams only (mixes and collapse on, finished)")
     if not finish_mixes and not (mixes and collapse):
         raise ValueError("mhc seam: finish_mixes=False leaves the mixes of a full seam as partials")
+    if route is not None and (rows or not collapse or route[0].shape[0] > ROUTE_MAX_EXPERTS):
+        raise ValueError(f"mhc seam: routing needs the collapse, not the rows kernel, and at most "
+                         f"{ROUTE_MAX_EXPERTS} experts (got {route[0].shape[0]})")
     flat = streams.reshape(tokens, hc, dim).contiguous()
     has_post = out is not None
     new_streams = torch.empty_like(flat) if has_post else flat
@@ -199,6 +222,9 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
                fn.contiguous() if mixes else unused, scale.float().contiguous() if finished else unused,
                base.float().contiguous() if finished else unused, norm_weight.contiguous() if collapse else unused,
                new_streams, normed, pre_out, post_out, comb_out)
+    gate, gate_bias, topk, normalize, route_scale = route or (unused, unused, 0, False, 0.0)
+    route_weights = flat.new_empty(tokens, topk, dtype=torch.float32) if route else unused
+    route_ids = flat.new_empty(tokens, topk, dtype=torch.int64) if route else unused
     if rows:
         if tokens:
             mhc_rows_triton.seam_rows(*tensors, norm_eps, hc_eps, iters, has_post, rows_launch)
@@ -208,13 +234,16 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
         partial = flat.new_empty(tokens, chunks, partial_width(hc), dtype=torch.float32)
         if tokens:
             _seam_kernel[(blocks, chunks)](
-                *tensors, partial, block_counters(flat.device, blocks, "main" if collapse else "side"), tokens,
-                norm_eps, hc_eps, iters, int(has_post), int(mixes), int(collapse),
+                *tensors, partial, block_counters(flat.device, blocks, "main" if collapse else "side"),
+                gate.contiguous(), gate_bias.contiguous(), route_weights, route_ids, tokens, norm_eps, hc_eps, iters,
+                int(has_post), int(mixes), int(collapse),
                 int(_may_share_finish(flat.device, blocks) if share_finish is None else share_finish),
-                int(finish_mixes), HC=hc, D=dim, BLOCK_D=block_d, BLOCK_T=block_t, PART=partial.shape[2],
-                CHUNKS_PAD=triton.next_power_of_2(chunks),
-                NORM_BLOCK=min(norm_block or NORM_BLOCK, triton.next_power_of_2(dim)), num_warps=num_warps,
-                **launch_options(flat.device))
+                int(finish_mixes), gate.shape[0] if route else 0, float(route_scale), HC=hc, D=dim, BLOCK_D=block_d,
+                BLOCK_T=block_t, PART=partial.shape[2], CHUNKS_PAD=triton.next_power_of_2(chunks),
+                NORM_BLOCK=min(norm_block or NORM_BLOCK, triton.next_power_of_2(dim)), ROUTE_TOPK=topk,
+                ROUTE_K_PAD=triton.next_power_of_2(max(topk, 1)),
+                ROUTE_E_PAD=triton.next_power_of_2(gate.shape[0]) if route else 1, ROUTE_NORMALIZE=bool(normalize),
+                num_warps=num_warps, **launch_options(flat.device))
     lead = tuple(lead)
     outputs = [new_streams.view(lead + (hc, dim))] if has_post else []
     if collapse:
@@ -223,4 +252,6 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
         outputs += [pre_out.view(lead + (hc,)), post_out.view(lead + (hc,)), comb_out.view(lead + (hc, hc))]
     elif mixes:
         outputs.append(partial.view(lead + partial.shape[1:]))
+    if route:
+        outputs += [route_weights, route_ids]
     return tuple(outputs)

@@ -160,6 +160,27 @@ def _top_k(t, ex, scores, bias_ptr, scores_ptr, weights_ptr, ids_ptr, N, E, scal
     tl.store(ids_ptr + out, ids.to(tl.int64), mask=out_in)
 
 
+@triton.jit
+def _route_row(x_ptr, row, w_ptr, bias_ptr, weights_ptr, ids_ptr, E, scale, D: tl.constexpr, TOPK: tl.constexpr,
+               K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_D: tl.constexpr, NORMALIZE: tl.constexpr):
+    """The router of one bf16 row x[row, :D] by one program, for a gate of at most E_PAD experts (the mHC seam's
+    finishing program routes the row it just normed: mhc_triton.py): fp32 logits from [E_PAD, BLOCK_D] tiles
+    (bf16 products exact, summed per column over the tiles, then across the tile), sqrt-softplus, then _top_k.
+    Only the summation order differs from the router kernel's."""
+    e = tl.arange(0, E_PAD)
+    e_in = e < E
+    acc = tl.zeros((E_PAD, BLOCK_D), dtype=tl.float32)
+    for d0 in tl.static_range(0, D, BLOCK_D):  # unrolled: every tile's loads can be in flight at once
+        d = d0 + tl.arange(0, BLOCK_D)
+        d_in = d < D
+        x = tl.load(x_ptr + row * D + d, mask=d_in, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + e[:, None] * D + d[None, :], mask=e_in[:, None] & d_in[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    scores = _sqrt_softplus(tl.sum(acc, axis=1))
+    _top_k(row + tl.arange(0, 1), e, scores[None, :], bias_ptr, weights_ptr, weights_ptr, ids_ptr, row + 1, E, scale,
+           TOPK, K_PAD, E_PAD, NORMALIZE, False)
+
+
 def kernel_fits(x, weight, bias, topk) -> bool:
     """The inputs this kernel takes (else the op runs its reference): x bf16 or fp32 [N, D], a bf16 gate of at
     most MAX_EXPERTS_P2 experts (the top-k's registers), an fp32 bias, 1 <= topk <= E."""

@@ -45,11 +45,11 @@ from .context import check_left_padding
 from .custom_ops.bf16_linear import MAX_ROWS as LINEAR_MAX_ROWS
 from .custom_ops.bf16_linear import TALL_MIN_K as LINEAR_TALL_MIN_K
 from .custom_ops.bf16_linear import TALL_MIN_ROWS as LINEAR_TALL_MIN_ROWS
-from .custom_ops.mhc import ROWS_MIN_TOKENS
+from .custom_ops.mhc import ROUTE_MAX_EXPERTS, ROWS_MIN_TOKENS
 from .custom_ops.mhc_deferred import DEFER_MAX_TOKENS
 from .custom_ops.pdl import launches
 from .custom_ops.routed_experts import MAX_TOKENS as ROUTED_MAX_TOKENS
-from .layers import QuantLinear
+from .layers import Linear, QuantLinear
 from .moe import COUNT_ORDER_BOUND
 from .piecewise_graph import PiecewiseGraph, piece_sizes
 from .trimmed_graphs import TrimmedGraphs
@@ -76,6 +76,12 @@ class CompileOptions:
     # B1 side by side (12-03 x3): 10.54 ms against 10.75, logits bit-equal (compile_and_profile --variants
     # passes,fused-mixes)
     mhc_defer_mixes: bool = True
+    # issue 5: with mhc_defer_mixes, a router of at most mhc.ROUTE_MAX_EXPERTS experts runs inside the FFN's
+    # deferred seam, in the program that norms its row (passes/router_seam.py), instead of its own launch (the
+    # 8-expert router took 5.8 us of the H200 B1 step's path a layer, 12-03 y1). Off: it did not pay. H200, B1 side
+    # by side (12-03 z4): 10.47 ms against 10.40 (837 kernels against 877): the one program's 80 KB of gate tiles
+    # made the seam 14.0 us of the path against 5.4 + 6.0 for seam and router
+    router_in_seam: bool = False
     # issue 5: dsflash::kv_norm_rope reads and computes before its PDL wait where a kernel computed from its
     # inputs' producers runs between them (passes/early_reads.py). Off: it did not pay. H200, B1 side by side
     # (12-03 y1, compile_and_profile --variants passes,early-reads): 10.53 ms against 10.50 without, logits
@@ -151,6 +157,11 @@ class CompileOptions:
     # sweep_linear.py --after-seam): wq_a+wkv after an mHC seam 9.9 us against 12.5 with bf16_linear's kernel; the
     # B1 step 10.65 ms against 10.76 with it off (12-03 v, compile_and_profile variant tiled-linear)
     linear_gemv: bool = True
+    # issue 5: one-row inputs of the unquantized bf16 projections (layers.Linear: the indexer's weights_proj and wk,
+    # the ratio-1 compressor's wkv) run dsflash::bf16_gemv too, where cuBLAS ran a split-K GEMV and its reduce: in
+    # the H200 B1 step's trace (12-03 y1) weights_proj (32 x 5120) took 4.7 + 1.4 us of the path at each of the 8
+    # index sources
+    plain_linear_gemv: bool = True
     # issue 5: bf16 inputs of 33-64 rows (decode batch 64) of the long-K projections (groups x K >= 8192: wo_a, wo_b)
     # run dsflash::fp8_qdq then dsflash::bf16_linear (QuantLinear.tall_rows), where cuBLAS took wo_a at 24.5 us
     # and wo_b at 29.3 with a split-K reduce kernel after it (H200 sweep at 64 rows, 12-02 q: 23.0 / 28.7 us). B64
@@ -169,6 +180,10 @@ class CompileOptions:
     # the per-forward set-up (DeepseekV41Model.begin: positions, window lists, RoPE, Engram hashes, embedding)
     # compiled too: eager it is ~360 host-launched ops before a prefill's first block, with the GPU waiting
     compile_setup: bool = True
+    # the forward's finish (DeepseekV41Model.collapse: the last block's streams collapsed and normed; advance: the
+    # cache's lengths) compiled too: eager it was 18 aten kernels (~38 us) between the last block and the head in
+    # the H200 B1 step's trace (12-03 y1)
+    compile_finish: bool = True
     # CUDA graphs (CUDA only): the decode step as one graph per batch bucket, short prefill chunks as one each
     # (prefill_graph_tokens), the trimmed layers of longer ones (trimmed_graphs)
     cuda_graphs: bool = True
@@ -299,7 +314,9 @@ class CompiledRunner:
         overlap = options.mhc_overlap_max_tokens if options.mhc_overlap else 0
         defer = DEFER_MAX_TOKENS if options.mhc_defer_mixes else 0
         self.pass_manager = (passes.install(text, mhc_overlap_tokens=overlap, mhc_defer_tokens=defer,
-                                            early_reads=options.early_reads) if options.passes else None)
+                                            early_reads=options.early_reads,
+                                            router_seam_experts=ROUTE_MAX_EXPERTS if options.router_in_seam else 0)
+                             if options.passes else None)
         if not options.passes:
             passes.use(None)  # a manager installed earlier would still run
         # Round where the model rounds (its bf16 casts are the reference's rounding points); by default
@@ -324,6 +341,8 @@ class CompiledRunner:
                 long_k = module.groups * module.in_features >= LINEAR_TALL_MIN_K
                 module.tall_rows = (LINEAR_TALL_MIN_ROWS, LINEAR_MAX_ROWS) if options.linear_tall and long_k else None
                 module.qdq_op_rows = options.qdq_op_rows
+            elif type(module) is Linear:
+                module.gemv = options.plain_linear_gemv
         if options.swa_bounded_replay is not None:
             text.swa_bounded_replay = options.swa_bounded_replay
         self.cache = model.new_cache(options.max_batch, options.max_length)
@@ -359,9 +378,13 @@ class CompiledRunner:
             elif block.engram is not None:
                 block.engram._compiled_call_impl = None  # eager again (a model compiled before with it on)
         inner = model.model
-        inner.__dict__.pop("begin", None)  # the method again (a set-up compiled by an earlier compile())
+        for name in ("begin", "collapse", "advance"):  # the methods again (compiled by an earlier compile())
+            inner.__dict__.pop(name, None)
         if options.compile_setup:
             inner.begin = torch.compile(inner.begin, **compile_kwargs)
+        if options.compile_finish:
+            inner.collapse = torch.compile(inner.collapse, **compile_kwargs)
+            inner.advance = torch.compile(inner.advance, **compile_kwargs)
         self.cuda_graphs = options.cuda_graphs and model.device.type == "cuda"
         self.graphs: dict[int, tuple] = {}  # batch bucket -> (graph, static logits, static ids, static mask)
         self.chunk_graphs: dict[tuple, tuple] = {}  # (ids shape, tail, replay_from given) -> (graph, inputs, out)
@@ -456,8 +479,7 @@ class CompiledRunner:
             replay_from = None if replay_from is None else F.pad(replay_from, (0, rows))
         if seq == 1 and self.cuda_graphs:
             graph, out, ids, mask = self._decode_graph(input_ids.shape[0])
-            ids.copy_(input_ids)
-            mask.copy_(attention_mask)
+            torch._foreach_copy_((ids, mask), (input_ids, attention_mask))  # one call: the GPU waits for it
             graph.replay()
             logits = out[:batch].clone()  # the graph's output buffer is rewritten by the next replay
         elif seq == 1:

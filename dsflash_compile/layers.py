@@ -189,6 +189,9 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.bfloat16):
         super().__init__(in_features, out_features, bias=False, dtype=dtype)
+        self.gemv = False  # one bf16 row runs dsflash::bf16_gemv (compile() sets it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv and x.numel() == x.shape[-1] and x.dtype == self.weight.dtype == torch.bfloat16:
+            return torch.ops.dsflash.bf16_gemv(x, self.weight, 1, False)
         return F.linear(x.to(self.weight.dtype), self.weight)

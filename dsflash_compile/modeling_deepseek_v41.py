@@ -249,7 +249,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         Position-based, so it holds for every chunk of a chunked prompt."""
         ctx, streams, pre_mix, hash_ids = self.begin(input_ids, attention_mask, cache, columns_after, replay_from)
         if tail is None:
-            hidden = self.norm(hc_pre(*self.run_layers(self.layers, ctx, cache, streams, pre_mix, hash_ids)))
+            hidden = self.collapse(*self.run_layers(self.layers, ctx, cache, streams, pre_mix, hash_ids))
         else:
             cut = self.text_config.last_kv_source_layer + 1
             streams, pre_mix = self.run_layers(self.layers[:max(cut - 1, 0)], ctx, cache, streams, pre_mix, hash_ids)
@@ -288,7 +288,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         """Bounded replay's trimmed part on the tail columns (ctx from tail_context): the layers after the
         last KV source, then the final norm."""
         cut = self.text_config.last_kv_source_layer + 1
-        return self.norm(hc_pre(*self.run_layers(self.layers[cut:], ctx, cache, streams, pre_mix, hash_ids)))
+        return self.collapse(*self.run_layers(self.layers[cut:], ctx, cache, streams, pre_mix, hash_ids))
 
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DeepseekV41Cache,
               columns_after: int, replay_from: torch.Tensor | None = None):
@@ -317,6 +317,10 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         pre_mix = streams.new_zeros(batch, seq, self.hc, dtype=torch.float32)
         pre_mix[..., 0] = 1.0
         return ctx, streams, pre_mix, hash_ids
+
+    def collapse(self, streams: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
+        """The last block's streams collapsed into one and normed: the hidden states the head reads."""
+        return self.norm(hc_pre(streams, pre_mix))
 
     @staticmethod
     def advance(ctx: ForwardContext) -> None:

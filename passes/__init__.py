@@ -9,6 +9,7 @@ from .mhc_fusion import MhcFusionPass
 from .mhc_overlap import MhcOverlapPass
 from .rounding import keep_model_rounding
 from .router_fusion import RouterFusionPass
+from .router_seam import RouterSeamPass
 
 
 def use(manager: DsflashPassManager | None) -> None:
@@ -24,14 +25,15 @@ def use(manager: DsflashPassManager | None) -> None:
 
 
 def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0,
-            early_reads: bool = False) -> DsflashPassManager:
+            early_reads: bool = False, router_seam_experts: int = 0) -> DsflashPassManager:
     """Make Inductor run our passes (post-grad) for graphs compiled from now on; returns the manager,
     whose `matches` counts the rewrites. Patterns use the config's router and mHC constants.
     mhc_overlap_tokens > 0: fused seams of at most that many tokens are split so that their mixes run on a
     side CUDA stream (MhcOverlapPass); 0 keeps every seam one launch. mhc_defer_tokens > 0: fused seams of at
     most that many tokens leave their mixes to a finishing op before the mixes' first reader (MhcDeferPass).
     early_reads: ops that can read before their PDL wait do where a kernel runs between them and their inputs
-    (EarlyReadsPass)."""
+    (EarlyReadsPass). router_seam_experts > 0 (with the deferral): routers of at most that many experts reading a
+    deferred seam's normed rows run inside that seam (RouterSeamPass)."""
     manager = DsflashPassManager([
         RouterFusionPass(text_config.num_experts_per_tok, text_config.norm_topk_prob,
                          text_config.routed_scaling_factor),
@@ -39,6 +41,7 @@ def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0,
                       text_config.hc_mult),
         *([MhcOverlapPass(mhc_overlap_tokens)] if mhc_overlap_tokens > 0 else []),
         *([MhcDeferPass(mhc_defer_tokens)] if mhc_defer_tokens > 0 else []),
+        *([RouterSeamPass(router_seam_experts)] if mhc_defer_tokens > 0 and router_seam_experts > 0 else []),
         *([EarlyReadsPass()] if early_reads else []),
     ])
     use(manager)
@@ -46,4 +49,4 @@ def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0,
 
 
 __all__ = ["DsflashPassManager", "EarlyReadsPass", "MhcDeferPass", "MhcFusionPass", "MhcOverlapPass",
-           "RouterFusionPass", "install", "keep_model_rounding", "use"]
+           "RouterFusionPass", "RouterSeamPass", "install", "keep_model_rounding", "use"]

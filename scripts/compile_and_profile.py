@@ -52,8 +52,10 @@ VARIANTS = {
     "inductor-index-rope": {"index_rope_op": False},  # the indexer's query RoPE + FP4 in Inductor (before 12-02 t)
     "inductor-qdq": {"qdq_op_rows": 0},  # the projections' input FP8 in Inductor's kernels (before 12-02 s)
     "cublas-linear": {"linear_few_rows": 0},  # decode's bf16 projections on cuBLAS (before dsflash::bf16_linear)
+    "cublas-plain": {"plain_linear_gemv": False},  # the unquantized one-row projections on cuBLAS (before 12-03 z)
     "tiled-linear": {"linear_gemv": False},  # one-row projections on bf16_linear's kernel (before dsflash::bf16_gemv)
     "cublas-tall": {"linear_tall": False},  # 33-64 rows of wo_a / wo_b on cuBLAS (before QuantLinear.tall_rows)
+    "router-in-seam": {"router_in_seam": True},  # the router inside the FFN's deferred seam (passes/router_seam.py)
     "fused-mixes": {"mhc_defer_mixes": False},  # each seam finishes its own mixes (before passes/mhc_defer.py)
     "early-reads": {"early_reads": True},  # kv_norm_rope reading before its PDL wait (passes/early_reads.py)
     "one-graph": {"decode_graph_pieces": 1},  # the decode step as one CUDA graph (before piecewise_graph.py)
@@ -65,6 +67,7 @@ VARIANTS = {
     "no-qkv-fusion": {"fuse_input_projections": False},
     "engram-eager": {"compile_engram": False},
     "setup-eager": {"compile_setup": False},
+    "finish-eager": {"compile_finish": False},  # the last collapse, norm and length update eager (before 12-03 z)
     "no-pdl": {"pdl": False, "inductor_pdl": False},  # no programmatic dependent launch (before 12-02 s)
     "no-inductor-pdl": {"inductor_pdl": False},  # the dsflash kernels with PDL, Inductor's without
     "passes": {},

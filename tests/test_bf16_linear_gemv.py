@@ -17,9 +17,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
 from dsflash_compile.custom_ops import bf16_linear_gemv_triton as gemv
 from dsflash_compile.custom_ops.bf16_linear import bf16_linear_reference
-from dsflash_compile.layers import QuantLinear
+from dsflash_compile.layers import Linear, QuantLinear
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# the release's unquantized one-row projections (layers.Linear): (K, N, groups, quantize_x)
+PLAIN = {"indexer_weights_proj": (5120, 32, 1, False), "indexer_wk": (512, 128, 1, False),
+         "compressor_wkv": (5120, 512, 1, False)}
 
 # name: (K per group, N, groups, quantize_x, exact data)
 CASES = {
@@ -100,6 +103,24 @@ def test_quantlinear_takes_it_for_one_row_when_set():
         assert torch.equal(linear(x), plain[rows])
 
 
+@torch.no_grad()
+def test_plain_linear_takes_it_for_one_row_when_set():
+    """layers.Linear with gemv set (compile() sets it): one bf16 row runs bf16_gemv without the FP8 of the input,
+    more rows and fp32 weights (the ratio > 1 compressor) F.linear; the same bits as F.linear (CPU: the
+    reference)."""
+    torch.manual_seed(0)
+    linear, fp32 = Linear(64, 32), Linear(64, 32, dtype=torch.float32)
+    xs = {rows: torch.randn(rows, 64).bfloat16() for rows in (1, 2)}
+    plain = {rows: linear(x) for rows, x in xs.items()}
+    linear.gemv = fp32.gemv = True
+    for rows, x in xs.items():
+        ops = {node.target for node in make_fx(linear)(x).graph.nodes if node.op == "call_function"}
+        assert (torch.ops.dsflash.bf16_gemv.default in ops) == (rows == 1), ops
+        assert torch.equal(linear(x), plain[rows])
+    ops = {node.target for node in make_fx(fp32)(xs[1]).graph.nodes if node.op == "call_function"}
+    assert torch.ops.dsflash.bf16_gemv.default not in ops
+
+
 @pytest.mark.parametrize("quantize", [True, False])
 def test_compiles_for_hopper_without_spills(quantize):
     args = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32", N="i32",
@@ -112,11 +133,11 @@ def test_compiles_for_hopper_without_spills(quantize):
 # ----------------------------------------------------------------------------------------------- CUDA
 
 @requires_cuda
-@pytest.mark.parametrize("name", ["wq_a+wkv", "indexer_wq_b", "wo_b"])
+@pytest.mark.parametrize("name", ["wq_a+wkv", "indexer_wq_b", "wo_b", *PLAIN])
 def test_release_sizes_on_cuda(name):
     """Against the reference (cuBLAS: another summation order), the op taking this kernel (wo_b, too large for
     it: bf16_linear's bits), and replayed in a CUDA graph on new x."""
-    k, n, groups, quantize = RELEASE[name]
+    k, n, groups, quantize = RELEASE[name] if name in RELEASE else PLAIN[name]
     x, w = case_inputs((1,), k, n, groups, False, device="cuda")
     if not gemv.fits(x, w, groups):
         assert name == "wo_b"

@@ -80,7 +80,9 @@ def prefill_and_decode_graphs(model) -> int:
     chunk before the last), every layer at one token."""
     cut = model.model.text_config.last_kv_source_layer + 1
     setup = model.compiled_runner.options.compile_setup  # one set-up graph per shape
-    return 2 * (compiled_modules(model) + setup) + compiled_modules(model, slice(cut, None)) + 2
+    # with compile_finish a collapse and an advance per shape, and the collapse of the trimmed window's
+    finish = model.compiled_runner.options.compile_finish
+    return 2 * (compiled_modules(model) + setup + 2 * finish) + compiled_modules(model, slice(cut, None)) + finish + 2
 
 
 @torch.no_grad()
@@ -202,8 +204,9 @@ def test_padded_batch_rows_are_inert(fresh_dynamo):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     engrams = [b.engram for b in model.model.layers if b.engram is not None]
     assert engrams and all(e._compiled_call_impl is not None for e in engrams)
-    # one prefill shape: roles, Engrams and the set-up
-    assert counters["stats"]["unique_graphs"] == compiled_modules(model) + model.compiled_runner.options.compile_setup
+    # one prefill shape: roles, Engrams, the set-up and the finish (collapse, advance)
+    options = model.compiled_runner.options
+    assert counters["stats"]["unique_graphs"] == compiled_modules(model) + options.compile_setup + 2 * options.compile_finish
 
 
 @torch.no_grad()

@@ -171,7 +171,11 @@ KERNEL_ARGS = dict(out_ptr="*bf16", streams_ptr="*bf16", post_ptr="*fp32", comb_
                    fn_ptr="*fp32", scale_ptr="*fp32", base_ptr="*fp32", weight_ptr="*bf16", new_streams_ptr="*bf16",
                    normed_ptr="*bf16", pre_out_ptr="*fp32", post_out_ptr="*fp32", comb_out_ptr="*fp32",
                    partial_ptr="*fp32", counter_ptr="*i32", N="i32", norm_eps="fp32", hc_eps="fp32", iters="i32",
-                   has_post="i32", mixes="i32", collapse="i32", share_finish="i32", finish_mixes="i32")
+                   has_post="i32", mixes="i32", collapse="i32", share_finish="i32", finish_mixes="i32",
+                   gate_ptr="*bf16", gate_bias_ptr="*fp32", route_weights_ptr="*fp32", route_ids_ptr="*i64",
+                   experts="i32", route_scale="fp32")
+# the seam's launches without routing (custom_ops/mhc_deferred.py's routed seam sets them)
+NO_ROUTE = dict(ROUTE_TOPK=0, ROUTE_K_PAD=1, ROUTE_E_PAD=1, ROUTE_NORMALIZE=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -228,7 +232,7 @@ def test_seam_kernel_compiles_for_hopper(block_t, block_d):
     from dsflash_compile.custom_ops import mhc_triton
 
     constexprs = dict(HC=4, D=5120, BLOCK_D=block_d, BLOCK_T=block_t, PART=32, CHUNKS_PAD=128,
-                      NORM_BLOCK=mhc_triton.NORM_BLOCK)
+                      NORM_BLOCK=mhc_triton.NORM_BLOCK, **NO_ROUTE)
     check_compiles_for_hopper(mhc_triton, ("_seam_kernel", KERNEL_ARGS, constexprs, 4))
 
 
