@@ -209,7 +209,10 @@ def main(argv=None) -> None:
                         help="bytes per second (default: the H200's measured copy bandwidth)")
     parser.add_argument("--configs", type=int, default=4, help="launch configurations listed per family")
     parser.add_argument("--out", help="write the summary as JSON here")
-    parser.add_argument("--layer", type=int, help="also list this layer's kernels in order (router to router)")
+    parser.add_argument("--layer", type=int, help="also list this layer's kernels in order (marker to marker)")
+    parser.add_argument("--marker", default="_router_kernel",
+                        help="--layer: the kernel launched once a layer that starts one (a build with the router "
+                             "inside the seam has no _router_kernel: _up_kernel)")
     parser.add_argument("--median", action="store_true",
                         help="--layer: each kernel's median over the layers launching the same kernels")
     args = parser.parse_args(argv)
@@ -223,10 +226,10 @@ def main(argv=None) -> None:
         from dsflash_compile.benchmarking import print_table
 
         if args.median:
-            rows, alike = layer_medians(events, index=args.layer)
+            rows, alike = layer_medians(events, args.marker, args.layer)
             which = f"layer {args.layer}, medians over the {alike} layers launching its kernels"
         else:
-            rows, which = layer_kernels(events, index=args.layer), f"layer {args.layer}"
+            rows, which = layer_kernels(events, args.marker, args.layer), f"layer {args.layer}"
         print(f"\n{which}: {sum(r['path_us'] for r in rows):.1f} us on the path, {len(rows)} kernels")
         print_table(rows, [("gap us", "gap_us", ".1f"), ("us", "us", ".1f"), ("path us", "path_us", ".1f"),
                            ("grid", "grid", ""), ("kernel", "name", "")])

@@ -60,6 +60,16 @@ def test_main_reads_gzip_and_writes_json(trace_summary, tmp_path, capsys):
     assert written["busy_us"] == 113 and written["floor_bytes"] is None
 
 
+def test_main_lists_a_layer_from_another_marker(trace_summary, tmp_path, capsys):
+    """--marker: layers from the up kernel to the next (a build without the router's own launch)."""
+    path = tmp_path / "trace.json"
+    events = [kernel("_up_kernel", 0, 80), kernel("_seam_kernel", 81, 9), kernel("_up_kernel", 100, 80)]
+    path.write_text(json.dumps({"traceEvents": events}))
+    trace_summary.main([str(path), "--layer", "0", "--marker", "_up_kernel"])
+    out = capsys.readouterr().out
+    assert "layer 0: 90.0 us on the path, 2 kernels" in out and "_seam_kernel" in out
+
+
 def test_layer_kernels_lists_one_layer_in_order(trace_summary):
     """Router to router: each kernel with the idle gap before it and its share of the span (the seam started
     early, inside the up kernel: only its end past the up kernel's counts); too few routers is a clear error."""
