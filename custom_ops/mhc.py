@@ -33,8 +33,9 @@ ROWS_MIN_TOKENS = 32
 # chunks whose partials a deferred seam returns (mhc_deferred.py)
 SEAM_BLOCK_D = 64
 # the largest gate a routed seam routes in its finishing program (mhc_triton.py, mhc_deferred.py: one program holds
-# [experts, 256] gate tiles): flash-40l-e8's 8 experts; the release's 384 keep dsflash::fused_router's grid
-ROUTE_MAX_EXPERTS = 16
+# [experts, 256] gate tiles): flash-40l-e8's 8 experts compile for sm_90 without spills, 16 spilled 1400 bytes
+# (ptxas, 12-03 z); larger gates (the release's 384) keep dsflash::fused_router's grid
+ROUTE_MAX_EXPERTS = 8
 
 
 def partial_width(hc: int) -> int:

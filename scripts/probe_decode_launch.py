@@ -1,6 +1,6 @@
 """Where the compiled decode step's host time goes: the step as the benchmark times it (the GPU idle at its start)
 against the same step queued behind a GPU sleep (every launch done before the GPU reaches it), and the host time
-of each part of the step (the runner's Python, the input copies, each graph piece's launch) in both cases.
+of its parts (the runner's work before the first graph piece's launch, each piece's launch) in both cases.
 
     python scripts/probe_decode_launch.py --preset flash-40l-e8 --batch 1 --out benchmarks/results
 
@@ -27,15 +27,15 @@ from compile_and_profile import decode_step, fill_cache, step_time
 SLEEP_CYCLES = 4_000_000  # ~2 ms at the H200's clocks: far longer than the step's host work
 
 
-def timed_step(step, queued: bool) -> tuple[float, float]:
+def timed_step(step, queued: bool, clock: "LaunchClock") -> tuple[float, float]:
     """(GPU seconds from the step's first stream op to its last, host seconds of the call); queued: behind a
-    GPU sleep, so the GPU never waits for the host."""
+    GPU sleep, so the GPU never waits for the host. Tells the clock when the call started."""
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     if queued:
         torch.cuda._sleep(SLEEP_CYCLES)
     start.record()
-    host = time.perf_counter()
+    host = clock.call_start = time.perf_counter()
     step()
     host = time.perf_counter() - host
     end.record()
@@ -44,16 +44,21 @@ def timed_step(step, queued: bool) -> tuple[float, float]:
 
 
 class LaunchClock:
-    """Host time of each piece's replay() (patched onto PiecewiseGraph while installed)."""
+    """Host time of each piece's replay() and, per call, from the call's start (timed_step) to the first
+    replay: the runner's own work before the GPU gets its first piece (patched onto PiecewiseGraph while
+    installed)."""
 
     def __init__(self):
         self.times: list[list[float]] = []
+        self.before_first: list[float] = []
+        self.call_start = None
         self._replay = PiecewiseGraph.replay
 
     def __enter__(self):
         clock = self
 
         def replay(graph):
+            clock.before_first.append(time.perf_counter() - clock.call_start)
             times = []
             for piece in graph.graphs:
                 t = time.perf_counter()
@@ -65,32 +70,6 @@ class LaunchClock:
 
     def __exit__(self, *exc):
         PiecewiseGraph.replay = self._replay
-
-
-def breakdown(runner, ids, mask, steps: int) -> dict:
-    """Host microseconds of each part of the runner's decode path (CompiledRunner._forward's statements replayed
-    here one by one, the GPU idle at the start), medians over `steps`."""
-    marks = {}
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()
-        t = [time.perf_counter()]
-        graph, out, static_ids, static_mask = runner._decode_graph(ids.shape[0])
-        t.append(time.perf_counter())
-        torch._foreach_copy_((static_ids, static_mask), (ids, mask))
-        t.append(time.perf_counter())
-        for piece in graph.graphs:
-            piece.replay()
-            t.append(time.perf_counter())
-        out[:ids.shape[0]].clone()
-        t.append(time.perf_counter())
-        runner.cache.lengths.fill_(runner.cache.seen_columns)  # the step's rewind: same cost every step
-        names = ["lookup", "copy_inputs", *[f"piece{i}" for i in range(len(graph.graphs))], "clone"]
-        for name, a, b in zip(names, t, t[1:]):
-            marks.setdefault(name, []).append((b - a) * 1e6)
-    torch.cuda.synchronize()
-    return {name: statistics.median(v) for name, v in marks.items()}
 
 
 def upload(runner) -> int:
@@ -113,10 +92,11 @@ def measure(step, steps: int) -> dict:
     for queued in (False, True):
         name = "queued" if queued else "idle"
         with LaunchClock() as clock:
-            pairs = [timed_step(step, queued) for _ in range(steps)]
+            pairs = [timed_step(step, queued, clock) for _ in range(steps)]
         gpu, host = zip(*pairs)
         pieces = [statistics.median(t[i] for t in clock.times) * 1e6 for i in range(len(clock.times[0]))]
         row[name] = {"gpu_us": statistics.median(gpu) * 1e6, "host_us": statistics.median(host) * 1e6,
+                     "before_first_launch_us": statistics.median(clock.before_first) * 1e6,
                      "piece_launch_us": pieces, "gpu_us_all": [g * 1e6 for g in gpu]}
     row["host_cost_us"] = row["idle"]["gpu_us"] - row["queued"]["gpu_us"]
     return row
@@ -151,8 +131,6 @@ def main() -> None:
               "pieces": len(runner.graphs[args.batch][0].graphs)}
     result["step_time_us"] = step_time(step, args.steps) * 1e6
     result["plain"] = measure(step, args.steps)
-    result["breakdown_us"] = breakdown(runner, ids, mask, args.steps)
-    print("host us: " + " ".join(f"{k} {v:.1f}" for k, v in result["breakdown_us"].items()))
     if args.upload:
         result["uploaded_pieces"] = upload(runner)
         result["after_upload"] = measure(step, args.steps)
@@ -164,7 +142,8 @@ def main() -> None:
             row = result[key]
             print(f"{key}: GPU idle at start {row['idle']['gpu_us']:.1f} us, queued {row['queued']['gpu_us']:.1f} us "
                   f"(host cost {row['host_cost_us']:.1f}); host call {row['idle']['host_us']:.1f} / "
-                  f"{row['queued']['host_us']:.1f} us")
+                  f"{row['queued']['host_us']:.1f} us, {row['idle']['before_first_launch_us']:.1f} us of it before the "
+                  "first launch")
             for name in ("idle", "queued"):
                 print(f"  piece launches ({name}) us: " + " ".join(f"{t:.1f}" for t in row[name]['piece_launch_us']))
 

@@ -21,8 +21,8 @@ from test_mhc_fusion import HC_EPS, ITERS, KERNEL_ARGS, NORM_EPS, compiling, sea
 
 ops = torch.ops.dsflash
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-# (lead, D, experts, top-k): one token, several with a partial last chunk, a gate of 5 (padded to 8)
-CASES = [((1,), 64, 8, 6), ((2, 3), 200, 16, 4), ((1,), 1100, 5, 2)]
+# (lead, D, experts, top-k): one token, several with a partial last chunk, gates of 7 and 5 (padded to 8)
+CASES = [((1,), 64, 8, 6), ((2, 3), 200, 7, 4), ((1,), 1100, 5, 2)]
 SCALE = 2.5
 
 
@@ -90,12 +90,12 @@ def test_kernel_routes_the_rows_it_normed(interpreted, lead, dim, experts, topk)
 
 
 def test_routing_seam_kernel_compiles_for_hopper():
-    """Release dims (hc 4, D 5120, 80 chunks), the deferred seam's launch (RMSNorm in one 8192 tile) routing an
-    8-expert gate, top-6: sm_90 code without spills."""
+    """Release dims (hc 4, D 5120, 80 chunks), the deferred seam's launch (RMSNorm in one 8192 tile) routing the
+    largest gate it takes (ROUTE_MAX_EXPERTS), top-6: sm_90 code without spills."""
     from dsflash_compile.custom_ops import mhc_deferred, mhc_triton
 
     constexprs = dict(HC=4, D=5120, BLOCK_D=SEAM_BLOCK_D, BLOCK_T=1, PART=32, CHUNKS_PAD=128,
-                      NORM_BLOCK=mhc_deferred.NORM_BLOCK, ROUTE_TOPK=6, ROUTE_K_PAD=8, ROUTE_E_PAD=8,
+                      NORM_BLOCK=mhc_deferred.NORM_BLOCK, ROUTE_TOPK=6, ROUTE_K_PAD=8, ROUTE_E_PAD=ROUTE_MAX_EXPERTS,
                       ROUTE_NORMALIZE=True)
     check_compiles_for_hopper(mhc_triton, ("_seam_kernel", KERNEL_ARGS, constexprs, 4))
 
