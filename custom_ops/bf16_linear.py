@@ -3,6 +3,8 @@
     x = fp8_qdq(x) in groups of 32                          (quantize_x: as QuantLinear does before its GEMM)
     out[..., n] = bf16(sum_k x[..., k] * weight[n, k])      (fp32 products and sum)            groups = 1
     groups = G > 1: block-diagonal (the attention's `wo_a`): group g's N / G outputs read only its K inputs
+    rot given: out as [..., N / head_dim, head_dim], each head's trailing pairs rotated by rot (rope.apply_rope;
+    the attention's query: wq_b then its RoPE, joined by passes/linear_rope.py)
 
 Why an op: at decode batch 1 a bf16 layer's four projections (wq_a+wkv, wq_b, wo_a, wo_b: 253 MB) ran as
 cuBLAS GEMVs at 3.3-3.7 TB/s, two of them with a split-K reduce kernel after them, and two behind an Inductor
@@ -14,11 +16,14 @@ row, `dsflash::bf16_gemv` (bf16_gemv.py) is the same math on a kernel for weight
 The reference is QuantLinear's own math (CPU, and on CUDA for shapes the kernel does not take).
 """
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
 from dsflash_compile.layers import block_diagonal_linear, check_block_diagonal
 from dsflash_compile.quant import fp8_qdq
+from dsflash_compile.rope import apply_rope
 
 MAX_ROWS = 64  # the kernel's largest row tile (more would spill on sm_90); above, the reference (cuBLAS)
 # 33-64 rows (decode batch 64) of the long-K projections (groups x K >= TALL_MIN_K: wo_a, wo_b), their input FP8-rounded
@@ -30,9 +35,26 @@ TALL_MIN_K = 8192
 
 
 @torch.library.custom_op("dsflash::bf16_linear", mutates_args=())
-def bf16_linear(x: Tensor, weight: Tensor, groups: int, quantize_x: bool) -> Tensor:
-    """x bf16 [..., groups * K]; weight bf16 [N, K]. Returns bf16 [..., N]."""
-    return bf16_linear_reference(x, weight, groups, quantize_x)
+def bf16_linear(x: Tensor, weight: Tensor, groups: int, quantize_x: bool, rot: Optional[Tensor] = None,
+                head_dim: int = 0) -> Tensor:
+    """x bf16 [..., groups * K]; weight bf16 [N, K]; rot fp32 [..., p, 2] (rope.rotation, x's leading dims) or
+    None. Returns bf16 [..., N]."""
+    return bf16_linear_reference(x, weight, groups, quantize_x, rot, head_dim)
+
+
+def check_rope(x: Tensor, weight: Tensor, groups: int, rot: Optional[Tensor], head_dim: int) -> None:
+    """The RoPE epilogue's arguments, as errors that name the problem."""
+    if rot is None:
+        return
+    if rot.dtype != torch.float32 or rot.device != x.device:
+        raise TypeError(f"bf16_linear: rot must be fp32 on x's device, got {rot.dtype} on {rot.device}")
+    if groups != 1 or head_dim < 2 or weight.shape[0] % head_dim:
+        raise ValueError(f"bf16_linear: the RoPE epilogue needs groups=1 and head_dim dividing the {weight.shape[0]} "
+                         f"outputs, got groups={groups}, head_dim={head_dim}")
+    if (tuple(rot.shape[:-2]) != tuple(x.shape[:-1]) or rot.shape[-1] != 2 or rot.shape[-2] < 1
+            or 2 * rot.shape[-2] > head_dim):
+        raise ValueError(f"bf16_linear: rot has shape {tuple(rot.shape)}; expected {tuple(x.shape[:-1])} + "
+                         f"(pairs, 2) with 1 <= pairs and 2 * pairs <= head_dim = {head_dim}")
 
 
 def check_inputs(x: Tensor, weight: Tensor, groups: int, quantize_x: bool) -> None:
@@ -47,14 +69,19 @@ def check_inputs(x: Tensor, weight: Tensor, groups: int, quantize_x: bool) -> No
                          "group (32)")
 
 
-def bf16_linear_reference(x, weight, groups, quantize_x):
+def bf16_linear_reference(x, weight, groups, quantize_x, rot=None, head_dim=0):
     check_inputs(x, weight, groups, quantize_x)
-    return block_diagonal_linear(fp8_qdq(x) if quantize_x else x, weight, groups)
+    check_rope(x, weight, groups, rot, head_dim)
+    out = block_diagonal_linear(fp8_qdq(x) if quantize_x else x, weight, groups)
+    if rot is None:
+        return out
+    return apply_rope(out.unflatten(-1, (-1, head_dim)), rot).flatten(-2)
 
 
 @bf16_linear.register_fake
-def _(x, weight, groups, quantize_x):
+def _(x, weight, groups, quantize_x, rot=None, head_dim=0):
     check_inputs(x, weight, groups, quantize_x)
+    check_rope(x, weight, groups, rot, head_dim)
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
@@ -65,8 +92,9 @@ except ImportError:  # pragma: no cover - CPU machines without triton
 
 if bf16_linear_triton is not None:
     @bf16_linear.register_kernel("cuda")
-    def _(x, weight, groups, quantize_x):
+    def _(x, weight, groups, quantize_x, rot=None, head_dim=0):
         check_inputs(x, weight, groups, quantize_x)
+        check_rope(x, weight, groups, rot, head_dim)
         if not bf16_linear_triton.kernel_fits(x, weight, groups):
-            return bf16_linear_reference(x, weight, groups, quantize_x)
-        return bf16_linear_triton.bf16_linear_triton(x, weight, groups, quantize_x)
+            return bf16_linear_reference(x, weight, groups, quantize_x, rot, head_dim)
+        return bf16_linear_triton.bf16_linear_triton(x, weight, groups, quantize_x, rot=rot, head_dim=head_dim)

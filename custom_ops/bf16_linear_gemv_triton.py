@@ -31,6 +31,15 @@ from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
 BLOCK_N = 16
 BLOCK_K = 1024
 NUM_WARPS = 4
+K_CHUNKS = 1
+# Whole rows: a row of at least WHOLE_ROW_MIN_TILES tiles of K, with outputs enough for WHOLE_ROW_BLOCK_N a program
+# to give 2 programs an SM, takes each program's outputs over all of K (no split, so no partials to finish):
+# [4, 1024] x 5 tiles, 8 warps. H200, wq_a+wkv after an mHC seam (sweep_linear.py --after-seam, 12-03 a1): 8.53 us
+# against 9.52 for [16, 1024] tiles in 5 splits (8.81 at 4 warps, 8.91 at 8 outputs a program, 9.63 at 2)
+WHOLE_ROW_BLOCK_N = 4
+WHOLE_ROW_WARPS = 8
+WHOLE_ROW_MIN_TILES = 4
+WHOLE_ROW_MAX_TILES = 5  # the registers of 40 KB of weight a program (longer rows: not measured)
 # H200: 24 MB, so wq_a+wkv (18 MB) and the indexer's wq_b (10 MB). Larger weights keep bf16_linear's pipelined
 # kernel: at one row alone (sweep_linear.py --grid none, 12-03 v) this kernel took wq_b 26.7-34.8 us against 22.9,
 # wo_a 20.6-28.9 against 18.9, wo_b 25.0 against 30.7; with no cap the B1 step took 11.18 ms against 10.65 (wq_b
@@ -40,20 +49,23 @@ MAX_BYTES_PER_SM = 192 * 1024
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, N, K, n_per_group, QUANT_X: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """x [groups * K] and out [N]; weight [N, K]; BLOCK_N divides n_per_group."""
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, PDL: tl.constexpr):
+    """x [groups * K] and out [N]; weight [N, K]; BLOCK_N divides n_per_group. A program's split is K_CHUNKS
+    tiles of BLOCK_K columns, unrolled so that all their loads are in flight at once."""
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     pid_n, split = tl.program_id(0), tl.program_id(1)
     splits = tl.num_programs(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = split * BLOCK_K + tl.arange(0, BLOCK_K)
-    w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=(k < K)[None, :], other=0.0)
     group = pid_n * BLOCK_N // n_per_group
-    x = tl.load(x_ptr + group * K + k, mask=k < K, other=0.0).to(tl.float32)
-    if QUANT_X:  # whole groups of 32: a split starts on a multiple of BLOCK_K
-        x = tl.reshape(_fp8_qdq_groups(tl.reshape(x, (1, BLOCK_K)), 1, BLOCK_K), (BLOCK_K,))
-        x = x.to(tl.bfloat16).to(tl.float32)  # E4M3 values times a power of two: exact in bf16
-    acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for c in tl.static_range(K_CHUNKS):
+        k = (split * K_CHUNKS + c) * BLOCK_K + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=(k < K)[None, :], other=0.0)
+        x = tl.load(x_ptr + group * K + k, mask=k < K, other=0.0).to(tl.float32)
+        if QUANT_X:  # whole groups of 32: a tile starts on a multiple of BLOCK_K
+            x = tl.reshape(_fp8_qdq_groups(tl.reshape(x, (1, BLOCK_K)), 1, BLOCK_K), (BLOCK_K,))
+            x = x.to(tl.bfloat16).to(tl.float32)  # E4M3 values times a power of two: exact in bf16
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if splits == 1:
         tl.store(out_ptr + n, _round_bf16(acc).to(tl.bfloat16))
     else:
@@ -81,19 +93,34 @@ def fits(x, weight, groups) -> bool:
     return takes(x.numel() // (groups * k), n, k, groups, _num_sms(x.device) if x.device.type == "cuda" else None)
 
 
-def bf16_linear_gemv(x, weight, groups, quantize_x, block_n=BLOCK_N, block_k=BLOCK_K, num_warps=NUM_WARPS):
+def launch(n: int, k: int, groups: int, sms: int) -> dict:
+    """The default launch (block_n, block_k, num_warps, k_chunks) of an [n, k] weight: whole rows where the module's
+    WHOLE_ROW_* rule takes the shape, else [BLOCK_N, BLOCK_K] tiles, K split."""
+    tiles = triton.cdiv(k, BLOCK_K)
+    if (WHOLE_ROW_MIN_TILES <= tiles <= WHOLE_ROW_MAX_TILES and (n // groups) % WHOLE_ROW_BLOCK_N == 0
+            and n // WHOLE_ROW_BLOCK_N >= 2 * sms):
+        return dict(block_n=WHOLE_ROW_BLOCK_N, block_k=BLOCK_K, num_warps=WHOLE_ROW_WARPS, k_chunks=tiles)
+    return dict(block_n=BLOCK_N, block_k=BLOCK_K, num_warps=NUM_WARPS, k_chunks=K_CHUNKS)
+
+
+def bf16_linear_gemv(x, weight, groups, quantize_x, block_n=None, block_k=None, num_warps=None, k_chunks=None):
     """bf16 [..., N] as the reference, for one row (`fits`); block_n, block_k (powers of two, block_n dividing a
-    group's outputs) and num_warps override the launch (sweeps: scripts/sweep_linear.py)."""
+    group's outputs), num_warps and k_chunks (tiles a program) override `launch`'s (scripts/sweep_linear.py)."""
     n, k = weight.shape
+    sms = _num_sms(x.device) if x.device.type == "cuda" else 132  # the interpreter: the H200's launch
+    default = launch(n, k, groups, sms)
+    block_n, block_k = block_n or default["block_n"], block_k or default["block_k"]
+    num_warps, k_chunks = num_warps or default["num_warps"], k_chunks or default["k_chunks"]
     if (n // groups) % block_n or block_k < 32 or block_k & (block_k - 1):
         raise ValueError(f"bf16_gemv: block_n={block_n} must divide a group's {n // groups} outputs and "
                          f"block_k={block_k} be a power of two >= 32 (whole FP8 groups)")
     block_k = min(block_k, triton.next_power_of_2(k))
-    splits = triton.cdiv(k, block_k)
+    k_chunks = min(k_chunks, triton.cdiv(k, block_k))
+    splits = triton.cdiv(k, block_k * k_chunks)
     out = x.new_empty(n)
     partial = x.new_empty(splits * n if splits > 1 else 1, dtype=torch.float32)
     counters = block_counters(x.device, n // block_n) if splits > 1 else partial
     _gemv_kernel[(n // block_n, splits)](
         x.contiguous(), weight.contiguous(), out, partial, counters, n, k, n // groups, QUANT_X=quantize_x,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **launch_options(x.device))
+        BLOCK_N=block_n, BLOCK_K=block_k, K_CHUNKS=k_chunks, num_warps=num_warps, **launch_options(x.device))
     return out.view(*x.shape[:-1], n)

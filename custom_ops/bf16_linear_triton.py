@@ -36,12 +36,13 @@ PROGRAMS_PER_SM = 3.7
 
 
 @triton.jit
-def _bf16_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K, n_per_group, k_blocks_per_split,
-                        splits, QUANT_X: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr,
-                        PDL: tl.constexpr):
+def _bf16_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, rot_ptr, M, N, K, n_per_group,
+                        k_blocks_per_split, splits, head_dim, QUANT_X: tl.constexpr, ONE_ROW: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                        FP32_DOT: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
     """x [M, groups * K] and out [M, N] contiguous; weight [N, K]. BLOCK_N divides n_per_group (so N too).
-    ONE_ROW (M = 1, decode batch 1): x's FP8 runs on the one row, not on the dot's 16-row tile."""
+    ONE_ROW (M = 1, decode batch 1): x's FP8 runs on the one row, not on the dot's 16-row tile.
+    PAIRS > 0: rot [M, PAIRS, 2]; each head_dim-wide head's trailing PAIRS pairs are rotated (_rope_pairs)."""
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -68,7 +69,8 @@ def _bf16_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K
         acc += _dot(x, tl.trans(w), FP32_DOT)
     out = m[:, None] * N + n[None, :]
     if splits == 1:
-        tl.store(out_ptr + out, _round_bf16(acc).to(tl.bfloat16), mask=m_in[:, None])
+        tl.store(out_ptr + out, _finish_tile(acc, m, m_in, pid_n, rot_ptr, head_dim, BLOCK_M, BLOCK_N, PAIRS),
+                 mask=m_in[:, None])
     else:
         tile_elems = BLOCK_M * BLOCK_N
         tile = pid_m * tl.num_programs(1) + pid_n
@@ -79,8 +81,31 @@ def _bf16_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(splits):  # split order: deterministic
                 total += tl.load(partial_ptr + (tile.to(tl.int64) * splits + s) * tile_elems + mine)
-            tl.store(out_ptr + out, _round_bf16(total).to(tl.bfloat16), mask=m_in[:, None])
+            tl.store(out_ptr + out, _finish_tile(total, m, m_in, pid_n, rot_ptr, head_dim, BLOCK_M, BLOCK_N, PAIRS),
+                     mask=m_in[:, None])
             tl.atomic_xchg(counter_ptr + tile, 0)
+
+
+@triton.jit
+def _finish_tile(acc, m, m_in, pid_n, rot_ptr, head_dim, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PAIRS: tl.constexpr):
+    """The output tile in bf16: the fp32 sums rounded, then (PAIRS > 0) the RoPE of the pairs in a head's tail,
+    with rope_tail_triton.py's arithmetic (its bits: the rounded value rotated in fp32 and rounded again)."""
+    y = _round_bf16(acc)
+    if PAIRS > 0:
+        even, odd = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
+        # the pair of each even column: its index in the head's tail (< 0 before the tail); pairs never straddle
+        # a block (BLOCK_N and head_dim are even)
+        j = (pid_n * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2)) % head_dim - (head_dim - 2 * PAIRS)
+        tail = j >= 0
+        at = rot_ptr + (m[:, None].to(tl.int64) * PAIRS + j[None, :] // 2) * 2
+        live = m_in[:, None] & tail[None, :]
+        cos = tl.load(at, mask=live, other=1.0)
+        sin = tl.load(at + 1, mask=live, other=0.0)
+        rotated_even = tl.where(tail[None, :], _round_bf16(even * cos - odd * sin), even)
+        rotated_odd = tl.where(tail[None, :], _round_bf16(even * sin + odd * cos), odd)
+        y = tl.reshape(tl.join(rotated_even, rotated_odd), (BLOCK_M, BLOCK_N))
+    return y.to(tl.bfloat16)
 
 
 def block_n_for(n_per_group: int) -> int | None:
@@ -123,8 +148,8 @@ def launch(rows: int, n: int, k: int, groups: int, device: torch.device, quantiz
             "num_stages": overrides.get("num_stages") or stages}
 
 
-def bf16_linear_triton(x, weight, groups, quantize_x, **overrides):
-    """bf16 [..., N] as the reference; overrides: `launch`'s (sweeps)."""
+def bf16_linear_triton(x, weight, groups, quantize_x, rot=None, head_dim=0, **overrides):
+    """bf16 [..., N] as the reference (rot, head_dim: the op's RoPE epilogue); overrides: `launch`'s (sweeps)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     (m, _), (n, k) = rows.shape, weight.shape
     if m == 0:
@@ -143,9 +168,11 @@ def bf16_linear_triton(x, weight, groups, quantize_x, **overrides):
     tiles = grid[0] * grid[1]
     partial = x.new_empty(tiles * splits * block_m * block_n if splits > 1 else 1, dtype=torch.float32)
     counters = block_counters(x.device, tiles) if splits > 1 else partial
-    _bf16_linear_kernel[grid](rows, weight.contiguous(), out, partial, counters, m, n, k, n // groups, per_split,
-                              splits, QUANT_X=quantize_x, ONE_ROW=m == 1, BLOCK_M=block_m, BLOCK_N=block_n,
-                              BLOCK_K=block_k, EVEN_K=k % block_k == 0, FP32_DOT=x.device.type != "cuda",
+    pairs = 0 if rot is None else rot.shape[-2]
+    rot = partial if rot is None else rot.contiguous()  # (not read without pairs)
+    _bf16_linear_kernel[grid](rows, weight.contiguous(), out, partial, counters, rot, m, n, k, n // groups, per_split,
+                              splits, head_dim, QUANT_X=quantize_x, ONE_ROW=m == 1, BLOCK_M=block_m, BLOCK_N=block_n,
+                              BLOCK_K=block_k, EVEN_K=k % block_k == 0, FP32_DOT=x.device.type != "cuda", PAIRS=pairs,
                               num_warps=settings["num_warps"], num_stages=settings["num_stages"],
                               **launch_options(x.device))
     return out.view(*x.shape[:-1], n)

@@ -20,6 +20,10 @@ The top-k then needs every expert's score, so two counters chain the reductions 
      With at most BLOCK_E experts (flash-40l-e8's 8) step 1's program holds every score: it takes the top-k
      from its registers (picked scores selected there), without the store, the second counter and the loads.
 
+EARLY_GATE (decode with a gate of one expert block: flash-40l-e8's 8 experts; `takes_early_gate`): a split is
+one EARLY_BLOCK_K-wide tile whose gate slice the program loads before its PDL wait, while the mHC seam before it
+(a chain of dependent loads, little of HBM's bandwidth) still runs; after the wait only the row comes from L2.
+
 Each launch leaves its counters at zero (the persistent per-device buffer of block_counters.py, so a call
 needs no memset and the kernel is CUDA-graph safe; scratch buffers have shapes fixed by the token count; more
 than ~2600 tokens take several launches, see fused_router_triton). Only one router or mHC seam may run at a
@@ -51,6 +55,9 @@ MAX_EXPERTS_P2 = 512  # the top-k holds [16, E_PAD] int64 keys in registers: 64 
 # us at 1 / 8 / 64 tokens: 8 experts 6.35 / 6.36 / 7.20 at 8 splits of 5 blocks against 6.76 / 6.98 / 7.28 at 40;
 # 384 experts at 1 and 8 tokens 22.4-23.1 at 5-11 splits (22.6 / 22.7 at the 11 of before)
 MIN_K_BLOCKS_PER_SPLIT = 5
+# EARLY_GATE (one tile of tokens and experts: decode with a small gate): a split is one tile this wide, its gate
+# slice loaded before the PDL wait, while the kernel before (the mHC seam, latency-bound) still runs
+EARLY_BLOCK_K = 512
 
 
 def warps_for(x_dtype: torch.dtype) -> int:
@@ -70,12 +77,22 @@ def _sqrt_softplus(x):
 
 
 @triton.jit
+def _gate_dot(acc, x, w, X_FP32: tl.constexpr, FP32_DOT: tl.constexpr):
+    """acc + x [T, K] @ w [E, K]^T in fp32."""
+    if X_FP32:
+        acc += tl.dot(x, tl.trans(w).to(tl.float32), input_precision="ieee")
+    else:
+        acc += _dot(x, tl.trans(w), FP32_DOT)
+    return acc
+
+
+@triton.jit
 def _router_kernel(x_ptr, w_ptr, bias_ptr, partial_ptr, scores_ptr, counter_ptr, weights_ptr, ids_ptr,
                    N, D, E, k_blocks_per_split, scale,
                    TOPK: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORMALIZE: tl.constexpr,
-                   X_FP32: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
+                   X_FP32: tl.constexpr, FP32_DOT: tl.constexpr, EARLY_GATE: tl.constexpr, PDL: tl.constexpr):
+    """EARLY_GATE: a split is one BLOCK_K-wide tile, loaded before the PDL wait (the module docstring)."""
     token_block = tl.program_id(0)
     expert_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -88,15 +105,21 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, partial_ptr, scores_ptr, counter_ptr,
     w_rows = w_ptr + e[:, None].to(tl.int64) * D
 
     acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-    for i in range(k_blocks_per_split):
-        d = (split * k_blocks_per_split + i) * BLOCK_K + tl.arange(0, BLOCK_K)
+    if EARLY_GATE:  # the gate is a weight, which no kernel writes: its tile may load before the wait
+        d = split * BLOCK_K + tl.arange(0, BLOCK_K)
         d_in = d < D
-        x = tl.load(x_rows + d[None, :], mask=t_in[:, None] & d_in[None, :], other=0.0)
         w = tl.load(w_rows + d[None, :], mask=e_in[:, None] & d_in[None, :], other=0.0)
-        if X_FP32:
-            acc += tl.dot(x, tl.trans(w).to(tl.float32), input_precision="ieee")
-        else:
-            acc += _dot(x, tl.trans(w), FP32_DOT)
+        pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
+        x = tl.load(x_rows + d[None, :], mask=t_in[:, None] & d_in[None, :], other=0.0)
+        acc = _gate_dot(acc, x, w, X_FP32, FP32_DOT)
+    else:
+        pdl_wait(PDL)
+        for i in range(k_blocks_per_split):
+            d = (split * k_blocks_per_split + i) * BLOCK_K + tl.arange(0, BLOCK_K)
+            d_in = d < D
+            x = tl.load(x_rows + d[None, :], mask=t_in[:, None] & d_in[None, :], other=0.0)
+            w = tl.load(w_rows + d[None, :], mask=e_in[:, None] & d_in[None, :], other=0.0)
+            acc = _gate_dot(acc, x, w, X_FP32, FP32_DOT)
     tile_in = t_in[:, None] & e_in[None, :]
     tl.store(partial_ptr + (t[:, None] * splits + split) * E + e[None, :], acc, mask=tile_in)
 
@@ -196,9 +219,10 @@ def default_splits(tiles: int, k_blocks: int) -> int:
     return max(1, min(k_blocks // MIN_K_BLOCKS_PER_SPLIT, TARGET_PROGRAMS // tiles))
 
 
-def fused_router_triton(x, weight, bias, topk, normalize, scale, splits=None, launch_tokens=None):
+def fused_router_triton(x, weight, bias, topk, normalize, scale, splits=None, launch_tokens=None, early_gate=None):
     """(weights fp32 [N, topk], ids int64 [N, topk]) as the reference. splits: D splits (None: default_splits);
-    launch_tokens: tokens per launch (None: as many as one launch's counters allow, below)."""
+    launch_tokens: tokens per launch (None: as many as one launch's counters allow, below); early_gate: the
+    EARLY_GATE launch (None: `takes_early_gate`; splits then ignored)."""
     tokens, experts = x.shape[0], weight.shape[0]
     x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
     weights = x.new_empty(tokens, topk, dtype=torch.float32)
@@ -209,16 +233,25 @@ def fused_router_triton(x, weight, bias, topk, normalize, scale, splits=None, la
     chunk = launch_tokens or BLOCK_T * (COUNTER_SLOTS // (triton.cdiv(experts, BLOCK_E) + 1))
     for start in range(0, tokens, chunk):
         rows = slice(start, start + chunk)
-        _launch(x[rows], weight, bias, weights[rows], ids[rows], topk, normalize, scale, splits)
+        _launch(x[rows], weight, bias, weights[rows], ids[rows], topk, normalize, scale, splits, early_gate)
     return weights, ids
 
 
-def _launch(x, weight, bias, weights, ids, topk, normalize, scale, splits):
+def takes_early_gate(tokens: int, experts: int) -> bool:
+    """The EARLY_GATE launch's shapes: one (token block, expert block) tile, as flash-40l-e8's 8 experts at decode."""
+    return tokens <= BLOCK_T and experts <= BLOCK_E
+
+
+def _launch(x, weight, bias, weights, ids, topk, normalize, scale, splits, early_gate):
     """One kernel launch for the tokens of x, into weights and ids (contiguous, tokens first)."""
     tokens, dim = x.shape
     experts = weight.shape[0]
+    early = takes_early_gate(tokens, experts) if early_gate is None else early_gate
+    block_k = EARLY_BLOCK_K if early else BLOCK_K
     token_blocks, expert_blocks, k_blocks = (triton.cdiv(tokens, BLOCK_T), triton.cdiv(experts, BLOCK_E),
-                                             triton.cdiv(dim, BLOCK_K))
+                                             triton.cdiv(dim, block_k))
+    if early:
+        splits = k_blocks
     k_per_split = triton.cdiv(k_blocks, splits or default_splits(token_blocks * expert_blocks, k_blocks))
     splits = triton.cdiv(k_blocks, k_per_split)  # no split left without columns
     partial = x.new_empty(tokens, splits, experts, dtype=torch.float32)
@@ -227,6 +260,6 @@ def _launch(x, weight, bias, weights, ids, topk, normalize, scale, splits):
         x, weight, bias, partial, scores, block_counters(x.device, (expert_blocks + 1) * token_blocks), weights,
         ids, tokens, dim, experts, k_per_split, scale,
         TOPK=topk, K_PAD=triton.next_power_of_2(topk), E_PAD=triton.next_power_of_2(experts),
-        SPLITS_PAD=triton.next_power_of_2(splits), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K,
-        NORMALIZE=normalize, X_FP32=x.dtype == torch.float32, FP32_DOT=x.device.type != "cuda",
+        SPLITS_PAD=triton.next_power_of_2(splits), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=block_k,
+        NORMALIZE=normalize, X_FP32=x.dtype == torch.float32, FP32_DOT=x.device.type != "cuda", EARLY_GATE=early,
         num_warps=warps_for(x.dtype), **launch_options(x.device))

@@ -82,6 +82,9 @@ class CompileOptions:
     # by side (12-03 z4): 10.47 ms against 10.40 (837 kernels against 877): the one program's 80 KB of gate tiles
     # made the seam 14.0 us of the path against 5.4 + 6.0 for seam and router
     router_in_seam: bool = False
+    # issue 5: the query's RoPE in wq_b's epilogue (passes/linear_rope.py, bf16_linear's `rot`) where wq_b runs
+    # dsflash::bf16_linear (decode), instead of dsflash::rope_'s own launch (the step's path: ~0.9 us a layer at B1)
+    linear_rope: bool = True
     # issue 5: dsflash::kv_norm_rope reads and computes before its PDL wait where a kernel computed from its
     # inputs' producers runs between them (passes/early_reads.py). Off: it did not pay. H200, B1 side by side
     # (12-03 y1, compile_and_profile --variants passes,early-reads): 10.53 ms against 10.50 without, logits
@@ -315,7 +318,8 @@ class CompiledRunner:
         defer = DEFER_MAX_TOKENS if options.mhc_defer_mixes else 0
         self.pass_manager = (passes.install(text, mhc_overlap_tokens=overlap, mhc_defer_tokens=defer,
                                             early_reads=options.early_reads,
-                                            router_seam_experts=ROUTE_MAX_EXPERTS if options.router_in_seam else 0)
+                                            router_seam_experts=ROUTE_MAX_EXPERTS if options.router_in_seam else 0,
+                                            linear_rope=options.linear_rope)
                              if options.passes else None)
         if not options.passes:
             passes.use(None)  # a manager installed earlier would still run

@@ -3,6 +3,7 @@
 from torch._inductor import config as inductor_config
 
 from .early_reads import EarlyReadsPass
+from .linear_rope import LinearRopePass
 from .manager import DsflashPassManager
 from .mhc_defer import MhcDeferPass
 from .mhc_fusion import MhcFusionPass
@@ -25,7 +26,7 @@ def use(manager: DsflashPassManager | None) -> None:
 
 
 def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0,
-            early_reads: bool = False, router_seam_experts: int = 0) -> DsflashPassManager:
+            early_reads: bool = False, router_seam_experts: int = 0, linear_rope: bool = False) -> DsflashPassManager:
     """Make Inductor run our passes (post-grad) for graphs compiled from now on; returns the manager,
     whose `matches` counts the rewrites. Patterns use the config's router and mHC constants.
     mhc_overlap_tokens > 0: fused seams of at most that many tokens are split so that their mixes run on a
@@ -33,7 +34,8 @@ def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0,
     most that many tokens leave their mixes to a finishing op before the mixes' first reader (MhcDeferPass).
     early_reads: ops that can read before their PDL wait do where a kernel runs between them and their inputs
     (EarlyReadsPass). router_seam_experts > 0 (with the deferral): routers of at most that many experts reading a
-    deferred seam's normed rows run inside that seam (RouterSeamPass)."""
+    deferred seam's normed rows run inside that seam (RouterSeamPass). linear_rope: a bf16_linear whose only
+    reader is the RoPE of its heads takes the rotation in its epilogue (LinearRopePass)."""
     manager = DsflashPassManager([
         RouterFusionPass(text_config.num_experts_per_tok, text_config.norm_topk_prob,
                          text_config.routed_scaling_factor),
@@ -43,10 +45,11 @@ def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0,
         *([MhcDeferPass(mhc_defer_tokens)] if mhc_defer_tokens > 0 else []),
         *([RouterSeamPass(router_seam_experts)] if mhc_defer_tokens > 0 and router_seam_experts > 0 else []),
         *([EarlyReadsPass()] if early_reads else []),
+        *([LinearRopePass()] if linear_rope else []),
     ])
     use(manager)
     return manager
 
 
-__all__ = ["DsflashPassManager", "EarlyReadsPass", "MhcDeferPass", "MhcFusionPass", "MhcOverlapPass",
+__all__ = ["DsflashPassManager", "EarlyReadsPass", "LinearRopePass", "MhcDeferPass", "MhcFusionPass", "MhcOverlapPass",
            "RouterFusionPass", "RouterSeamPass", "install", "keep_model_rounding", "use"]

@@ -56,10 +56,14 @@ GRIDS = {"few": list(itertools.product((32, 64, 128), (64, 128, 256), (0.5, 1, 2
          "tall": list(itertools.product((32, 64, 128), (64, 128), (1, 2), (4, 8), (3, 4))),  # 33-64 rows
          "none": []}
 # bf16_linear_gemv_triton.py's launches at one row: (block_n, block_k, warps); its default first
-_GEMV_DEFAULT = (gemv.BLOCK_N, gemv.BLOCK_K, gemv.NUM_WARPS)
-GEMV_GRID = [_GEMV_DEFAULT] + [v for v in itertools.product((16, 32), (512, 1024, 2048), (4, 8)) if v != _GEMV_DEFAULT]
+# (block_n, block_k, warps, k_chunks); None: the shape's default (gemv.launch)
+GEMV_GRID = [None] + list(itertools.product((16, 32), (512, 1024, 2048), (4, 8), (1,)))
+# --after-seam: bf16_linear_gemv_triton.py's launches besides its default (block_n, block_k, warps, k_chunks): K split
+# in tiles (the default before whole rows), whole rows of K a program at other widths and warps
+AFTER_SEAM_GEMV = [(16, 1024, 4, 1), (4, 1024, 4, 5), (8, 1024, 8, 5), (2, 1024, 4, 5)]
 COLUMNS = [("proj", "proj", ""), ("rows", "rows", "d"), ("kernel", "kernel", ""), ("block_n", "block_n", ""),
-           ("block_k", "block_k", ""), ("splits", "splits", ""), ("warps", "num_warps", ""),
+           ("block_k", "block_k", ""), ("k_chunks", "k_chunks", ""), ("splits", "splits", ""),
+           ("warps", "num_warps", ""),
            ("stages", "num_stages", ""), ("us", "s", ".2f", 1e6), ("TB/s", "tbps", ".2f"),
            ("vs cuBLAS", "vs_cublas", ".2f"), ("agrees", "agrees", "")]
 
@@ -82,13 +86,15 @@ def sweep(name: str, rows: int, variants: list, gen: torch.Generator, prequantiz
     base = {"proj": name, "rows": rows, "prequantized": prequantized}
     measured = [{**base, "kernel": "cuBLAS", "block_n": "-", "s": cublas, "tbps": weight_bytes / cublas / 1e12,
                  "vs_cublas": 1.0, "agrees": True}]
-    for block_n, block_k, warps in GEMV_GRID if rows == 1 else []:
-        if not gemv.takes(rows, n, k, groups, sms=None) or (n // groups) % block_n:
+    for variant in GEMV_GRID if rows == 1 else []:
+        launch = gemv.launch(n, k, groups, torch.cuda.get_device_properties(0).multi_processor_count)
+        if variant is not None:
+            launch = dict(zip(("block_n", "block_k", "num_warps", "k_chunks"), variant))
+        if not gemv.takes(rows, n, k, groups, sms=None) or (n // groups) % launch["block_n"]:
             continue
-        row = {**base, "kernel": "gemv", "block_n": block_n, "block_k": block_k, "num_warps": warps}
+        row = {**base, "kernel": "gemv", **launch, "variant": "default" if variant is None else variant}
         try:
-            sweep_variant(row, lambda: gemv.bf16_linear_gemv(x, w, groups, quantize, block_n, block_k, warps),
-                          agrees)
+            sweep_variant(row, lambda: gemv.bf16_linear_gemv(x, w, groups, quantize, **launch), agrees)
             row.update(tbps=weight_bytes / row["s"] / 1e12, vs_cublas=cublas / row["s"])
         except Exception as error:  # noqa: BLE001 - e.g. out of resources: reported, the sweep goes on
             row.update(agrees=False, error=f"{type(error).__name__}: {error}"[:300])
@@ -126,6 +132,9 @@ def after_seam(name: str, layers: int, rounds: int, gen: torch.Generator) -> lis
                   c["norm_weight"], NORM_EPS, HC_EPS, ITERS) for c in cases]
     projections = {
         "gemv": lambda x, w: gemv.bf16_linear_gemv(x, w, 1, quantize),
+        **{f"gemv {n_}x{k_}x{c}, {warps} warps": (
+            lambda x, w, n_=n_, k_=k_, warps=warps, c=c: gemv.bf16_linear_gemv(x, w, 1, quantize, n_, k_, warps, c))
+           for n_, k_, warps, c in AFTER_SEAM_GEMV},
         "tiled": lambda x, w: kernels.bf16_linear_triton(x, w, 1, quantize),
         "seam alone": None,
     }

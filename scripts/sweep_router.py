@@ -35,11 +35,12 @@ def sweep(experts: int, tokens: int, gen: torch.Generator) -> list[dict]:
         return bool(torch.equal(ids, want_ids)) and (weights - want_w).abs().max().item() <= 1e-5
 
     rows = []
-    for splits in ["default", *SPLITS]:
+    for splits in ["default", "early gate", *SPLITS]:  # numbers: the launch without EARLY_GATE, with that many
         row = {"experts": experts, "tokens": tokens, "splits": splits}
-        chosen = None if splits == "default" else splits
+        chosen = None if isinstance(splits, str) else splits
+        early = None if splits == "default" else splits == "early gate"
         sweep_variant(row, lambda: router_triton.fused_router_triton(x, weight, bias, TOPK, NORMALIZE, SCALE,
-                                                                     splits=chosen), agrees)
+                                                                     splits=chosen, early_gate=early), agrees)
         rows.append(row)
     return rows
 

@@ -153,8 +153,9 @@ def test_opcheck_and_errors():
         CompileOptions(linear_few_rows=65)
 
 
-_KERNEL = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32", M="i32",
-               N="i32", K="i32", n_per_group="i32", k_blocks_per_split="i32", splits="i32")
+_KERNEL = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32",
+               rot_ptr="*fp32", M="i32", N="i32", K="i32", n_per_group="i32", k_blocks_per_split="i32", splits="i32",
+               head_dim="i32")
 
 
 @pytest.mark.parametrize("rows, name, quantize", [(1, "wo_b", True), (1, "wq_b", True), (32, "wo_b", True),
@@ -170,7 +171,7 @@ def test_kernel_compiles_for_hopper_without_spills(rows, name, quantize, monkeyp
     launch = module.launch(rows, n, k, groups, torch.device("cuda"), quantize)
     assert launch["block_n"] == (64 if name == "wq_b" else 32)
     constexprs = dict(QUANT_X=quantize, ONE_ROW=rows == 1, BLOCK_M=launch["block_m"], BLOCK_N=launch["block_n"],
-                      BLOCK_K=launch["block_k"], EVEN_K=True, FP32_DOT=False)
+                      BLOCK_K=launch["block_k"], EVEN_K=True, FP32_DOT=False, PAIRS=0)
     check_compiles_for_hopper(module, ("_bf16_linear_kernel", _KERNEL, constexprs, launch["num_warps"]))
 
 

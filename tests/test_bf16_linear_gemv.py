@@ -24,23 +24,25 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 PLAIN = {"indexer_weights_proj": (5120, 32, 1, False), "indexer_wk": (512, 128, 1, False),
          "compressor_wkv": (5120, 512, 1, False)}
 
-# name: (K per group, N, groups, quantize_x, exact data)
+# name: (K per group, N, groups, quantize_x, exact data, launch overrides)
 CASES = {
-    "one_split": (512, 32, 1, True, True),
-    "splits": (3072, 48, 1, True, True),  # three 1024-wide splits, three output blocks
-    "ragged_k": (1280, 16, 1, True, True),  # the second split is 256 wide
-    "grouped": (1024, 64, 2, False, True),
-    "random_data": (2048, 32, 1, True, False),
+    "one_split": (512, 32, 1, True, True, {}),
+    "splits": (3072, 48, 1, True, True, {}),  # three 1024-wide splits, three output blocks
+    "ragged_k": (1280, 16, 1, True, True, {}),  # the second split is 256 wide
+    "grouped": (1024, 64, 2, False, True, {}),
+    "random_data": (2048, 32, 1, True, False, {}),
+    "whole_rows": (3072, 48, 1, True, True, dict(block_n=4, k_chunks=3)),  # no split: 12 blocks of 4 outputs
+    "chunked_splits": (1280, 16, 1, True, True, dict(block_k=512, k_chunks=2)),  # split 1: 256 of 1024 columns
 }
 
 
 def interpreter_checks():
     """Entry point of the subprocess: every case's kernel against the reference."""
-    for name, (k, n, groups, quantize_x, exact) in CASES.items():
+    for name, (k, n, groups, quantize_x, exact, launch) in CASES.items():
         x, w = case_inputs((1,), k, n, groups, exact)
-        got = gemv.bf16_linear_gemv(x, w, groups, quantize_x)
+        got = gemv.bf16_linear_gemv(x, w, groups, quantize_x, **launch)
         want = bf16_linear_reference(x, w, groups, quantize_x)
-        again = gemv.bf16_linear_gemv(x, w, groups, quantize_x)
+        again = gemv.bf16_linear_gemv(x, w, groups, quantize_x, **launch)
         report(dict(name=name, same=torch.equal(got, want), again=torch.equal(again, got), shape=list(got.shape),
                     err=((got - want).abs().max() / want.abs().max()).item()))
 
@@ -53,7 +55,7 @@ def interpreted():
 @requires_interpreter
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel_matches_reference(interpreted, name):
-    result, (_, n, _, _, exact) = interpreted[name], CASES[name]
+    result, (_, n, _, _, exact, _) = interpreted[name], CASES[name]
     assert result["shape"] == [1, n] and result["again"], result
     if exact:
         assert result["same"], result
@@ -121,13 +123,26 @@ def test_plain_linear_takes_it_for_one_row_when_set():
     assert torch.ops.dsflash.bf16_gemv.default not in ops
 
 
+@pytest.mark.parametrize("whole_rows", [False, True])
 @pytest.mark.parametrize("quantize", [True, False])
-def test_compiles_for_hopper_without_spills(quantize):
+def test_compiles_for_hopper_without_spills(quantize, whole_rows):
+    """Both default launches (wq_a+wkv's whole rows of 5 tiles, K split in tiles) without spills on sm_90."""
+    launch = gemv.launch(1792, 5120, 1, 132) if whole_rows else gemv.launch(32, 5120, 1, 132)
+    assert launch["k_chunks"] == (5 if whole_rows else 1)
     args = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32", N="i32",
                 K="i32", n_per_group="i32")
-    constexprs = dict(QUANT_X=quantize, BLOCK_N=gemv.BLOCK_N, BLOCK_K=gemv.BLOCK_K)
-    check_compiles_for_hopper(gemv, ("_gemv_kernel", args, constexprs, gemv.NUM_WARPS),
+    constexprs = dict(QUANT_X=quantize, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
+                      K_CHUNKS=launch["k_chunks"])
+    check_compiles_for_hopper(gemv, ("_gemv_kernel", args, constexprs, launch["num_warps"]),
                               divisible_by_16=("x_ptr", "w_ptr", "K"))
+
+
+def test_default_launch_takes_whole_rows_for_long_rows_only():
+    """Whole rows for wq_a+wkv (5 tiles of K, 448 programs of 4 outputs), split tiles for the indexer's wq_b
+    (2 tiles) and the plain projections with few outputs."""
+    assert gemv.launch(1792, 5120, 1, 132) == dict(block_n=4, block_k=1024, num_warps=8, k_chunks=5)
+    for n, k in [(4096, 1280), (32, 5120), (512, 5120), (1792, 9216)]:
+        assert gemv.launch(n, k, 1, 132)["k_chunks"] == 1, (n, k)
 
 
 # ----------------------------------------------------------------------------------------------- CUDA

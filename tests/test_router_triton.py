@@ -23,6 +23,8 @@ CASES = {
     # 3 token blocks, experts and D not multiples of the tiles, 3 splits of 2 column blocks (the last half past D)
     "ragged_three_splits": (40, 600, 33, 6, True, torch.bfloat16, 3, None),
     "three_launches": (40, 256, 40, 6, True, torch.bfloat16, None, 16),
+    # the early-gate launch (one tile of tokens and experts) over 3 splits of 512 columns, the last ragged
+    "early_gate_ragged": (8, 1100, 3, 6, True, torch.bfloat16, None, None),
 }
 
 
@@ -88,18 +90,20 @@ _ARGS = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*fp32", partial_ptr="*fp32"
              counter_ptr="*i32", weights_ptr="*fp32", ids_ptr="*i64", N="i32", D="i32", E="i32",
              k_blocks_per_split="i32", scale="fp32")
 _RELEASE = dict(TOPK=6, K_PAD=8, E_PAD=512, SPLITS_PAD=16, BLOCK_T=16, BLOCK_E=16, BLOCK_K=128, NORMALIZE=True,
-                FP32_DOT=False)
+                FP32_DOT=False, EARLY_GATE=False)
 
 
-@pytest.mark.parametrize("experts_pad", [512, 8])
+@pytest.mark.parametrize("experts_pad, early", [(512, False), (8, False), (8, True)])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_router_kernel_compiles_for_hopper(dtype, experts_pad):
-    """The release variant (384 experts, top-6) and flash-40l-e8's (8 experts: the top-k from registers) at
-    their launch's warps compile for sm_90 without spilling registers (ptxas reports spills as STACK)."""
+def test_router_kernel_compiles_for_hopper(dtype, experts_pad, early):
+    """The release variant (384 experts, top-6) and flash-40l-e8's (8 experts: the top-k from registers; at
+    decode the early-gate launch) at their launch's warps compile for sm_90 without spilling registers (ptxas
+    reports spills as STACK)."""
     from dsflash_compile.custom_ops import router_triton
 
     warps = router_triton.warps_for(torch.float32 if dtype == "fp32" else torch.bfloat16)
-    constexprs = dict(_RELEASE, E_PAD=experts_pad, X_FP32=dtype == "fp32")
+    constexprs = dict(_RELEASE, E_PAD=experts_pad, X_FP32=dtype == "fp32", EARLY_GATE=early,
+                      BLOCK_K=router_triton.EARLY_BLOCK_K if early else 128)
     spec = ("_router_kernel", dict(_ARGS, x_ptr="*" + dtype), constexprs, warps)
     check_compiles_for_hopper(router_triton, spec)
 
