@@ -87,12 +87,24 @@ def _gate_dot(acc, x, w, X_FP32: tl.constexpr, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
+def _gate_tile(w_ptr, D, E, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The program's [BLOCK_E, BLOCK_K] gate tile (expert block program_id(1), split program_id(2))."""
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    d = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + e[:, None].to(tl.int64) * D + d[None, :], mask=(e < E)[:, None] & (d < D)[None, :],
+                   other=0.0)
+
+
+@triton.jit
 def _router_kernel(x_ptr, w_ptr, bias_ptr, partial_ptr, scores_ptr, counter_ptr, weights_ptr, ids_ptr,
                    N, D, E, k_blocks_per_split, scale,
                    TOPK: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORMALIZE: tl.constexpr,
                    X_FP32: tl.constexpr, FP32_DOT: tl.constexpr, EARLY_GATE: tl.constexpr, PDL: tl.constexpr):
     """EARLY_GATE: a split is one BLOCK_K-wide tile, loaded before the PDL wait (the module docstring)."""
+    if EARLY_GATE:  # the gate is a weight, which no kernel writes: its tile may load before the wait
+        gate_tile = _gate_tile(w_ptr, D, E, BLOCK_E, BLOCK_K)
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     token_block = tl.program_id(0)
     expert_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -105,15 +117,11 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, partial_ptr, scores_ptr, counter_ptr,
     w_rows = w_ptr + e[:, None].to(tl.int64) * D
 
     acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-    if EARLY_GATE:  # the gate is a weight, which no kernel writes: its tile may load before the wait
+    if EARLY_GATE:
         d = split * BLOCK_K + tl.arange(0, BLOCK_K)
-        d_in = d < D
-        w = tl.load(w_rows + d[None, :], mask=e_in[:, None] & d_in[None, :], other=0.0)
-        pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
-        x = tl.load(x_rows + d[None, :], mask=t_in[:, None] & d_in[None, :], other=0.0)
-        acc = _gate_dot(acc, x, w, X_FP32, FP32_DOT)
+        x = tl.load(x_rows + d[None, :], mask=t_in[:, None] & (d < D)[None, :], other=0.0)
+        acc = _gate_dot(acc, x, gate_tile, X_FP32, FP32_DOT)
     else:
-        pdl_wait(PDL)
         for i in range(k_blocks_per_split):
             d = (split * k_blocks_per_split + i) * BLOCK_K + tl.arange(0, BLOCK_K)
             d_in = d < D

@@ -241,17 +241,17 @@ def test_a_seam_with_nothing_between_it_and_its_reader_stays_fused(compiling):  
 
 
 def test_compile_options_install_the_deferral(fresh_dynamo):  # noqa: F811
-    """compile() installs the deferral pass last with DEFER_MAX_TOKENS by default, and not with
+    """compile() installs the deferral pass after the fusion with DEFER_MAX_TOKENS by default, and not with
     mhc_defer_mixes=False."""
     def passes(**options):
         dsflash_compile.compile(tiny_model(), max_batch=2, max_length=32, backend="eager", **options)
         manager = torch._inductor.config.post_grad_custom_post_pass
         return [(type(p).__name__, p.options.get("max_tokens")) for p in manager.passes]
 
-    assert passes()[1:] == [("MhcFusionPass", None), ("MhcDeferPass", DEFER_MAX_TOKENS)]
-    assert passes(mhc_defer_mixes=False)[1:] == [("MhcFusionPass", None)]
-    assert passes(mhc_overlap=True)[1:] == [("MhcFusionPass", None), ("MhcOverlapPass", 16),
-                                            ("MhcDeferPass", DEFER_MAX_TOKENS)]
+    assert passes()[1:] == [("MhcFusionPass", None), ("MhcDeferPass", DEFER_MAX_TOKENS), ("LinearRopePass", None)]
+    assert passes(mhc_defer_mixes=False, linear_rope=False)[1:] == [("MhcFusionPass", None)]
+    assert passes(mhc_overlap=True, linear_rope=False)[1:] == [("MhcFusionPass", None), ("MhcOverlapPass", 16),
+                                                               ("MhcDeferPass", DEFER_MAX_TOKENS)]
 
 
 # -- on a GPU --------------------------------------------------------------------------------------
