@@ -1,4 +1,6 @@
-"""`dsflash::kv_norm_rope`: the attention's key/value row from its projection, in one launch.
+"""`dsflash::kv_norm_rope`: the attention's key/value row from its projection, in one launch;
+`dsflash::qkv_norm_rope`: the same with the query's RMSNorm in that launch (one program a row of each: at decode
+batch 1 the query's norm was an Inductor kernel of its own, 1.2 us of the H200 step's path a layer, 12-03 a1).
 
     kv = RMSNorm(kv_a) with weight w                     (fp32, rounded to bf16: layers.RMSNorm)
     kv = RoPE of kv's trailing 2 * r/2 dims by rot       (fp32, rounded to bf16: rope.apply_rope)
@@ -60,6 +62,37 @@ def _(kv, weight, eps, rot, quantize, after=None, early=False):
     return kv.new_empty(kv.shape)
 
 
+@torch.library.custom_op("dsflash::qkv_norm_rope", mutates_args=())
+def qkv_norm_rope(q: Tensor, q_weight: Tensor, kv: Tensor, weight: Tensor, eps: float, rot: Tensor,
+                  quantize: bool) -> tuple[Tensor, Tensor]:
+    """The query's RMSNorm beside kv_norm_rope, in its launch (the attention's two norms after its input
+    projection, CompileOptions.qkv_norm_op; both take the config's eps): q bf16 [..., T, Q] (any row stride),
+    q_weight bf16 [Q]; the rest as kv_norm_rope. Returns (RMSNorm(q) bf16 [..., T, Q], kv_norm_rope's output),
+    contiguous."""
+    return qkv_norm_rope_reference(q, q_weight, kv, weight, eps, rot, quantize)
+
+
+def check_query(q: Tensor, q_weight: Tensor, kv: Tensor) -> None:
+    """The query's errors that name the problem."""
+    if q.dtype != torch.bfloat16 or q_weight.dtype != torch.bfloat16:
+        raise TypeError(f"qkv_norm_rope: q and q_weight must be bf16, got {q.dtype} and {q_weight.dtype}")
+    if tuple(q_weight.shape) != (q.shape[-1],) or q.shape[:-1] != kv.shape[:-1]:
+        raise ValueError(f"qkv_norm_rope: q {tuple(q.shape)} and q_weight {tuple(q_weight.shape)} must be "
+                         f"{tuple(kv.shape[:-1])} + (Q,) and (Q,), as kv {tuple(kv.shape)}")
+
+
+def qkv_norm_rope_reference(q, q_weight, kv, weight, eps, rot, quantize):
+    check_query(q, q_weight, kv)
+    return rms_norm(q, q_weight, eps).contiguous(), kv_norm_rope_reference(kv, weight, eps, rot, quantize)
+
+
+@qkv_norm_rope.register_fake
+def _(q, q_weight, kv, weight, eps, rot, quantize):
+    check_query(q, q_weight, kv)
+    check_inputs(kv, weight, rot, quantize)
+    return q.new_empty(q.shape), kv.new_empty(kv.shape)
+
+
 try:  # Triton is optional on CPU machines
     from . import kv_norm_rope_triton
 except ImportError:  # pragma: no cover - CPU machines without triton
@@ -72,3 +105,11 @@ if kv_norm_rope_triton is not None:
         if not kv_norm_rope_triton.kernel_fits(kv):
             return kv_norm_rope_reference(kv, weight, eps, rot, quantize)
         return kv_norm_rope_triton.kv_norm_rope_triton(kv, weight, eps, rot, quantize, early)
+
+    @qkv_norm_rope.register_kernel("cuda")
+    def _(q, q_weight, kv, weight, eps, rot, quantize):
+        check_query(q, q_weight, kv)
+        check_inputs(kv, weight, rot, quantize)
+        if not kv_norm_rope_triton.kernel_fits(kv) or q.shape[-1] > kv_norm_rope_triton.MAX_DIM:
+            return qkv_norm_rope_reference(q, q_weight, kv, weight, eps, rot, quantize)
+        return kv_norm_rope_triton.qkv_norm_rope_triton(q, q_weight, kv, weight, eps, rot, quantize)

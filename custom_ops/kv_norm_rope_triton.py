@@ -31,6 +31,15 @@ def _kv_norm_rope_kernel(kv_ptr, w_ptr, rot_ptr, out_ptr, row_stride, eps, D: tl
     else:
         pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     row = tl.program_id(0).to(tl.int64)
+    y = _kv_row(kv_ptr, w_ptr, rot_ptr, row, row_stride, eps, D, PAIRS, QUANT)
+    if EARLY:
+        pdl_wait_only(PDL)
+    tl.store(out_ptr + row * D + tl.reshape(tl.arange(0, D), (1, D)), y.to(tl.bfloat16))
+
+
+@triton.jit
+def _kv_row(kv_ptr, w_ptr, rot_ptr, row, row_stride, eps, D: tl.constexpr, PAIRS: tl.constexpr, QUANT: tl.constexpr):
+    """One row's normed, rotated (and with QUANT FP8-rounded) values, fp32 [1, D]."""
     d = tl.arange(0, D)
     x = tl.load(kv_ptr + row * row_stride + d).to(tl.float32)
     normed = _round_bf16(_rms_norm_f32(x, tl.load(w_ptr + d).to(tl.float32), tl.sum(x * x, 0), eps, D))
@@ -44,9 +53,29 @@ def _kv_norm_rope_kernel(kv_ptr, w_ptr, rot_ptr, out_ptr, row_stride, eps, D: tl
     y = tl.reshape(tl.join(rotated_even, rotated_odd), (1, D))
     if QUANT:
         y = _fp8_qdq_groups(y, 1, D)  # E4M3 values times a power of two: exact in bf16
-    if EARLY:
-        pdl_wait_only(PDL)
-    tl.store(out_ptr + row * D + tl.reshape(d, (1, D)), y.to(tl.bfloat16))
+    return y
+
+
+@triton.jit
+def _qkv_norm_rope_kernel(kv_ptr, w_ptr, rot_ptr, out_ptr, q_ptr, q_w_ptr, q_out_ptr, kv_rows, row_stride,
+                          q_row_stride, eps, D: tl.constexpr, PAIRS: tl.constexpr, QUANT: tl.constexpr,
+                          Q_D: tl.constexpr, Q_PAD: tl.constexpr, PDL: tl.constexpr):
+    """`dsflash::qkv_norm_rope`: programs [0, kv_rows) take kv's rows as _kv_norm_rope_kernel does, the rest the
+    query's rows [rows, Q_D] (stride q_row_stride): its RMSNorm by q_w, rounded to bf16 (layers.RMSNorm)."""
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
+    pid = tl.program_id(0)
+    if pid < kv_rows:
+        row = pid.to(tl.int64)
+        y = _kv_row(kv_ptr, w_ptr, rot_ptr, row, row_stride, eps, D, PAIRS, QUANT)
+        tl.store(out_ptr + row * D + tl.reshape(tl.arange(0, D), (1, D)), y.to(tl.bfloat16))
+    else:
+        row = (pid - kv_rows).to(tl.int64)
+        c = tl.arange(0, Q_PAD)
+        live = c < Q_D
+        x = tl.load(q_ptr + row * q_row_stride + c, mask=live, other=0.0).to(tl.float32)
+        weight = tl.load(q_w_ptr + c, mask=live, other=0.0).to(tl.float32)
+        tl.store(q_out_ptr + row * Q_D + c, _round_bf16(_rms_norm_f32(x, weight, tl.sum(x * x, 0), eps, Q_D)),
+                 mask=live)
 
 
 def kernel_fits(kv) -> bool:
@@ -68,3 +97,20 @@ def kv_norm_rope_triton(kv, weight, eps, rot, quantize, early=False):
                                                eps, D=dim, PAIRS=pairs, QUANT=quantize, EARLY=early,
                                                num_warps=4 if dim <= 1024 else 8, **launch_options(rows.device))
     return out
+
+
+def qkv_norm_rope_triton(q, q_weight, kv, weight, eps, rot, quantize):
+    """(qr, kv) bf16 as `dsflash::qkv_norm_rope`'s reference: one launch, a program a row of each."""
+    dim, pairs, q_dim = kv.shape[-1], rot.shape[-2], q.shape[-1]
+    rows, q_rows = kv.reshape(-1, dim), q.reshape(-1, q_dim)
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    q_rows = q_rows if q_rows.stride(-1) == 1 else q_rows.contiguous()
+    out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if rows.shape[0] + q_rows.shape[0]:
+        _qkv_norm_rope_kernel[(rows.shape[0] + q_rows.shape[0],)](
+            rows, weight.contiguous(), rot.contiguous(), out, q_rows, q_weight.contiguous(), q_out, rows.shape[0],
+            rows.stride(0), q_rows.stride(0), eps, D=dim, PAIRS=pairs, QUANT=quantize, Q_D=q_dim,
+            Q_PAD=triton.next_power_of_2(q_dim), num_warps=4 if max(dim, q_dim) <= 2048 else 8,
+            **launch_options(rows.device))
+    return q_out, out

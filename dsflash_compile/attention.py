@@ -152,6 +152,7 @@ class Attention(nn.Module):
         self.indexer = Indexer(config, role) if role.is_index_source else None
         self.wqkv_a = None  # wq_a and wkv as one projection (fuse_input_projections)
         self.rope_op = False  # q's RoPE as dsflash::rope_, in place (compile() sets it)
+        self.norms_op = False  # q's norm in kv's launch, dsflash::qkv_norm_rope, where no query is trimmed (same)
 
     def fuse_input_projections(self, fuse: bool = True) -> None:
         """wq_a and wkv read the same quantized input: hold them as one projection (their tensors become views of
@@ -184,8 +185,12 @@ class Attention(nn.Module):
         else:
             q_a, kv_a = self.wq_a(x), self.wkv(x)
         # kv_norm, RoPE of the tail, then (quantized) FP8 over all dims, RoPE tail included: the window's K = V
-        kv = ops.kv_norm_rope(kv_a, self.kv_norm.weight, self.kv_norm.eps, ctx.rotations[role.rope_kind],
-                              self.quantize)
+        rot, qr = ctx.rotations[role.rope_kind], None
+        if self.norms_op and queries is None:
+            qr, kv = ops.qkv_norm_rope(q_a, self.q_norm.weight, kv_a, self.kv_norm.weight, self.kv_norm.eps, rot,
+                                       self.quantize)
+        else:
+            kv = ops.kv_norm_rope(kv_a, self.kv_norm.weight, self.kv_norm.eps, rot, self.quantize)
         ring = state.window
         keys = state.index_keys
         if role.ratio and self.compressor is not None:
@@ -199,7 +204,7 @@ class Attention(nn.Module):
         whole = ctx  # the chunk's context (the cache writes); ctx becomes the queries'
         if queries is not None:
             x, q_a, ctx = x[:, -queries:], q_a[:, -queries:], ctx.last_columns(queries)
-        qr = self.q_norm(q_a)
+        qr = self.q_norm(q_a) if qr is None else qr
         q = self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim))
         q = rope(q, ctx.rotations[role.rope_kind], self.rope_op)
         if role.ratio:

@@ -135,6 +135,10 @@ class CompileOptions:
     # 2026-12-02-r.json). The op's bits equal Inductor's RoPE there, yet the two compiles' logits differ (B64 3.98
     # apart, same top token in 67% of rows; B1 0.08): from their other kernels, not yet pinned (the session note)
     q_rope_op: bool = True
+    # issue 5: the query's RMSNorm in dsflash::kv_norm_rope's launch (dsflash::qkv_norm_rope, a program a row of
+    # each) where the layer's queries are not trimmed, instead of its own Inductor kernel (the H200 B1 step's path
+    # 1.2 us a layer, 12-03 a1)
+    qkv_norm_op: bool = True
     # issue 5: the indexer's query RoPE + FP4 QDQ as dsflash::rope_fp4_qdq_ and its keys' RoPE as dsflash::rope_, in
     # place: compiled functionally they were one Inductor persistent reduction whose launch the runtime autotuner
     # picks anew each compile, some picks serial (H200 traces, 12-02 s: the query 24 us at B1 in one compile, 6.2 in
@@ -336,6 +340,7 @@ class CompiledRunner:
             layer.ffn.token_sum_op = options.moe_token_sum_op
             layer.attn.fuse_input_projections(options.fuse_input_projections)
             layer.attn.rope_op = options.q_rope_op
+            layer.attn.norms_op = options.qkv_norm_op
             if layer.attn.indexer is not None:
                 layer.attn.indexer.rope_op = options.index_rope_op
         for module in model.modules():  # after the fusion above, whose projections are new modules

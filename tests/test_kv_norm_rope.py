@@ -13,6 +13,7 @@ from test_mhc_fusion import bf16_ulps
 
 import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
 from dsflash_compile.custom_ops.kv_norm_rope import kv_norm_rope_reference
+from dsflash_compile.custom_ops.mhc import rms_norm
 from dsflash_compile.quant import fp8_qdq
 from dsflash_compile.rope import rotation
 
@@ -50,12 +51,33 @@ def compare(run, device="cpu") -> dict:
     return results
 
 
+def query_inputs(lead, seed=0, device="cpu"):
+    """q_a: the first 1280 of wq_a + wkv's 1792 outputs (a column slice), and q_norm's weight."""
+    g = torch.Generator().manual_seed(seed + 7)
+    q = torch.randn(*lead, 1792, generator=g).bfloat16()[..., :1280]
+    return q.to(device), (torch.rand(1280, generator=g) + 0.5).bfloat16().to(device)
+
+
+def compare_joint(run, alone, device="cpu") -> dict:
+    """{case: (the query's ulps against its RMSNorm, kv equal to `alone`'s)} for dsflash::qkv_norm_rope."""
+    results = {}
+    for name, case in CASES.items():
+        kv, weight, rot = case_inputs(*case, device=device)
+        q, q_weight = query_inputs(case[0], device=device)
+        qr, got = run(q, q_weight, kv, weight, EPS, rot, True)
+        alone_kv = alone(kv, weight, EPS, rot, True)
+        results[name] = (bf16_ulps(qr, rms_norm(q, q_weight, EPS)), torch.equal(got, alone_kv))
+    return results
+
+
 def interpreter_checks():
     """Entry point of the subprocess."""
-    from dsflash_compile.custom_ops.kv_norm_rope_triton import kv_norm_rope_triton
+    from dsflash_compile.custom_ops.kv_norm_rope_triton import kv_norm_rope_triton, qkv_norm_rope_triton
 
     for name, (ulps, same) in compare(kv_norm_rope_triton).items():
         report(dict(name=name, ulps=ulps, same=same))
+    for name, (ulps, same) in compare_joint(qkv_norm_rope_triton, kv_norm_rope_triton).items():
+        report(dict(name=f"joint_{name}", ulps=ulps, same=same))
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +90,30 @@ def interpreted():
 def test_kernel_matches_reference(interpreted, name):
     result = interpreted[name]
     assert result["ulps"] <= 1 and result["same"], result
+
+
+@requires_interpreter
+@pytest.mark.parametrize("name", list(CASES))
+def test_joint_kernel_adds_the_query_norm(interpreted, name):
+    """dsflash::qkv_norm_rope's kernel: kv's bits as the kernel alone, the query within one bf16 ulp."""
+    result = interpreted[f"joint_{name}"]
+    assert result["ulps"] <= 1 and result["same"], result
+
+
+def test_joint_op_reference_opcheck_and_errors():
+    kv, weight, rot = case_inputs(*CASES["chunk"])
+    q, q_weight = query_inputs(CASES["chunk"][0])
+    op = torch.ops.dsflash.qkv_norm_rope
+    qr, got = op(q, q_weight, kv, weight, EPS, rot, True)
+    assert torch.equal(qr, rms_norm(q, q_weight, EPS)) and qr.is_contiguous()
+    assert torch.equal(got, torch.ops.dsflash.kv_norm_rope(kv, weight, EPS, rot, True))
+    torch.library.opcheck(op.default, (q, q_weight, kv, weight, EPS, rot, True))
+    with pytest.raises(TypeError, match="q and q_weight must be bf16"):
+        op(q.float(), q_weight, kv, weight, EPS, rot, True)
+    with pytest.raises(ValueError, match="must be"):
+        op(q[:1], q_weight, kv, weight, EPS, rot, True)
+    with pytest.raises(ValueError, match="must be"):
+        op(q, q_weight[:64], kv, weight, EPS, rot, True)
 
 
 def test_opcheck_and_errors():
@@ -98,6 +144,24 @@ def test_kernel_compiles_for_hopper_without_spills(early):
 
     check_compiles_for_hopper(module, ("_kv_norm_rope_kernel", _KERNEL,
                                        dict(D=512, PAIRS=32, QUANT=True, EARLY=early), 4))
+
+
+def test_joint_kernel_compiles_for_hopper_without_spills():
+    """The release's rows (kv 512 values with 32 rotated pairs and FP8, the query's 1280) at the launch's 4 warps."""
+    from dsflash_compile.custom_ops import kv_norm_rope_triton as module
+
+    args = dict(_KERNEL, q_ptr="*bf16", q_w_ptr="*bf16", q_out_ptr="*bf16", kv_rows="i32", q_row_stride="i32")
+    args = {k: args[k] for k in ("kv_ptr", "w_ptr", "rot_ptr", "out_ptr", "q_ptr", "q_w_ptr", "q_out_ptr", "kv_rows",
+                                 "row_stride", "q_row_stride", "eps")}
+    check_compiles_for_hopper(module, ("_qkv_norm_rope_kernel", args,
+                                       dict(D=512, PAIRS=32, QUANT=True, Q_D=1280, Q_PAD=2048), 4))
+
+
+@requires_cuda
+def test_joint_kernel_on_cuda():
+    for name, (ulps, same) in compare_joint(torch.ops.dsflash.qkv_norm_rope, torch.ops.dsflash.kv_norm_rope,
+                                            device="cuda").items():
+        assert ulps <= 1 and same, (name, ulps)
 
 
 @requires_cuda
