@@ -6,10 +6,12 @@ CompileOptions.linear_gemv) and a run can set it beside bf16_linear side by side
 does not take (more than ~24 MB on the H200, outputs not in 16-wide blocks) run bf16_linear's kernel.
 """
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
-from .bf16_linear import bf16_linear, bf16_linear_reference, check_inputs
+from .bf16_linear import bf16_linear, bf16_linear_reference, check_inputs, check_rope
 
 
 def check_one_row(x: Tensor, weight: Tensor, groups: int, quantize_x: bool) -> None:
@@ -19,27 +21,34 @@ def check_one_row(x: Tensor, weight: Tensor, groups: int, quantize_x: bool) -> N
 
 
 @torch.library.custom_op("dsflash::bf16_gemv", mutates_args=())
-def bf16_gemv(x: Tensor, weight: Tensor, groups: int, quantize_x: bool) -> Tensor:
-    """x bf16 [..., groups * K] holding one row; weight bf16 [N, K]. Returns bf16 [..., N]."""
+def bf16_gemv(x: Tensor, weight: Tensor, groups: int, quantize_x: bool, rot: Optional[Tensor] = None,
+              head_dim: int = 0) -> Tensor:
+    """x bf16 [..., groups * K] holding one row; weight bf16 [N, K]; rot, head_dim: bf16_linear's RoPE of the
+    output's heads (passes/linear_rope.py). Returns bf16 [..., N]."""
     check_one_row(x, weight, groups, quantize_x)
-    return bf16_linear_reference(x, weight, groups, quantize_x)
+    return bf16_linear_reference(x, weight, groups, quantize_x, rot, head_dim)
 
 
 @bf16_gemv.register_fake
-def _(x, weight, groups, quantize_x):
+def _(x, weight, groups, quantize_x, rot=None, head_dim=0):
     check_one_row(x, weight, groups, quantize_x)
+    check_rope(x, weight, groups, rot, head_dim)
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 try:  # Triton is optional on CPU machines
-    from . import bf16_linear_gemv_triton
+    from . import bf16_linear_gemv_triton, rope_tail_triton
 except ImportError:  # pragma: no cover - CPU machines without triton
     bf16_linear_gemv_triton = None
 
 if bf16_linear_gemv_triton is not None:
     @bf16_gemv.register_kernel("cuda")
-    def _(x, weight, groups, quantize_x):
+    def _(x, weight, groups, quantize_x, rot=None, head_dim=0):
         check_one_row(x, weight, groups, quantize_x)
-        if bf16_linear_gemv_triton.fits(x, weight, groups):
-            return bf16_linear_gemv_triton.bf16_linear_gemv(x, weight, groups, quantize_x)
-        return bf16_linear(x, weight, groups, quantize_x)
+        check_rope(x, weight, groups, rot, head_dim)
+        if not bf16_linear_gemv_triton.fits(x, weight, groups):  # (wq_b: bf16_linear's kernel, RoPE in its epilogue)
+            return bf16_linear(x, weight, groups, quantize_x, rot, head_dim)
+        out = bf16_linear_gemv_triton.bf16_linear_gemv(x, weight, groups, quantize_x)
+        if rot is not None:  # a weight this kernel takes: the RoPE's own kernel after it
+            rope_tail_triton.rope_tail_triton_(out.unflatten(-1, (-1, head_dim)), rot)
+        return out

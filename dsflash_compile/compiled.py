@@ -136,9 +136,11 @@ class CompileOptions:
     # apart, same top token in 67% of rows; B1 0.08): from their other kernels, not yet pinned (the session note)
     q_rope_op: bool = True
     # issue 5: the query's RMSNorm in dsflash::kv_norm_rope's launch (dsflash::qkv_norm_rope, a program a row of
-    # each) where the layer's queries are not trimmed, instead of its own Inductor kernel (the H200 B1 step's path
-    # 1.2 us a layer, 12-03 a1)
-    qkv_norm_op: bool = True
+    # each) where the layer's queries are not trimmed, instead of its own Inductor kernel (1.2 us of the B1 step's
+    # path a layer). Off: slower. H200, B1 side by side (12-03 a2, compile_and_profile --variants passes,apart-norms):
+    # 10.56 ms with it against 10.44 without, logits bit-equal; one kernel less a layer, but the attention merge's
+    # path grew from 2.1 to 7.3 us a layer (the merge ran 7.3 us after the attention's end: not understood yet)
+    qkv_norm_op: bool = False
     # issue 5: the indexer's query RoPE + FP4 QDQ as dsflash::rope_fp4_qdq_ and its keys' RoPE as dsflash::rope_, in
     # place: compiled functionally they were one Inductor persistent reduction whose launch the runtime autotuner
     # picks anew each compile, some picks serial (H200 traces, 12-02 s: the query 24 us at B1 in one compile, 6.2 in

@@ -1,6 +1,8 @@
-"""Linear + RoPE (issue 5): a `dsflash::bf16_linear` whose only reader is `dsflash::rope_` on its output viewed as
-heads (the attention's query: wq_b, then the RoPE of each head's tail) becomes one bf16_linear with the rotation
-in its epilogue (bf16_linear's `rot`, `head_dim`), so the decode step loses the RoPE's launch.
+"""Linear + RoPE (issue 5): a `dsflash::bf16_linear` or `dsflash::bf16_gemv` (one row: QuantLinear's decode batch 1)
+whose only reader is `dsflash::rope_` on its output viewed as heads (the attention's query: wq_b, then the RoPE of
+each head's tail) becomes the same op with the rotation in its epilogue (`rot`, `head_dim`), so the decode step
+loses the RoPE's launch (bf16_gemv's kernel takes weights of up to ~24 MB: wq_b's 84 MB runs bf16_linear's, whose
+epilogue rotates; a smaller weight would run the RoPE's kernel after the GEMV).
 
 In the post-grad graph the in-place rope_ is functionalized: auto_functionalized_v2(rope_, rot=..., _x_base_index=0,
 _x_size=(..., heads, head_dim), _all_bases=[linear]) and its item 1 is the rotated base. The pass takes only the
@@ -49,13 +51,17 @@ class LinearRopePass:
     def apply(self, graph: torch.fx.Graph) -> int:
         """Fold every plain rope_ of a bf16_linear's heads into the linear; returns how many."""
         folded = 0
-        for linear in list(graph.find_nodes(op="call_function", target=ops.bf16_linear.default)):
+        linears = [node for op in (ops.bf16_linear.default, ops.bf16_gemv.default)
+                   for node in graph.find_nodes(op="call_function", target=op)]
+        for linear in linears:
             af = _rotation_of(linear)
             if af is None or len(linear.args) > 4:  # (a linear with its epilogue already)
                 continue
+            rot, x = af.kwargs["rot"], linear.args[0]
+            if tuple(rot.meta["val"].shape[:-2]) != tuple(x.meta["val"].shape[:-1]):
+                continue
             with graph.inserting_before(af):
-                fused = call(graph, ops.bf16_linear.default,
-                             (*linear.args, af.kwargs["rot"], af.kwargs["_x_size"][-1]), outputs=0)
+                fused = call(graph, linear.target, (*linear.args, rot, af.kwargs["_x_size"][-1]), outputs=0)
             for item in list(af.users):
                 item.replace_all_uses_with(fused)
                 graph.erase_node(item)

@@ -57,7 +57,7 @@ VARIANTS = {
     "cublas-tall": {"linear_tall": False},  # 33-64 rows of wo_a / wo_b on cuBLAS (before QuantLinear.tall_rows)
     "router-in-seam": {"router_in_seam": True},  # the router inside the FFN's deferred seam (passes/router_seam.py)
     "rope-kernel": {"linear_rope": False},  # q's RoPE in dsflash::rope_'s own launch (before passes/linear_rope.py)
-    "apart-norms": {"qkv_norm_op": False},  # q's norm in its own Inductor kernel (before dsflash::qkv_norm_rope)
+    "joint-norms": {"qkv_norm_op": True},  # q's norm in kv_norm_rope's launch (dsflash::qkv_norm_rope; off: slower)
     "fused-mixes": {"mhc_defer_mixes": False},  # each seam finishes its own mixes (before passes/mhc_defer.py)
     "early-reads": {"early_reads": True},  # kv_norm_rope reading before its PDL wait (passes/early_reads.py)
     "one-graph": {"decode_graph_pieces": 1},  # the decode step as one CUDA graph (before piecewise_graph.py)
