@@ -90,7 +90,8 @@ def _bf16_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, rot_ptr
 def _finish_tile(acc, m, m_in, pid_n, rot_ptr, head_dim, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  PAIRS: tl.constexpr):
     """The output tile in bf16: the fp32 sums rounded, then (PAIRS > 0) the RoPE of the pairs in a head's tail,
-    with rope_tail_triton.py's arithmetic (its bits: the rounded value rotated in fp32 and rounded again)."""
+    with rope_tail_triton.py's arithmetic (the rounded value rotated in fp32 and rounded again; its bits up to the
+    compiler's FMA contraction)."""
     y = _round_bf16(acc)
     if PAIRS > 0:
         even, odd = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))

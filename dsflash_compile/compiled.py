@@ -83,8 +83,11 @@ class CompileOptions:
     # made the seam 14.0 us of the path against 5.4 + 6.0 for seam and router
     router_in_seam: bool = False
     # issue 5: the query's RoPE in wq_b's epilogue (passes/linear_rope.py, bf16_linear's `rot`) where wq_b runs
-    # dsflash::bf16_linear (decode), instead of dsflash::rope_'s own launch (the step's path: ~0.9 us a layer at B1)
-    linear_rope: bool = True
+    # dsflash::bf16_linear or bf16_gemv (decode), instead of dsflash::rope_'s own launch (0.9 us of the B1 step's path
+    # a layer). Off: no clear gain. H200, B1 side by side (12-03 a3, compile_and_profile --variants
+    # passes,linear-rope): 10.498 ms with it against 10.513 without, rounds overlapping, logits not bit-equal (max
+    # 0.12 of 6.2, same argmax); wq_b's path grew by 0.6 us a layer (the tail blocks load cos / sin after the GEMV)
+    linear_rope: bool = False
     # issue 5: dsflash::kv_norm_rope reads and computes before its PDL wait where a kernel computed from its
     # inputs' producers runs between them (passes/early_reads.py). Off: it did not pay. H200, B1 side by side
     # (12-03 y1, compile_and_profile --variants passes,early-reads): 10.53 ms against 10.50 without, logits

@@ -173,10 +173,9 @@ def test_compile_options_install_the_pass(fresh_dynamo):  # noqa: F811
         manager = torch._inductor.config.post_grad_custom_post_pass
         return [(type(p).__name__, p.options.get("max_experts")) for p in manager.passes][2:]
 
-    assert passes(router_in_seam=True) == [("MhcDeferPass", None), ("RouterSeamPass", ROUTE_MAX_EXPERTS),
-                                           ("LinearRopePass", None)]
-    assert passes() == [("MhcDeferPass", None), ("LinearRopePass", None)]
-    assert passes(router_in_seam=True, mhc_defer_mixes=False, linear_rope=False) == []
+    assert passes(router_in_seam=True) == [("MhcDeferPass", None), ("RouterSeamPass", ROUTE_MAX_EXPERTS)]
+    assert passes() == [("MhcDeferPass", None)]
+    assert passes(router_in_seam=True, mhc_defer_mixes=False) == []
 
 
 # -- on a GPU --------------------------------------------------------------------------------------
