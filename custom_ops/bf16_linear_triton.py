@@ -42,12 +42,17 @@ def _bf16_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, rot_ptr
                         FP32_DOT: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
     """x [M, groups * K] and out [M, N] contiguous; weight [N, K]. BLOCK_N divides n_per_group (so N too).
     ONE_ROW (M = 1, decode batch 1): x's FP8 runs on the one row, not on the dot's 16-row tile.
-    PAIRS > 0: rot [M, PAIRS, 2]; each head_dim-wide head's trailing PAIRS pairs are rotated (_rope_pairs)."""
+    PAIRS > 0: rot [M, PAIRS, 2]; each head_dim-wide head's trailing PAIRS pairs are rotated (_finish_tile), with
+    the tile's (cos, sin) loaded before the K loop, so that the epilogue waits on no load but the partials'."""
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_in = m < M
+    if PAIRS > 0:
+        rotation = _rotation_tile(rot_ptr, m, m_in, pid_n, head_dim, BLOCK_N, PAIRS)
+    else:
+        rotation = None
     group = pid_n * BLOCK_N // n_per_group
     x_rows = x_ptr + m[:, None].to(tl.int64) * (K * (N // n_per_group)) + group * K
     w_rows = w_ptr + n[:, None].to(tl.int64) * K
@@ -69,8 +74,7 @@ def _bf16_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, rot_ptr
         acc += _dot(x, tl.trans(w), FP32_DOT)
     out = m[:, None] * N + n[None, :]
     if splits == 1:
-        tl.store(out_ptr + out, _finish_tile(acc, m, m_in, pid_n, rot_ptr, head_dim, BLOCK_M, BLOCK_N, PAIRS),
-                 mask=m_in[:, None])
+        tl.store(out_ptr + out, _finish_tile(acc, rotation, BLOCK_M, BLOCK_N, PAIRS), mask=m_in[:, None])
     else:
         tile_elems = BLOCK_M * BLOCK_N
         tile = pid_m * tl.num_programs(1) + pid_n
@@ -81,28 +85,31 @@ def _bf16_linear_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, rot_ptr
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(splits):  # split order: deterministic
                 total += tl.load(partial_ptr + (tile.to(tl.int64) * splits + s) * tile_elems + mine)
-            tl.store(out_ptr + out, _finish_tile(total, m, m_in, pid_n, rot_ptr, head_dim, BLOCK_M, BLOCK_N, PAIRS),
-                     mask=m_in[:, None])
+            tl.store(out_ptr + out, _finish_tile(total, rotation, BLOCK_M, BLOCK_N, PAIRS), mask=m_in[:, None])
             tl.atomic_xchg(counter_ptr + tile, 0)
 
 
 @triton.jit
-def _finish_tile(acc, m, m_in, pid_n, rot_ptr, head_dim, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PAIRS: tl.constexpr):
-    """The output tile in bf16: the fp32 sums rounded, then (PAIRS > 0) the RoPE of the pairs in a head's tail,
-    with rope_tail_triton.py's arithmetic (the rounded value rotated in fp32 and rounded again; its bits up to the
-    compiler's FMA contraction)."""
+def _rotation_tile(rot_ptr, m, m_in, pid_n, head_dim, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr):
+    """(tail, cos, sin) of the output tile's pairs: tail [BLOCK_N / 2] marks the pairs in a head's tail (pairs never
+    straddle a block: BLOCK_N and head_dim are even); cos, sin [BLOCK_M, BLOCK_N / 2] (1, 0 off the tail)."""
+    # the pair of each even column: its index in the head's tail (< 0 before the tail)
+    j = (pid_n * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2)) % head_dim - (head_dim - 2 * PAIRS)
+    tail = j >= 0
+    at = rot_ptr + (m[:, None].to(tl.int64) * PAIRS + j[None, :] // 2) * 2
+    live = m_in[:, None] & tail[None, :]
+    return tail, tl.load(at, mask=live, other=1.0), tl.load(at + 1, mask=live, other=0.0)
+
+
+@triton.jit
+def _finish_tile(acc, rotation, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr):
+    """The output tile in bf16: the fp32 sums rounded, then (PAIRS > 0) the RoPE of the pairs in a head's tail
+    (rotation: _rotation_tile's), with rope_tail_triton.py's arithmetic (the rounded value rotated in fp32 and
+    rounded again; its bits up to the compiler's FMA contraction)."""
     y = _round_bf16(acc)
     if PAIRS > 0:
+        tail, cos, sin = rotation
         even, odd = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
-        # the pair of each even column: its index in the head's tail (< 0 before the tail); pairs never straddle
-        # a block (BLOCK_N and head_dim are even)
-        j = (pid_n * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2)) % head_dim - (head_dim - 2 * PAIRS)
-        tail = j >= 0
-        at = rot_ptr + (m[:, None].to(tl.int64) * PAIRS + j[None, :] // 2) * 2
-        live = m_in[:, None] & tail[None, :]
-        cos = tl.load(at, mask=live, other=1.0)
-        sin = tl.load(at + 1, mask=live, other=0.0)
         rotated_even = tl.where(tail[None, :], _round_bf16(even * cos - odd * sin), even)
         rotated_odd = tl.where(tail[None, :], _round_bf16(even * sin + odd * cos), odd)
         y = tl.reshape(tl.join(rotated_even, rotated_odd), (BLOCK_M, BLOCK_N))

@@ -86,7 +86,8 @@ class CompileOptions:
     # dsflash::bf16_linear or bf16_gemv (decode), instead of dsflash::rope_'s own launch (0.9 us of the B1 step's path
     # a layer). Off: no clear gain. H200, B1 side by side (12-03 a3, compile_and_profile --variants
     # passes,linear-rope): 10.498 ms with it against 10.513 without, rounds overlapping, logits not bit-equal (max
-    # 0.12 of 6.2, same argmax); wq_b's path grew by 0.6 us a layer (the tail blocks load cos / sin after the GEMV)
+    # 0.12 of 6.2, same argmax); wq_b's path grew by 0.6 us a layer (its tail blocks loaded cos / sin after the
+    # GEMV; they load before the K loop since, not measured yet: compile_and_profile --variants passes,linear-rope)
     linear_rope: bool = False
     # issue 5: dsflash::kv_norm_rope reads and computes before its PDL wait where a kernel computed from its
     # inputs' producers runs between them (passes/early_reads.py). Off: it did not pay. H200, B1 side by side
