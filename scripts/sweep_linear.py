@@ -56,8 +56,10 @@ GRIDS = {"few": list(itertools.product((32, 64, 128), (64, 128, 256), (0.5, 1, 2
          "tall": list(itertools.product((32, 64, 128), (64, 128), (1, 2), (4, 8), (3, 4))),  # 33-64 rows
          "none": []}
 # bf16_linear_gemv_triton.py's launches at one row: (block_n, block_k, warps); its default first
-# (block_n, block_k, warps, k_chunks); None: the shape's default (gemv.launch)
-GEMV_GRID = [None] + list(itertools.product((16, 32), (512, 1024, 2048), (4, 8), (1,)))
+# (block_n, block_k, warps, k_chunks); None: the shape's default (gemv.launch); k_chunks "whole": every tile of a
+# row a program (no split), as gemv.launch picks for wq_a+wkv; untimed at the other projections (indexer wq_b)
+GEMV_GRID = [None] + list(itertools.product((16, 32), (512, 1024, 2048), (4, 8), (1,))) + list(
+    itertools.product((4, 8), (256, 1024), (4, 8), ("whole",)))
 # --after-seam: bf16_linear_gemv_triton.py's launches besides its default (block_n, block_k, warps, k_chunks): K split
 # in tiles (the default before whole rows), whole rows of K a program at other widths and warps
 AFTER_SEAM_GEMV = [(16, 1024, 4, 1), (4, 1024, 4, 5), (8, 1024, 8, 5), (2, 1024, 4, 5)]
@@ -90,6 +92,8 @@ def sweep(name: str, rows: int, variants: list, gen: torch.Generator, prequantiz
         launch = gemv.launch(n, k, groups, torch.cuda.get_device_properties(0).multi_processor_count)
         if variant is not None:
             launch = dict(zip(("block_n", "block_k", "num_warps", "k_chunks"), variant))
+            if launch["k_chunks"] == "whole":
+                launch["k_chunks"] = -(-k // launch["block_k"])
         if not gemv.takes(rows, n, k, groups, sms=None) or (n // groups) % launch["block_n"]:
             continue
         row = {**base, "kernel": "gemv", **launch, "variant": "default" if variant is None else variant}
