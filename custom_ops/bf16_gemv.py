@@ -12,26 +12,39 @@ import torch
 from torch import Tensor
 
 from .bf16_linear import bf16_linear, bf16_linear_reference, check_inputs, check_rope
+from .mhc import rms_norm
 
 
-def check_one_row(x: Tensor, weight: Tensor, groups: int, quantize_x: bool) -> None:
+def check_one_row(x: Tensor, weight: Tensor, groups: int, quantize_x: bool,
+                  norm_weight: Optional[Tensor] = None) -> None:
     check_inputs(x, weight, groups, quantize_x)
     if x.numel() != x.shape[-1]:
         raise ValueError(f"bf16_gemv: one row only, got x of shape {tuple(x.shape)} (use dsflash::bf16_linear)")
+    if norm_weight is not None and (groups != 1 or norm_weight.dtype != torch.bfloat16
+                                    or tuple(norm_weight.shape) != (x.shape[-1],)):
+        raise ValueError(f"bf16_gemv: norm_weight must be bf16 ({x.shape[-1]},) with groups=1, got "
+                         f"{norm_weight.dtype} {tuple(norm_weight.shape)}, groups={groups}")
+
+
+def gemv_reference(x, weight, groups, quantize_x, rot=None, head_dim=0, norm_weight=None, norm_eps=0.0):
+    """The op's math: x RMS-normed first where norm_weight is given (layers.RMSNorm), then bf16_linear's."""
+    x = x if norm_weight is None else rms_norm(x, norm_weight, norm_eps)
+    return bf16_linear_reference(x, weight, groups, quantize_x, rot, head_dim)
 
 
 @torch.library.custom_op("dsflash::bf16_gemv", mutates_args=())
 def bf16_gemv(x: Tensor, weight: Tensor, groups: int, quantize_x: bool, rot: Optional[Tensor] = None,
-              head_dim: int = 0) -> Tensor:
+              head_dim: int = 0, norm_weight: Optional[Tensor] = None, norm_eps: float = 0.0) -> Tensor:
     """x bf16 [..., groups * K] holding one row; weight bf16 [N, K]; rot, head_dim: bf16_linear's RoPE of the
-    output's heads (passes/linear_rope.py). Returns bf16 [..., N]."""
-    check_one_row(x, weight, groups, quantize_x)
-    return bf16_linear_reference(x, weight, groups, quantize_x, rot, head_dim)
+    output's heads (passes/linear_rope.py); norm_weight bf16 [K], norm_eps: x's RMSNorm first (the mHC seam's,
+    passes/seam_norm_gemv.py). Returns bf16 [..., N]."""
+    check_one_row(x, weight, groups, quantize_x, norm_weight)
+    return gemv_reference(x, weight, groups, quantize_x, rot, head_dim, norm_weight, norm_eps)
 
 
 @bf16_gemv.register_fake
-def _(x, weight, groups, quantize_x, rot=None, head_dim=0):
-    check_one_row(x, weight, groups, quantize_x)
+def _(x, weight, groups, quantize_x, rot=None, head_dim=0, norm_weight=None, norm_eps=0.0):
+    check_one_row(x, weight, groups, quantize_x, norm_weight)
     check_rope(x, weight, groups, rot, head_dim)
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
@@ -43,12 +56,17 @@ except ImportError:  # pragma: no cover - CPU machines without triton
 
 if bf16_linear_gemv_triton is not None:
     @bf16_gemv.register_kernel("cuda")
-    def _(x, weight, groups, quantize_x, rot=None, head_dim=0):
-        check_one_row(x, weight, groups, quantize_x)
+    def _(x, weight, groups, quantize_x, rot=None, head_dim=0, norm_weight=None, norm_eps=0.0):
+        check_one_row(x, weight, groups, quantize_x, norm_weight)
         check_rope(x, weight, groups, rot, head_dim)
+        (n, k), sms = weight.shape, bf16_linear_gemv_triton._num_sms(x.device)
+        if norm_weight is not None and not (bf16_linear_gemv_triton.fits(x, weight, groups)
+                                            and bf16_linear_gemv_triton.takes_norm(n, k, groups, sms)):
+            x, norm_weight = rms_norm(x, norm_weight, norm_eps), None  # the norm apart, where no kernel takes it
         if not bf16_linear_gemv_triton.fits(x, weight, groups):  # (wq_b: bf16_linear's kernel, RoPE in its epilogue)
             return bf16_linear(x, weight, groups, quantize_x, rot, head_dim)
-        out = bf16_linear_gemv_triton.bf16_linear_gemv(x, weight, groups, quantize_x)
+        out = bf16_linear_gemv_triton.bf16_linear_gemv(x, weight, groups, quantize_x, norm_weight=norm_weight,
+                                                       eps=norm_eps)
         if rot is not None:  # a weight this kernel takes: the RoPE's own kernel after it
             rope_tail_triton.rope_tail_triton_(out.unflatten(-1, (-1, head_dim)), rot)
         return out

@@ -48,20 +48,32 @@ MAX_BYTES_PER_SM = 192 * 1024
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, N, K, n_per_group, QUANT_X: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, norm_w_ptr, N, K, n_per_group, eps,
+                 QUANT_X: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr,
+                 NORM: tl.constexpr, PDL: tl.constexpr):
     """x [groups * K] and out [N]; weight [N, K]; BLOCK_N divides n_per_group. A program's split is K_CHUNKS
-    tiles of BLOCK_K columns, unrolled so that all their loads are in flight at once."""
+    tiles of BLOCK_K columns, unrolled so that all their loads are in flight at once. NORM (one group, one split:
+    the program holds the whole row): x is first RMS-normed by norm_w (layers.RMSNorm, rounded to bf16), each
+    program taking the row's sum of squares itself (the mHC seam before it then has no norm to finish)."""
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     pid_n, split = tl.program_id(0), tl.program_id(1)
     splits = tl.num_programs(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     group = pid_n * BLOCK_N // n_per_group
+    if NORM:
+        ss = tl.zeros((), dtype=tl.float32)
+        for c in tl.static_range(K_CHUNKS):
+            k = c * BLOCK_K + tl.arange(0, BLOCK_K)
+            xs = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            ss += tl.sum(xs * xs, 0)
+        rstd = tl.math.rsqrt(ss / K + eps)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for c in tl.static_range(K_CHUNKS):
         k = (split * K_CHUNKS + c) * BLOCK_K + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=(k < K)[None, :], other=0.0)
         x = tl.load(x_ptr + group * K + k, mask=k < K, other=0.0).to(tl.float32)
+        if NORM:  # (layers.RMSNorm: weight * (x * rstd), rounded to bf16)
+            x = _round_bf16(tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32) * (x * rstd))
         if QUANT_X:  # whole groups of 32: a tile starts on a multiple of BLOCK_K
             x = tl.reshape(_fp8_qdq_groups(tl.reshape(x, (1, BLOCK_K)), 1, BLOCK_K), (BLOCK_K,))
             x = x.to(tl.bfloat16).to(tl.float32)  # E4M3 values times a power of two: exact in bf16
@@ -103,9 +115,17 @@ def launch(n: int, k: int, groups: int, sms: int) -> dict:
     return dict(block_n=BLOCK_N, block_k=BLOCK_K, num_warps=NUM_WARPS, k_chunks=K_CHUNKS)
 
 
-def bf16_linear_gemv(x, weight, groups, quantize_x, block_n=None, block_k=None, num_warps=None, k_chunks=None):
+def takes_norm(n: int, k: int, groups: int, sms: int) -> bool:
+    """Whether the default launch of an [n, k] weight holds whole rows, which the NORM prologue needs."""
+    chosen = launch(n, k, groups, sms)
+    return groups == 1 and chosen["k_chunks"] * chosen["block_k"] >= k
+
+
+def bf16_linear_gemv(x, weight, groups, quantize_x, block_n=None, block_k=None, num_warps=None, k_chunks=None,
+                     norm_weight=None, eps=0.0):
     """bf16 [..., N] as the reference, for one row (`fits`); block_n, block_k (powers of two, block_n dividing a
-    group's outputs), num_warps and k_chunks (tiles a program) override `launch`'s (scripts/sweep_linear.py)."""
+    group's outputs), num_warps and k_chunks (tiles a program) override `launch`'s (scripts/sweep_linear.py).
+    norm_weight (one group, whole rows a program): x RMS-normed by it first (the kernel's NORM)."""
     n, k = weight.shape
     sms = _num_sms(x.device) if x.device.type == "cuda" else 132  # the interpreter: the H200's launch
     default = launch(n, k, groups, sms)
@@ -117,10 +137,15 @@ def bf16_linear_gemv(x, weight, groups, quantize_x, block_n=None, block_k=None, 
     block_k = min(block_k, triton.next_power_of_2(k))
     k_chunks = min(k_chunks, triton.cdiv(k, block_k))
     splits = triton.cdiv(k, block_k * k_chunks)
+    if norm_weight is not None and (groups != 1 or splits != 1):
+        raise ValueError(f"bf16_gemv: the input's norm needs one group and whole rows a program, got groups={groups} "
+                         f"and {splits} splits of K")
     out = x.new_empty(n)
     partial = x.new_empty(splits * n if splits > 1 else 1, dtype=torch.float32)
     counters = block_counters(x.device, n // block_n) if splits > 1 else partial
     _gemv_kernel[(n // block_n, splits)](
-        x.contiguous(), weight.contiguous(), out, partial, counters, n, k, n // groups, QUANT_X=quantize_x,
-        BLOCK_N=block_n, BLOCK_K=block_k, K_CHUNKS=k_chunks, num_warps=num_warps, **launch_options(x.device))
+        x.contiguous(), weight.contiguous(), out, partial, counters,
+        x if norm_weight is None else norm_weight.contiguous(), n, k, n // groups, eps, QUANT_X=quantize_x,
+        BLOCK_N=block_n, BLOCK_K=block_k, K_CHUNKS=k_chunks, NORM=norm_weight is not None, num_warps=num_warps,
+        **launch_options(x.device))
     return out.view(*x.shape[:-1], n)

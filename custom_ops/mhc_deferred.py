@@ -2,7 +2,9 @@
 that leaves its mixes as partials and a finishing op placed before the mixes' first reader, for the deferral
 pass (passes/mhc_defer.py). With X the streams a seam receives (mhc.py gives the math):
 
-    mhc_seam_partials(out, X, q, C, p_lagged, fn, w)  -> (X', normed, partials)
+    mhc_seam_partials(out, X, q, C, p_lagged, fn, w[, norm]) -> (X', normed, partials)
+                                                       (norm=False: the collapse un-normed in normed's place, its
+                                                       reader norms it: passes/seam_norm_gemv.py)
     mhc_entry_seam_partials(X, p_lagged, fn, w)        -> (normed, partials)
     mhc_mixes_finish(partials, scale, base, D, after, early) -> (p, q', C')   this seam's mixes
     mhc_seam_partials_routed(out, X, q, C, p_lagged, fn, w, gate, bias, k, ...)
@@ -83,11 +85,12 @@ def mix_partials(streams: Tensor, fn: Tensor, collapsed: Tensor) -> Tensor:
     return partials
 
 
-def seam_partials_reference(out, streams, post, comb, pre_lagged, fn, norm_weight, norm_eps):
-    """(new streams, normed, partials); out/post/comb None: the entry seam, (normed, partials)."""
+def seam_partials_reference(out, streams, post, comb, pre_lagged, fn, norm_weight, norm_eps, norm=True):
+    """(new streams, normed, partials); out/post/comb None: the entry seam, (normed, partials). norm=False: the
+    collapse before its RMSNorm in place of normed (the reader norms it: passes/seam_norm_gemv.py)."""
     new = streams if out is None else hc_post(out, streams, post, comb)
     collapsed = hc_pre(new, pre_lagged)
-    outputs = (rms_norm(collapsed, norm_weight, norm_eps), mix_partials(new, fn, collapsed))
+    outputs = (rms_norm(collapsed, norm_weight, norm_eps) if norm else collapsed, mix_partials(new, fn, collapsed))
     return tuple(t.contiguous() for t in (outputs if out is None else (new, *outputs)))
 
 
@@ -113,14 +116,15 @@ def check_finish_args(partials, scale, base, dim) -> None:
 
 @torch.library.custom_op("dsflash::mhc_seam_partials", mutates_args=())
 def mhc_seam_partials(out: Tensor, streams: Tensor, post: Tensor, comb: Tensor, pre_lagged: Tensor, fn: Tensor,
-                      norm_weight: Tensor, norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(new streams bf16 [..., hc, D], normed bf16 [..., D], partials); arguments as dsflash::mhc_seam's."""
+                      norm_weight: Tensor, norm_eps: float, norm: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """(new streams bf16 [..., hc, D], normed bf16 [..., D], partials); arguments as dsflash::mhc_seam's.
+    norm=False: the collapse before its RMSNorm in place of normed (seam_partials_reference)."""
     check_seam_args(out, streams, post, comb, pre_lagged, fn, None, None, norm_weight)
-    return seam_partials_reference(out, streams, post, comb, pre_lagged, fn, norm_weight, norm_eps)
+    return seam_partials_reference(out, streams, post, comb, pre_lagged, fn, norm_weight, norm_eps, norm)
 
 
 @mhc_seam_partials.register_fake
-def _(out, streams, post, comb, pre_lagged, fn, norm_weight, norm_eps):
+def _(out, streams, post, comb, pre_lagged, fn, norm_weight, norm_eps, norm=True):
     return (torch.empty_like(streams), torch.empty_like(out),
             streams.new_empty(partials_shape(streams.shape), dtype=torch.float32))
 
@@ -180,15 +184,15 @@ except ImportError:  # pragma: no cover - CPU machines without triton
     mhc_triton = None
 
 if mhc_triton is not None:
-    def _seam_partials_cuda(out, streams, post, comb, pre_lagged, fn, norm_weight, norm_eps):
+    def _seam_partials_cuda(out, streams, post, comb, pre_lagged, fn, norm_weight, norm_eps, norm=True):
         """Both seam ops on CUDA (out, post, comb None: the entry seam): the fused seam's kernel with its finish
-        of the mixes off, where it takes the shapes."""
+        of the mixes off (and with norm=False its RMSNorm: no program finishes), where it takes the shapes."""
         check_seam_args(out, streams, post, comb, pre_lagged, fn, None, None, norm_weight)
         if not mhc_triton.kernel_fits(streams, fn):
-            return seam_partials_reference(out, streams, post, comb, pre_lagged, fn, norm_weight, norm_eps)
+            return seam_partials_reference(out, streams, post, comb, pre_lagged, fn, norm_weight, norm_eps, norm)
         return mhc_triton.mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, None, None, norm_weight, norm_eps,
                                           0.0, 0, block_d=SEAM_BLOCK_D, norm_block=NORM_BLOCK, rows=False,
-                                          finish_mixes=False)
+                                          finish_mixes=False, norm=norm)
 
     mhc_seam_partials.register_kernel("cuda")(_seam_partials_cuda)
 

@@ -42,11 +42,11 @@ from .router_triton import _route_row
 # apart): the one launch and both split launches then run one binary, so their reductions add in the same order.
 # As constexprs each variant was compiled on its own, and on the H200 (11-30) the split seam's bits differed
 # from the fused one's (the sm_90 code gave some reductions other layouts, hence other summation orders).
-@triton.jit(do_not_specialize=["has_post", "mixes", "collapse", "share_finish", "finish_mixes"])
+@triton.jit(do_not_specialize=["has_post", "mixes", "collapse", "share_finish", "finish_mixes", "norm"])
 def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, scale_ptr, base_ptr, weight_ptr,
                  new_streams_ptr, normed_ptr, pre_out_ptr, post_out_ptr, comb_out_ptr, partial_ptr, counter_ptr,
                  gate_ptr, gate_bias_ptr, route_weights_ptr, route_ids_ptr,
-                 N, norm_eps, hc_eps, iters, has_post, mixes, collapse, share_finish, finish_mixes, experts,
+                 N, norm_eps, hc_eps, iters, has_post, mixes, collapse, share_finish, finish_mixes, norm, experts,
                  route_scale, HC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
                  PART: tl.constexpr, CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr, ROUTE_TOPK: tl.constexpr,
                  ROUTE_K_PAD: tl.constexpr, ROUTE_E_PAD: tl.constexpr, ROUTE_NORMALIZE: tl.constexpr,
@@ -91,6 +91,26 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
             part = tl.where(col == MIX, streams_ss, tl.where(col == MIX + 1, collapse_ss, mix))
             tl.store(partial_ptr + (row * chunks + chunk) * PART + col, part)
 
+    # norm off (mhc_deferred.py's norm=False, with the mixes left as partials): the collapse stays un-normed and no
+    # program finishes the block, so the seam takes no counter at all
+    finish = (mixes != 0) & (finish_mixes != 0)
+    collapse = collapse * norm
+    if finish | (collapse != 0):
+        _count_and_finish(block, N, chunks, partial_ptr, counter_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr,
+                          pre_out_ptr, post_out_ptr, comb_out_ptr, norm_eps, hc_eps, iters, finish, collapse,
+                          share_finish, HC, D, PART, CHUNKS_PAD, NORM_BLOCK, BLOCK_T, gate_ptr, gate_bias_ptr,
+                          route_weights_ptr, route_ids_ptr, experts, route_scale, ROUTE_TOPK, ROUTE_K_PAD,
+                          ROUTE_E_PAD, ROUTE_NORMALIZE)
+
+
+@triton.jit
+def _count_and_finish(block, N, chunks, partial_ptr, counter_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr,
+                      pre_out_ptr, post_out_ptr, comb_out_ptr, norm_eps, hc_eps, iters, finish, collapse, share_finish,
+                      HC: tl.constexpr, D: tl.constexpr, PART: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+                      NORM_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, gate_ptr, gate_bias_ptr, route_weights_ptr,
+                      route_ids_ptr, experts, route_scale, ROUTE_TOPK: tl.constexpr, ROUTE_K_PAD: tl.constexpr,
+                      ROUTE_E_PAD: tl.constexpr, ROUTE_NORMALIZE: tl.constexpr):
+    """The block's counter and its finish (the mixes with `finish`, the RMSNorm with `collapse`)."""
     tl.debug_barrier()  # every thread's stores are issued before the release below
     ticket = tl.atomic_add(counter_ptr + block, 1, sem="acq_rel")
     # Both halves on: the block's last two programs share the finish, so that the RMSNorm runs beside the mixes'
@@ -100,7 +120,6 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
     # computes what the one finishing program would: same bits.
     # share_finish is off under the interpreter, which runs the programs one after another.
     # finish_mixes off (mhc_deferred.py): the partials are an output, the mixes are finished by a later kernel.
-    finish = (mixes != 0) & (finish_mixes != 0)
     shared = (share_finish != 0) & finish & (collapse != 0) & (chunks > 1)
     if ticket == chunks - 1:
         _finish_block(block, N, chunks, partial_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr, pre_out_ptr,
@@ -180,7 +199,7 @@ def takes_rows(tokens: int, mixes: bool, collapse: bool) -> bool:
 
 def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters,
                     block_t=1, block_d=None, num_warps=4, norm_block=None, share_finish=None, mixes=True,
-                    collapse=True, rows=None, rows_launch=None, finish_mixes=True, route=None):
+                    collapse=True, rows=None, rows_launch=None, finish_mixes=True, route=None, norm=True):
     """Both ops: with out/post/comb None (the entry seam) returns (normed, pre, post, comb), else
     (new streams, normed, pre, post, comb); shapes as the ops' references. block_t (tokens per program),
     block_d (columns per program), num_warps, norm_block (the finish's RMSNorm tile) and share_finish (two
@@ -194,7 +213,8 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
     returned in place of (pre, post, comb): [tokens, chunks, partial_width(hc)] fp32.
     route (gate, bias, topk, normalize, scale; collapse on, not rows, at most ROUTE_MAX_EXPERTS experts): the
     program that norms a row also routes it as dsflash::fused_router would; (weights fp32, ids int64)
-    [tokens, topk] are returned last."""
+    [tokens, topk] are returned last. norm=False (the deferred seam: finish_mixes off, collapse on, no route): the
+    collapse is returned un-normed in normed's place, and the kernel takes no counter (mhc_deferred.py)."""
     *lead, hc, dim = streams.shape
     tokens = streams.numel() // (hc * dim)
     rows = takes_rows(tokens, mixes, collapse) if rows is None else rows
@@ -202,6 +222,9 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
         raise ValueError("mhc seam: the rows kernel runs full seams only (mixes and collapse on, finished)")
     if not finish_mixes and not (mixes and collapse):
         raise ValueError("mhc seam: finish_mixes=False leaves the mixes of a full seam as partials")
+    if not norm and (rows or finish_mixes or not collapse or route is not None):
+        raise ValueError("mhc seam: norm=False leaves a deferred seam's collapse un-normed (finish_mixes off, "
+                         "collapse on, no route)")
     if route is not None and (rows or not collapse or route[0].shape[0] > ROUTE_MAX_EXPERTS):
         raise ValueError(f"mhc seam: routing needs the collapse, not the rows kernel, and at most "
                          f"{ROUTE_MAX_EXPERTS} experts (got {route[0].shape[0]})")
@@ -238,8 +261,8 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
                 gate.contiguous(), gate_bias.contiguous(), route_weights, route_ids, tokens, norm_eps, hc_eps, iters,
                 int(has_post), int(mixes), int(collapse),
                 int(_may_share_finish(flat.device, blocks) if share_finish is None else share_finish),
-                int(finish_mixes), gate.shape[0] if route else 0, float(route_scale), HC=hc, D=dim, BLOCK_D=block_d,
-                BLOCK_T=block_t, PART=partial.shape[2], CHUNKS_PAD=triton.next_power_of_2(chunks),
+                int(finish_mixes), int(norm), gate.shape[0] if route else 0, float(route_scale), HC=hc, D=dim,
+                BLOCK_D=block_d, BLOCK_T=block_t, PART=partial.shape[2], CHUNKS_PAD=triton.next_power_of_2(chunks),
                 NORM_BLOCK=min(norm_block or NORM_BLOCK, triton.next_power_of_2(dim)), ROUTE_TOPK=topk,
                 ROUTE_K_PAD=triton.next_power_of_2(max(topk, 1)),
                 ROUTE_E_PAD=triton.next_power_of_2(gate.shape[0]) if route else 1, ROUTE_NORMALIZE=bool(normalize),

@@ -89,6 +89,11 @@ class CompileOptions:
     # 0.12 of 6.2, same argmax); wq_b's path grew by 0.6 us a layer (its tail blocks loaded cos / sin after the
     # GEMV; they load before the K loop since, not measured yet: compile_and_profile --variants passes,linear-rope)
     linear_rope: bool = False
+    # issue 5: with mhc_defer_mixes, a deferred seam whose normed row only the one-row GEMV of wq_a + wkv reads leaves
+    # its RMSNorm to that GEMV's programs, which load the whole row anyway (passes/seam_norm_gemv.py): the seam then
+    # takes no counter and no program finishes it (its path 7.3 us a layer at B1 on the H200, 12-03 a3). Off: not
+    # measured yet (compile_and_profile --variants passes,seam-norm-gemv)
+    seam_norm_gemv: bool = False
     # issue 5: dsflash::kv_norm_rope reads and computes before its PDL wait where a kernel computed from its
     # inputs' producers runs between them (passes/early_reads.py). Off: it did not pay. H200, B1 side by side
     # (12-03 y1, compile_and_profile --variants passes,early-reads): 10.53 ms against 10.50 without, logits
@@ -329,7 +334,7 @@ class CompiledRunner:
         self.pass_manager = (passes.install(text, mhc_overlap_tokens=overlap, mhc_defer_tokens=defer,
                                             early_reads=options.early_reads,
                                             router_seam_experts=ROUTE_MAX_EXPERTS if options.router_in_seam else 0,
-                                            linear_rope=options.linear_rope)
+                                            linear_rope=options.linear_rope, seam_norm_gemv=options.seam_norm_gemv)
                              if options.passes else None)
         if not options.passes:
             passes.use(None)  # a manager installed earlier would still run

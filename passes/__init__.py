@@ -11,6 +11,7 @@ from .mhc_overlap import MhcOverlapPass
 from .rounding import keep_model_rounding
 from .router_fusion import RouterFusionPass
 from .router_seam import RouterSeamPass
+from .seam_norm_gemv import SeamNormGemvPass
 
 
 def use(manager: DsflashPassManager | None) -> None:
@@ -26,7 +27,8 @@ def use(manager: DsflashPassManager | None) -> None:
 
 
 def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0,
-            early_reads: bool = False, router_seam_experts: int = 0, linear_rope: bool = False) -> DsflashPassManager:
+            early_reads: bool = False, router_seam_experts: int = 0, linear_rope: bool = False,
+            seam_norm_gemv: bool = False) -> DsflashPassManager:
     """Make Inductor run our passes (post-grad) for graphs compiled from now on; returns the manager,
     whose `matches` counts the rewrites. Patterns use the config's router and mHC constants.
     mhc_overlap_tokens > 0: fused seams of at most that many tokens are split so that their mixes run on a
@@ -35,7 +37,8 @@ def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0,
     early_reads: ops that can read before their PDL wait do where a kernel runs between them and their inputs
     (EarlyReadsPass). router_seam_experts > 0 (with the deferral): routers of at most that many experts reading a
     deferred seam's normed rows run inside that seam (RouterSeamPass). linear_rope: a bf16_linear whose only
-    reader is the RoPE of its heads takes the rotation in its epilogue (LinearRopePass)."""
+    reader is the RoPE of its heads takes the rotation in its epilogue (LinearRopePass). seam_norm_gemv (with the
+    deferral): a deferred seam read by one bf16_gemv leaves its RMSNorm to it (SeamNormGemvPass)."""
     manager = DsflashPassManager([
         RouterFusionPass(text_config.num_experts_per_tok, text_config.norm_topk_prob,
                          text_config.routed_scaling_factor),
@@ -44,6 +47,7 @@ def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0,
         *([MhcOverlapPass(mhc_overlap_tokens)] if mhc_overlap_tokens > 0 else []),
         *([MhcDeferPass(mhc_defer_tokens)] if mhc_defer_tokens > 0 else []),
         *([RouterSeamPass(router_seam_experts)] if mhc_defer_tokens > 0 and router_seam_experts > 0 else []),
+        *([SeamNormGemvPass()] if mhc_defer_tokens > 0 and seam_norm_gemv else []),
         *([EarlyReadsPass()] if early_reads else []),
         *([LinearRopePass()] if linear_rope else []),
     ])
@@ -52,4 +56,4 @@ def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0,
 
 
 __all__ = ["DsflashPassManager", "EarlyReadsPass", "LinearRopePass", "MhcDeferPass", "MhcFusionPass", "MhcOverlapPass",
-           "RouterFusionPass", "RouterSeamPass", "install", "keep_model_rounding", "use"]
+           "RouterFusionPass", "RouterSeamPass", "SeamNormGemvPass", "install", "keep_model_rounding", "use"]

@@ -18,7 +18,7 @@ from dsflash_compile.passes.graph_edit import views_and_readers
 from hopper import check_compiles_for_hopper
 from interp import report, requires_interpreter, run_interpreted
 from test_compile import fresh_dynamo, prompts, tiny_model  # noqa: F401  (fresh_dynamo: a fixture)
-from test_mhc_fusion import HC_EPS, ITERS, NORM_EPS, compiling, seam_args, tiny_layer_loop  # noqa: F401
+from test_mhc_fusion import HC_EPS, ITERS, NORM_EPS, bf16_ulps, compiling, seam_args, tiny_layer_loop  # noqa: F401
 
 ops = torch.ops.dsflash
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -125,6 +125,12 @@ def interpreter_checks():
         want_mixes = ops.mhc_mixes_finish(partials, scale, base, dim, *consts, [])
         err = (partials - want_partials).abs() / want_partials.abs().amax(-1, keepdim=True)
         same = dict(same_new=torch.equal(new, fused[0]), same_normed=torch.equal(normed, fused[1]))
+        # norm off: no program finishes; the same streams and partials, the collapse un-normed
+        new_u, collapsed, partials_u = mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, None, None, weight,
+                                                       *consts, block_d=SEAM_BLOCK_D, rows=False,
+                                                       finish_mixes=False, norm=False)
+        same.update(unnormed_same=torch.equal(new_u, new) and torch.equal(partials_u, partials),
+                    unnormed_ulps=bf16_ulps(collapsed, hc_pre(new, pre_lagged)))
         report(dict(name=f"{lead}-{dim}", **same,
                     partials_err=err[..., :25].max().item(),
                     collapse_err=((partials - want_partials).abs() / want_partials.abs())[..., 25].max().item(),
@@ -150,6 +156,25 @@ def test_kernels_match_the_fused_seam_and_the_references(interpreted, lead, dim)
     assert r["same_new"] and r["same_normed"] and r["zeros"], r
     assert r["partials_err"] <= 1e-5 and r["collapse_err"] <= 2e-2, r
     assert r["mixes_err"] <= 2e-6 and r["fused_mixes_err"] <= 2e-6, r
+    assert r["unnormed_same"] and r["unnormed_ulps"] <= 2, r  # norm off: the collapse as above, before its norm
+
+
+def test_seam_without_its_norm():
+    """norm=False: the op gives the collapse before its RMSNorm (the reader norms it: passes/seam_norm_gemv.py),
+    the streams and partials unchanged; the kernel refuses it where a program must finish the block."""
+    args = seam_args((2,), dim=64)
+    out, streams, post, comb, pre_lagged, fn, _, _, weight = args
+    new, normed, partials = ops.mhc_seam_partials(out, streams, post, comb, pre_lagged, fn, weight, NORM_EPS)
+    new_u, collapsed, partials_u = ops.mhc_seam_partials(out, streams, post, comb, pre_lagged, fn, weight, NORM_EPS,
+                                                         False)
+    assert torch.equal(new_u, new) and torch.equal(partials_u, partials)
+    assert torch.equal(collapsed, hc_pre(new, pre_lagged))
+    torch.library.opcheck(ops.mhc_seam_partials.default, (out, streams, post, comb, pre_lagged, fn, weight, NORM_EPS,
+                                                         False))
+    mhc_triton = pytest.importorskip("dsflash_compile.custom_ops.mhc_triton")
+    with pytest.raises(ValueError, match="norm=False"):
+        mhc_triton.mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, None, None, weight, NORM_EPS, HC_EPS,
+                                   ITERS, norm=False)  # the mixes finished in the seam: its last program finishes
 
 
 @pytest.mark.parametrize("early", [True, False])

@@ -171,7 +171,7 @@ KERNEL_ARGS = dict(out_ptr="*bf16", streams_ptr="*bf16", post_ptr="*fp32", comb_
                    fn_ptr="*fp32", scale_ptr="*fp32", base_ptr="*fp32", weight_ptr="*bf16", new_streams_ptr="*bf16",
                    normed_ptr="*bf16", pre_out_ptr="*fp32", post_out_ptr="*fp32", comb_out_ptr="*fp32",
                    partial_ptr="*fp32", counter_ptr="*i32", N="i32", norm_eps="fp32", hc_eps="fp32", iters="i32",
-                   has_post="i32", mixes="i32", collapse="i32", share_finish="i32", finish_mixes="i32",
+                   has_post="i32", mixes="i32", collapse="i32", share_finish="i32", finish_mixes="i32", norm="i32",
                    gate_ptr="*bf16", gate_bias_ptr="*fp32", route_weights_ptr="*fp32", route_ids_ptr="*i64",
                    experts="i32", route_scale="fp32")
 # the seam's launches without routing (custom_ops/mhc_deferred.py's routed seam sets them)

@@ -284,7 +284,7 @@ def test_kernel_halves_run_the_one_launch_binary():
     from dsflash_compile.custom_ops import mhc_triton
 
     kernel = mhc_triton._seam_kernel
-    flags = {"has_post", "mixes", "collapse", "share_finish", "finish_mixes"}  # the last: mhc_deferred.py
+    flags = {"has_post", "mixes", "collapse", "share_finish", "finish_mixes", "norm"}  # the last two: mhc_deferred.py
     assert {p.name for p in kernel.params if p.do_not_specialize} == flags
     assert {p.name for p in kernel.params if p.is_constexpr} == {"HC", "D", "BLOCK_D", "BLOCK_T", "PART",
                                                                  "CHUNKS_PAD", "NORM_BLOCK", "PDL", "ROUTE_TOPK",
