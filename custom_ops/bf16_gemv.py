@@ -59,11 +59,11 @@ if bf16_linear_gemv_triton is not None:
     def _(x, weight, groups, quantize_x, rot=None, head_dim=0, norm_weight=None, norm_eps=0.0):
         check_one_row(x, weight, groups, quantize_x, norm_weight)
         check_rope(x, weight, groups, rot, head_dim)
-        (n, k), sms = weight.shape, bf16_linear_gemv_triton._num_sms(x.device)
-        if norm_weight is not None and not (bf16_linear_gemv_triton.fits(x, weight, groups)
-                                            and bf16_linear_gemv_triton.takes_norm(n, k, groups, sms)):
+        (n, k), fits = weight.shape, bf16_linear_gemv_triton.fits(x, weight, groups)
+        if norm_weight is not None and not (fits and bf16_linear_gemv_triton.takes_norm(
+                n, k, groups, bf16_linear_gemv_triton._num_sms(x.device))):
             x, norm_weight = rms_norm(x, norm_weight, norm_eps), None  # the norm apart, where no kernel takes it
-        if not bf16_linear_gemv_triton.fits(x, weight, groups):  # (wq_b: bf16_linear's kernel, RoPE in its epilogue)
+        if not fits:  # (wq_b: bf16_linear's kernel, RoPE in its epilogue)
             return bf16_linear(x, weight, groups, quantize_x, rot, head_dim)
         out = bf16_linear_gemv_triton.bf16_linear_gemv(x, weight, groups, quantize_x, norm_weight=norm_weight,
                                                        eps=norm_eps)

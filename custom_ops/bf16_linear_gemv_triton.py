@@ -127,8 +127,7 @@ def bf16_linear_gemv(x, weight, groups, quantize_x, block_n=None, block_k=None, 
     group's outputs), num_warps and k_chunks (tiles a program) override `launch`'s (scripts/sweep_linear.py).
     norm_weight (one group, whole rows a program): x RMS-normed by it first (the kernel's NORM)."""
     n, k = weight.shape
-    sms = _num_sms(x.device) if x.device.type == "cuda" else 132  # the interpreter: the H200's launch
-    default = launch(n, k, groups, sms)
+    default = launch(n, k, groups, _num_sms(x.device))
     block_n, block_k = block_n or default["block_n"], block_k or default["block_k"]
     num_warps, k_chunks = num_warps or default["num_warps"], k_chunks or default["k_chunks"]
     if (n // groups) % block_n or block_k < 32 or block_k & (block_k - 1):

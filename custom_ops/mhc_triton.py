@@ -94,10 +94,10 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
     # norm off (mhc_deferred.py's norm=False, with the mixes left as partials): the collapse stays un-normed and no
     # program finishes the block, so the seam takes no counter at all
     finish = (mixes != 0) & (finish_mixes != 0)
-    collapse = collapse * norm
-    if finish | (collapse != 0):
+    norm_rows = collapse * norm  # the RMSNorm of the collapsed rows, by the block's finishing program
+    if finish | (norm_rows != 0):
         _count_and_finish(block, N, chunks, partial_ptr, counter_ptr, scale_ptr, base_ptr, weight_ptr, normed_ptr,
-                          pre_out_ptr, post_out_ptr, comb_out_ptr, norm_eps, hc_eps, iters, finish, collapse,
+                          pre_out_ptr, post_out_ptr, comb_out_ptr, norm_eps, hc_eps, iters, finish, norm_rows,
                           share_finish, HC, D, PART, CHUNKS_PAD, NORM_BLOCK, BLOCK_T, gate_ptr, gate_bias_ptr,
                           route_weights_ptr, route_ids_ptr, experts, route_scale, ROUTE_TOPK, ROUTE_K_PAD,
                           ROUTE_E_PAD, ROUTE_NORMALIZE)
