@@ -1,0 +1,101 @@
+"""How fast can a one-row GEMV stream a bf16 weight from HBM on this GPU, by load mechanism, side by side in one run.
+
+The decode floors (compile_and_profile.py) divide bytes by a device copy's read + write bandwidth (~4.2 TB/s on the
+H200), and our Triton kernels, which load through cp.async, reach ~4.0 (the routed experts' up kernel) where
+cuBLAS's lm_head GEMV (TMA, 12 stages) streams 1.3 GB at ~4.4 (12-04 b1 trace). This probe times, at the decode
+shapes (the MoE's stacked w1 / w3 and w2 of 7 experts, wq_b, wo_b): the copy, cuBLAS, bf16_linear_triton.py's
+one-row kernel, and a Triton GEMV whose weight tiles arrive by TMA (a host tensor descriptor, `num_stages` tiles in
+flight a program), each checked against F.linear first.
+
+    python scripts/probe_read_bandwidth.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from dsflash_compile.benchmarking import copy_bandwidth, print_table, run_metadata, save_results, time_graph
+from dsflash_compile.custom_ops import bf16_linear_triton as tiled
+
+SHAPES = {"moe_up (7 x w1+w3)": (32256, 5120), "moe_down (7 x w2)": (35840, 2304), "wq_b": (32768, 1280),
+          "wo_b": (5120, 8192)}
+# (block_n, block_k, num_stages, num_warps)
+TMA_GRID = list(itertools.product((32, 64, 128), (128, 256), (3, 5, 8), (4,)))
+
+
+@triton.jit
+def _tma_gemv_kernel(x_ptr, w_desc, out_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    row = tl.arange(0, 16)[:, None] == 0
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for kb in range(tl.cdiv(K, BLOCK_K)):
+        k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = tl.where(row, tl.load(x_ptr + k[None, :], mask=(k < K)[None, :], other=0.0), 0.0).to(tl.bfloat16)
+        w = w_desc.load([pid * BLOCK_N, kb * BLOCK_K])
+        acc += tl.dot(x, tl.trans(w))
+    tl.store(out_ptr + pid * BLOCK_N + tl.arange(0, BLOCK_N), tl.sum(acc, 0).to(tl.bfloat16))
+
+
+def tma_gemv(x, w, block_n, block_k, num_stages, num_warps):
+    n, k = w.shape
+    out = x.new_empty(n)
+    desc = TensorDescriptor.from_tensor(w, [block_n, block_k])
+    _tma_gemv_kernel[(n // block_n,)](x, desc, out, k, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=num_stages,
+                                      num_warps=num_warps)
+    return out
+
+
+def probe(name: str, n: int, k: int, gen: torch.Generator) -> list[dict]:
+    # two weights, alternated, so that the smaller ones are not served from L2
+    weights = [(torch.randn(n, k, device="cuda", generator=gen) / 64).bfloat16() for _ in range(2)]
+    x = torch.randn(1, k, device="cuda", generator=gen).bfloat16()
+    want = F.linear(x, weights[0]).float().view(-1)
+    variants = {"cuBLAS": lambda w: F.linear(x, w),
+                "triton cp.async (bf16_linear default)": lambda w: tiled.bf16_linear_triton(x, w, 1, False)}
+    for block_n, block_k, stages, warps in TMA_GRID:
+        variants[f"triton TMA {block_n}x{block_k} {stages}s {warps}w"] = (
+            lambda w, a=(block_n, block_k, stages, warps): tma_gemv(x.view(-1), w, *a))
+    rows = []
+    for label, fn in variants.items():
+        row = {"shape": name, "n": n, "k": k, "variant": label}
+        try:
+            got = fn(weights[0]).float().view(-1)
+            row["agrees"] = ((got - want).abs().max() / want.abs().max()).item() <= 2 ** -7
+            row["s"] = time_graph(lambda: [fn(w) for w in weights], calls=2, replays=10) / 2
+            row["tbps"] = n * k * 2 / row["s"] / 1e12
+        except Exception as error:  # noqa: BLE001 - e.g. out of shared memory: reported, the probe goes on
+            row.update(agrees=False, error=f"{type(error).__name__}: {error}"[:300])
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("probe_read_bandwidth.py needs a CUDA device")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    result = {**run_metadata(), "copy_read_write_tbps": copy_bandwidth() / 1e12, "rows": []}
+    print(f"copy (read + write): {result['copy_read_write_tbps']:.2f} TB/s", flush=True)
+    for name in args.only:
+        rows = probe(name, *SHAPES[name], gen)
+        result["rows"] += rows
+        ranked = sorted((r for r in rows if r.get("agrees")), key=lambda r: r["s"])
+        print_table(ranked[:6] + [r for r in rows if not r["variant"].startswith("triton TMA")],
+                    [("shape", "shape", ""), ("variant", "variant", ""), ("us", "s", ".2f", 1e6),
+                     ("TB/s", "tbps", ".2f")])
+        save_results(result, "read-bandwidth-probe", args.out)
+
+
+if __name__ == "__main__":
+    main()
