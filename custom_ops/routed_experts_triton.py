@@ -29,7 +29,6 @@ interpreter runs the code the GPU does.
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .attention_triton import _dot
 from .block_counters import block_counters
@@ -136,11 +135,10 @@ def _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_desc, w3_desc, h_ptr, T, KK, SLOTS, shared, G, I, D, limit,
+def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS, shared, G, I, D, limit,
                QUANT_X: tl.constexpr, QUANT_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr, P_PAD: tl.constexpr, G_PAD: tl.constexpr,
-               BY_EXPERT: tl.constexpr, EVEN_N: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
-    """w1_desc, w3_desc: TMA descriptors of the stacked [G * I, D] weights in [BLOCK_N, BLOCK_K] tiles."""
+               BY_EXPERT: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     prog, pid_n = tl.program_id(0), tl.program_id(1)
     e, mine, hit, routed, slot = _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M, KK_PAD, P_PAD, G_PAD,
@@ -152,7 +150,7 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_desc, w3_desc, h_ptr, T, KK, SLOT
     weight = tl.sum(tl.where(hit, tl.where((s == KK)[None, :], 1.0, stored), 0.0), 1)  # the shared slot's: 1
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = n < I
-    first_row = tl.maximum(e, 0) * I + pid_n * BLOCK_N
+    rows = (tl.maximum(e, 0).to(tl.int64) * I + n[:, None]) * D
     x_rows = x_ptr + t[:, None].to(tl.int64) * D
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -161,21 +159,22 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_desc, w3_desc, h_ptr, T, KK, SLOT
         x = tl.load(x_rows + k[None, :], mask=routed[:, None] & (k < D)[None, :], other=0.0)
         if QUANT_X:  # E4M3 values times a power of two: exact in bf16
             x = _fp8_qdq_groups(x.to(tl.float32), BLOCK_M, BLOCK_K).to(tl.bfloat16)
-        gate += _dot(x, tl.trans(_expert_tile(w1_desc, first_row, i * BLOCK_K, n_in, EVEN_N)), FP32_DOT)
-        up += _dot(x, tl.trans(_expert_tile(w3_desc, first_row, i * BLOCK_K, n_in, EVEN_N)), FP32_DOT)
+        w_mask = n_in[:, None] & (k < D)[None, :]
+        gate += _dot(x, tl.trans(tl.load(w1_ptr + rows + k[None, :], mask=w_mask, other=0.0)), FP32_DOT)
+        up += _dot(x, tl.trans(tl.load(w3_ptr + rows + k[None, :], mask=w_mask, other=0.0)), FP32_DOT)
     h = _swiglu_h(gate, up, weight, limit, QUANT_H)
     out = h_ptr + (t * SLOTS + slot).to(tl.int64)[:, None] * I + n[None, :]
     tl.store(out, h.to(tl.bfloat16), mask=(mine & routed)[:, None] & n_in[None, :])
 
 
 @triton.jit
-def _down_kernel(h_ptr, ids_ptr, w2_desc, out_ptr, y_ptr, counter_ptr, T, KK, SLOTS, shared, G, I, D,
+def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, y_ptr, counter_ptr, T, KK, SLOTS, shared, G, I, D,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr,
-                 P_PAD: tl.constexpr, G_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, EVEN_N: tl.constexpr,
-                 FP32_DOT: tl.constexpr, PDL: tl.constexpr):
+                 P_PAD: tl.constexpr, G_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, FP32_DOT: tl.constexpr,
+                 PDL: tl.constexpr):
     """out[t, slot] = bf16(h[t, slot] @ W2[e]^T) for the tokens routed to e, over the programs that compute e
     (_program_expert); then the last program of each column block adds every token's pair outputs there into y
-    (_ordered_sum). w2_desc: a TMA descriptor of the stacked [G * D, I] weight in [BLOCK_N, BLOCK_K] tiles."""
+    (_ordered_sum)."""
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     prog, pid_n = tl.program_id(0), tl.program_id(1)
     e, mine, _, routed, slot = _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M, KK_PAD, P_PAD, G_PAD,
@@ -184,29 +183,19 @@ def _down_kernel(h_ptr, ids_ptr, w2_desc, out_ptr, y_ptr, counter_ptr, T, KK, SL
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = n < D
     rows = (t * SLOTS + slot).to(tl.int64)[:, None]
-    first_row = tl.maximum(e, 0) * D + pid_n * BLOCK_N
+    w_rows = w2_ptr + (tl.maximum(e, 0).to(tl.int64) * D + n[:, None]) * I
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(tl.where(mine, tl.cdiv(I, BLOCK_K), 0)):
         k = i * BLOCK_K + tl.arange(0, BLOCK_K)
         h = tl.load(h_ptr + rows * I + k[None, :], mask=routed[:, None] & (k < I)[None, :], other=0.0)
-        acc += _dot(h, tl.trans(_expert_tile(w2_desc, first_row, i * BLOCK_K, n_in, EVEN_N)), FP32_DOT)
+        w = tl.load(w_rows + k[None, :], mask=n_in[:, None] & (k < I)[None, :], other=0.0)
+        acc += _dot(h, tl.trans(w), FP32_DOT)
     tl.store(out_ptr + rows * D + n[None, :], _round_bf16(acc).to(tl.bfloat16),
              mask=(mine & routed)[:, None] & n_in[None, :])
     tl.debug_barrier()  # every thread's stores are issued before the release below
     if tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel") == tl.num_programs(0) - 1:
         _ordered_sum(out_ptr, ids_ptr, y_ptr, n, T, KK, SLOTS, shared, G, D, BLOCK_M, BLOCK_N, KK_PAD)
         tl.atomic_xchg(counter_ptr + pid_n, 0)  # zero for the next launch
-
-
-@triton.jit
-def _expert_tile(desc, first_row, k0, n_in, EVEN_N: tl.constexpr):
-    """An expert's [BLOCK_N, BLOCK_K] weight tile by TMA (columns past the weight's end arrive as zeros). A last
-    column block that runs past the expert (not EVEN_N) holds the next expert's rows there: zeroed, so that
-    those outputs (never stored) stay out of an FP8 group's amax."""
-    w = desc.load([first_row.to(tl.int32), k0])  # (TMA coordinates are 32-bit; the ids int64)
-    if not EVEN_N:
-        w = tl.where(n_in[:, None], w, 0.0)
-    return w
 
 
 @triton.jit
@@ -237,9 +226,8 @@ def _ordered_sum(out_ptr, ids_ptr, y_ptr, n, T, KK, SLOTS, shared, G, D, BLOCK_M
 
 def kernel_fits(x, w1, w3, w2) -> bool:
     """What the kernels take (else the op runs its reference): bf16 activations and stacks, at most MAX_TOKENS
-    tokens, weight rows in whole 16 bytes (TMA's strides: D and I multiples of 8)."""
-    return (x.shape[0] <= MAX_TOKENS and all(t.dtype == torch.bfloat16 for t in (x, w1, w3, w2))
-            and w1.shape[-1] % 8 == 0 and w2.shape[-1] % 8 == 0)
+    tokens."""
+    return x.shape[0] <= MAX_TOKENS and all(t.dtype == torch.bfloat16 for t in (x, w1, w3, w2))
 
 
 def launches(tokens: int, up: dict | None = None, down: dict | None = None) -> tuple[dict, dict]:
@@ -295,17 +283,13 @@ def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_x, quanti
     rows = experts if by_expert else tokens * slots
     fixed = dict(BLOCK_M=block_m, KK_PAD=kk_pad, P_PAD=p_pad, G_PAD=g_pad, BY_EXPERT=by_expert,
                  FP32_DOT=x.device.type != "cuda")
-    up_tile, down_tile = [up["block_n"], up["block_k"]], [down["block_n"], down["block_k"]]
     _up_kernel[(rows, triton.cdiv(inter, up["block_n"]))](
-        x, weights, ids, TensorDescriptor.from_tensor(w1.view(-1, dim), up_tile),
-        TensorDescriptor.from_tensor(w3.view(-1, dim), up_tile), h, tokens, k, slots, shared_expert, experts, inter,
-        dim, float(limit), QUANT_X=quantize_x, QUANT_H=quantize_h, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"],
-        EVEN_N=inter % up["block_n"] == 0, **fixed, num_warps=up["num_warps"], num_stages=up["num_stages"],
-        **launch_options(x.device, early=False))
+        x, weights, ids, w1, w3, h, tokens, k, slots, shared_expert, experts, inter, dim, float(limit),
+        QUANT_X=quantize_x, QUANT_H=quantize_h, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], **fixed,
+        num_warps=up["num_warps"], num_stages=up["num_stages"], **launch_options(x.device, early=False))
     column_blocks = triton.cdiv(dim, down["block_n"])
     _down_kernel[(rows, column_blocks)](
-        h, ids, TensorDescriptor.from_tensor(w2.view(-1, inter), down_tile), out, y,
-        block_counters(x.device, column_blocks), tokens, k, slots, shared_expert, experts, inter, dim,
-        BLOCK_N=down["block_n"], BLOCK_K=down["block_k"], EVEN_N=dim % down["block_n"] == 0, **fixed,
-        num_warps=down["num_warps"], num_stages=down["num_stages"], **launch_options(x.device))
+        h, ids, w2, out, y, block_counters(x.device, column_blocks), tokens, k, slots, shared_expert, experts, inter,
+        dim, BLOCK_N=down["block_n"], BLOCK_K=down["block_k"], **fixed, num_warps=down["num_warps"],
+        num_stages=down["num_stages"], **launch_options(x.device))
     return y

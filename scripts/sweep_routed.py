@@ -26,9 +26,8 @@ from dsflash_compile.custom_ops.routed_experts import routed_experts_reference
 EXPERTS, SLOTS, DIM, INTER, LIMIT = 9, 7, 5120, 2304, 10.0
 TOKENS = [1, 8, 16]
 # (block_n, block_k, warps, stages); the up kernel's block_n is a multiple of 32 (its FP8 groups of h)
-# (the weights arrive by TMA since 12-04 b: deeper pipelines swept)
-VARIANTS = {"down": list(itertools.product((32, 64, 128), (128, 256), (2, 4), (2, 3, 4))),
-            "up": list(itertools.product((32, 64), (128, 256), (4, 8), (2, 3, 4)))}
+VARIANTS = {"down": list(itertools.product((16, 32, 64, 128), (128, 256), (2, 4, 8), (2, 3))),
+            "up": list(itertools.product((32, 64), (64, 128, 256), (2, 4, 8), (2, 3)))}
 COLUMNS = [("tokens", "tokens", "d"), ("block_n", "block_n", "d"), ("block_k", "block_k", "d"),
            ("warps", "num_warps", "d"), ("stages", "num_stages", "d"), ("op us", "s", ".1f", 1e6),
            ("agrees", "agrees", "")]

@@ -171,14 +171,10 @@ def test_opcheck_and_errors():
         CompileOptions(moe_few_tokens=65)
 
 
-def _up_args(tile):
-    return dict(x_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i64", w1_desc=tile, w3_desc=tile, h_ptr="*bf16",
-                T="i32", KK="i32", SLOTS="i32", shared="i32", G="i32", I="i32", D="i32", limit="fp32")
-
-
-def _down_args(tile, y="*fp32"):
-    return dict(h_ptr="*bf16", ids_ptr="*i64", w2_desc=tile, out_ptr="*bf16", y_ptr=y, counter_ptr="*i32",
-                T="i32", KK="i32", SLOTS="i32", shared="i32", G="i32", I="i32", D="i32")
+_UP = dict(x_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i64", w1_ptr="*bf16", w3_ptr="*bf16", h_ptr="*bf16",
+           T="i32", KK="i32", SLOTS="i32", shared="i32", G="i32", I="i32", D="i32", limit="fp32")
+_DOWN = dict(h_ptr="*bf16", ids_ptr="*i64", w2_ptr="*bf16", out_ptr="*bf16", y_ptr="*fp32", counter_ptr="*i32",
+             T="i32", KK="i32", SLOTS="i32", shared="i32", G="i32", I="i32", D="i32")
 
 
 @pytest.mark.parametrize("block_m", [16, 32, 64])
@@ -191,12 +187,11 @@ def test_kernels_compile_for_hopper_without_spills(block_m):
     up, down = module.launches(block_m)
     by_expert = module.by_expert_grid(block_m, 9, 7)
     assert by_expert == (block_m > 16)
-    up_tile, down_tile = (f"tensordesc<bf16[{launch['block_n']},{launch['block_k']}]>" for launch in (up, down))
-    for name, arg_types, launch, extra in (("_up_kernel", _up_args(up_tile), up, dict(QUANT_X=True, QUANT_H=True)),
-                                           ("_down_kernel", _down_args(down_tile), down, {}),
-                                           ("_down_kernel", _down_args(down_tile, "*bf16"), down, {})):  # out_bf16
+    for name, arg_types, launch, extra in (("_up_kernel", _UP, up, dict(QUANT_X=True, QUANT_H=True)),
+                                           ("_down_kernel", _DOWN, down, {}),
+                                           ("_down_kernel", dict(_DOWN, y_ptr="*bf16"), down, {})):  # out_bf16
         constexprs = dict(BLOCK_M=block_m, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"], KK_PAD=8,
-                          P_PAD=8 * block_m, G_PAD=16, BY_EXPERT=by_expert, EVEN_N=True, FP32_DOT=False, **extra)
+                          P_PAD=8 * block_m, G_PAD=16, BY_EXPERT=by_expert, FP32_DOT=False, **extra)
         check_compiles_for_hopper(module, (name, arg_types, constexprs, launch["num_warps"]))
 
 
