@@ -27,7 +27,7 @@ from dsflash_compile.custom_ops import bf16_linear_triton as tiled
 SHAPES = {"moe_up (7 x w1+w3)": (32256, 5120), "moe_down (7 x w2)": (35840, 2304), "wq_b": (32768, 1280),
           "wo_b": (5120, 8192)}
 # (block_n, block_k, num_stages, num_warps)
-TMA_GRID = list(itertools.product((32, 64, 128), (128, 256), (3, 5, 8), (4,)))
+TMA_GRID = list(itertools.product((32, 64, 128), (128, 256), (3, 5, 6, 7), (4,)))
 
 
 @triton.jit

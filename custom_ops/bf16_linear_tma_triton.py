@@ -1,0 +1,73 @@
+"""TMA kernel of `dsflash::bf16_linear` for one row of a long-K projection (the math: bf16_linear.py): the
+attention's wo_b at decode batch 1.
+
+Each program owns BLOCK_N outputs over all of K and takes its weight tiles by TMA (a host tensor descriptor):
+a tile lands in shared memory with no registers or address arithmetic of the program's, so NUM_STAGES tiles of
+32 KB, 160 KB, are in flight a program. bf16_linear_triton.py's kernel (cp.async, 8 KB tiles, 2 stages) needs
+K split three ways to fill the GPU and still reads wo_b slower. H200, wo_b (5120 x 8192, 84 MB) alone
+(scripts/probe_read_bandwidth.py, 12-04 b3): 23.5 us at [64, 256] x 5 stages on 80 programs, against 27.7 for
+bf16_linear_triton.py's default launch and 27.1 for cuBLAS; at 3 stages 27.7. For wq_b (K 1280: a row is 5
+tiles, mostly the pipeline's ramp) the best TMA launch took 22.8 us against 23.4: not taken (MIN_K).
+
+x is FP8-rounded per 32-column group as loaded (QUANT_X) and multiplied on tensor cores in a 16-row tile whose
+other rows are zeros; fp32 sums, one rounding to bf16 (bf16 products are exact in fp32: only the summation
+order differs from the reference's GEMM).
+"""
+
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .attention_triton import _dot
+from .pdl import launch_options, pdl_wait
+from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
+
+BLOCK_N = 64
+BLOCK_K = 256
+NUM_STAGES = 5  # 5 x 32 KB of shared memory a program
+NUM_WARPS = 4
+MIN_K = 8192  # the K (a group's) from which one-row projections take this kernel: wo_b (the one timed)
+
+
+@triton.jit
+def _tma_gemv_kernel(x_ptr, w_desc, out_ptr, K, n_per_group, QUANT_X: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
+    """x [groups * K], out [N]; w_desc: the [N, K] weight in [BLOCK_N, BLOCK_K] tiles (columns past K arrive as
+    zeros); BLOCK_N divides n_per_group, so a program's outputs read one group's inputs."""
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
+    pid = tl.program_id(0)
+    x_row = x_ptr + (pid * BLOCK_N // n_per_group) * K
+    first = tl.arange(0, 16)[:, None] == 0  # the dot's tile: x in row 0, zeros below
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for kb in range(tl.cdiv(K, BLOCK_K)):
+        k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + k[None, :], mask=(k < K)[None, :], other=0.0)
+        if QUANT_X:  # E4M3 values times a power of two: exact in bf16
+            x = _fp8_qdq_groups(x.to(tl.float32), 1, BLOCK_K)
+        x = tl.where(first, x, 0.0).to(tl.bfloat16)
+        acc += _dot(x, tl.trans(w_desc.load([pid * BLOCK_N, kb * BLOCK_K])), FP32_DOT)
+    tl.store(out_ptr + pid * BLOCK_N + tl.arange(0, BLOCK_N), _round_bf16(tl.sum(acc, 0)).to(tl.bfloat16))
+
+
+def takes(x, weight, groups, block_n: int = BLOCK_N, min_k: int = MIN_K) -> bool:
+    """One row of a projection with K >= min_k a group, outputs in block_n-wide blocks a group, rows of whole
+    16 bytes at a 16-byte aligned address (TMA's rules)."""
+    n, k = weight.shape
+    return (x.numel() == x.shape[-1] and k >= min_k and (n // groups) % block_n == 0 and k % 8 == 0
+            and weight.is_contiguous() and weight.data_ptr() % 16 == 0)
+
+
+def bf16_linear_tma(x, weight, groups, quantize_x, block_n=BLOCK_N, block_k=BLOCK_K, num_stages=NUM_STAGES,
+                    num_warps=NUM_WARPS):
+    """bf16 [..., N] as the reference for one row (`takes`, up to min_k); the launch arguments for sweeps."""
+    n, k = weight.shape
+    if (n // groups) % block_n or block_k < 32 or block_k & (block_k - 1):
+        raise ValueError(f"bf16_linear TMA: block_n={block_n} must divide a group's {n // groups} outputs and "
+                         f"block_k={block_k} be a power of two >= 32 (whole FP8 groups)")
+    out = x.new_empty(n)
+    _tma_gemv_kernel[(n // block_n,)](
+        x.contiguous(), TensorDescriptor.from_tensor(weight, [block_n, block_k]), out, k, n // groups,
+        QUANT_X=quantize_x, BLOCK_N=block_n, BLOCK_K=block_k, FP32_DOT=x.device.type != "cuda",
+        num_stages=num_stages, num_warps=num_warps, **launch_options(x.device))
+    return out.view(*x.shape[:-1], n)
+

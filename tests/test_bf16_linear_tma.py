@@ -1,0 +1,107 @@
+"""The one-row TMA kernel of `dsflash::bf16_linear` (custom_ops/bf16_linear_tma_triton.py).
+
+Under the interpreter against the reference (bit for bit on data whose sums are exact in fp32): K not a multiple
+of the tile, grouped, with and without the FP8 of x; which projections take it; compiled for sm_90 with TMA
+loads and no spills; on a GPU at wo_b's size, through the op and in a CUDA graph."""
+
+import re
+
+import pytest
+import torch
+from hopper import check_compiles_for_hopper, compile_for_hopper
+from interp import report, requires_interpreter, run_interpreted
+from test_bf16_linear import RELEASE, case_inputs
+
+from dsflash_compile.custom_ops import bf16_linear_tma_triton as tma
+from dsflash_compile.custom_ops.bf16_linear import bf16_linear_reference
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# name: (K per group, N, groups, quantize_x, exact data, launch)
+CASES = {
+    "quantized": (512, 64, 1, True, True, dict(block_n=32, block_k=128, num_stages=2)),
+    "ragged_k": (224, 96, 1, True, True, dict(block_n=32, block_k=64, num_stages=3)),  # a last tile 32 wide
+    "grouped": (256, 64, 4, False, True, dict(block_n=16, block_k=64, num_stages=2)),
+    "random_data": (1024, 64, 1, True, False, dict(block_n=64, block_k=256, num_stages=5)),
+}
+
+
+def interpreter_checks():
+    """Entry point of the subprocess: every case's kernel against the reference."""
+    for name, (k, n, groups, quantize_x, exact, launch) in CASES.items():
+        x, w = case_inputs((1,), k, n, groups, exact)
+        got = tma.bf16_linear_tma(x, w, groups, quantize_x, **launch)
+        want = bf16_linear_reference(x, w, groups, quantize_x)
+        report(dict(name=name, same=torch.equal(got, want), shape=list(got.shape),
+                    err=((got - want).abs().max() / want.abs().max()).item()))
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted("test_bf16_linear_tma", "interpreter_checks")
+
+
+@requires_interpreter
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference(interpreted, name):
+    result, (_, n, _, _, exact, _) = interpreted[name], CASES[name]
+    assert result["shape"] == [1, n], result
+    if exact:
+        assert result["same"], result
+    else:  # another summation order can move a bf16 rounding
+        assert result["err"] <= 1e-2, result
+
+
+def test_which_projections_take_it():
+    """Of the release's projections one row of wo_b (K 8192), not more rows, not the others."""
+    def takes(name, rows=1):
+        k, n, groups, _ = RELEASE[name]
+        x, w = torch.zeros(rows, groups * k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.bfloat16)
+        return tma.takes(x, w, groups)
+
+    assert [name for name in RELEASE if takes(name)] == ["wo_b"]
+    assert not takes("wo_b", rows=2)
+    x, w = torch.zeros(1, 8200, dtype=torch.bfloat16), torch.zeros(64, 8200, dtype=torch.bfloat16)
+    assert tma.takes(x, w, 1) and not tma.takes(x[:, :8196], w[:, :8196].contiguous(), 1)  # rows of whole 16 bytes
+
+
+def test_rejects_launches_it_cannot_run():
+    x, w = case_inputs((1,), 64, 48, 1, True)
+    with pytest.raises(ValueError, match="block_n=32 must divide a group's 48 outputs"):
+        tma.bf16_linear_tma(x, w, 1, True, block_n=32)
+    with pytest.raises(ValueError, match="block_k=48 be a power of two"):
+        tma.bf16_linear_tma(x, w, 1, True, block_n=16, block_k=48)
+
+
+@pytest.mark.parametrize("quantize", [True, False])
+def test_compiles_for_hopper_with_tma_without_spills(quantize):
+    """The default launch on sm_90: no spills, the weight's tiles by TMA (cp.async.bulk.tensor)."""
+    args = dict(x_ptr="*bf16", w_desc=f"tensordesc<bf16[{tma.BLOCK_N},{tma.BLOCK_K}]>", out_ptr="*bf16", K="i32",
+                n_per_group="i32")
+    spec = ("_tma_gemv_kernel", args, dict(QUANT_X=quantize, BLOCK_N=tma.BLOCK_N, BLOCK_K=tma.BLOCK_K,
+                                           FP32_DOT=False), tma.NUM_WARPS)
+    check_compiles_for_hopper(tma, spec, divisible_by_16=("x_ptr", "K"))
+    ptx = compile_for_hopper(tma, spec, divisible_by_16=("x_ptr", "K")).asm["ptx"]
+    assert re.search(r"cp\.async\.bulk\.tensor", ptx), "the weight's tiles do not arrive by TMA"
+
+
+# ----------------------------------------------------------------------------------------------- CUDA
+
+@requires_cuda
+def test_wo_b_on_cuda():
+    """wo_b's size: against the reference (cuBLAS: another summation order), the op taking this kernel (the same
+    bits), and replayed in a CUDA graph on new x."""
+    k, n, groups, quantize = RELEASE["wo_b"]
+    x, w = case_inputs((1,), k, n, groups, False, device="cuda")
+    got = tma.bf16_linear_tma(x, w, groups, quantize)
+    want = bf16_linear_reference(x, w, groups, quantize)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-2
+    assert torch.equal(torch.ops.dsflash.bf16_linear(x, w, groups, quantize), got)
+    assert torch.equal(torch.ops.dsflash.bf16_gemv(x, w, groups, quantize), got)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.ops.dsflash.bf16_linear(x, w, groups, quantize)
+    x.copy_(case_inputs((1,), k, n, groups, False, seed=1, device="cuda")[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, tma.bf16_linear_tma(x, w, groups, quantize))
