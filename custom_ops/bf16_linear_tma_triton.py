@@ -26,7 +26,7 @@ BLOCK_N = 64
 BLOCK_K = 256
 NUM_STAGES = 5  # 5 x 32 KB of shared memory a program
 NUM_WARPS = 4
-MIN_K = 8192  # the K (a group's) from which one-row projections take this kernel: wo_b (the one timed)
+MIN_K = 4096  # the K (a group's) from which one-row projections take this kernel: wo_b and wo_a
 
 
 @triton.jit
