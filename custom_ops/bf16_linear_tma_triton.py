@@ -26,7 +26,10 @@ BLOCK_N = 64
 BLOCK_K = 256
 NUM_STAGES = 5  # 5 x 32 KB of shared memory a program
 NUM_WARPS = 4
-MIN_K = 4096  # the K (a group's) from which one-row projections take this kernel: wo_b and wo_a
+# one-row projections with K (a group's) and weight bytes of at least these take the kernel: wo_b and wo_a (timed);
+# not wq_b (K 1280) nor wq_a+wkv (18 MB: bf16_gemv's whole-row kernel)
+MIN_K = 4096
+MIN_BYTES = 64 << 20
 
 
 @triton.jit
@@ -49,17 +52,18 @@ def _tma_gemv_kernel(x_ptr, w_desc, out_ptr, K, n_per_group, QUANT_X: tl.constex
     tl.store(out_ptr + pid * BLOCK_N + tl.arange(0, BLOCK_N), _round_bf16(tl.sum(acc, 0)).to(tl.bfloat16))
 
 
-def takes(x, weight, groups, block_n: int = BLOCK_N, min_k: int = MIN_K) -> bool:
-    """One row of a projection with K >= min_k a group, outputs in block_n-wide blocks a group, rows of whole
-    16 bytes at a 16-byte aligned address (TMA's rules)."""
+def takes(x, weight, groups, block_n: int = BLOCK_N) -> bool:
+    """One row of a projection of at least MIN_K a group and MIN_BYTES, outputs in block_n-wide blocks a group,
+    rows of whole 16 bytes at a 16-byte aligned address (TMA's rules)."""
     n, k = weight.shape
-    return (x.numel() == x.shape[-1] and k >= min_k and (n // groups) % block_n == 0 and k % 8 == 0
-            and weight.is_contiguous() and weight.data_ptr() % 16 == 0)
+    return (x.numel() == x.shape[-1] and k >= MIN_K and n * k * 2 >= MIN_BYTES and (n // groups) % block_n == 0
+            and k % 8 == 0 and weight.is_contiguous() and weight.data_ptr() % 16 == 0)
 
 
 def bf16_linear_tma(x, weight, groups, quantize_x, block_n=BLOCK_N, block_k=BLOCK_K, num_stages=NUM_STAGES,
                     num_warps=NUM_WARPS):
-    """bf16 [..., N] as the reference for one row (`takes`, up to min_k); the launch arguments for sweeps."""
+    """bf16 [..., N] as the reference for one row (any size; `takes`: where the op uses it); the launch arguments
+    for sweeps."""
     n, k = weight.shape
     if (n // groups) % block_n or block_k < 32 or block_k & (block_k - 1):
         raise ValueError(f"bf16_linear TMA: block_n={block_n} must divide a group's {n // groups} outputs and "

@@ -62,8 +62,9 @@ def test_which_projections_take_it():
 
     assert [name for name in RELEASE if takes(name)] == ["wo_a", "wo_b"]
     assert not takes("wo_b", rows=2)
-    x, w = torch.zeros(1, 8200, dtype=torch.bfloat16), torch.zeros(64, 8200, dtype=torch.bfloat16)
+    x, w = torch.zeros(1, 8200, dtype=torch.bfloat16), torch.zeros(4096, 8200, dtype=torch.bfloat16)
     assert tma.takes(x, w, 1) and not tma.takes(x[:, :8196], w[:, :8196].contiguous(), 1)  # rows of whole 16 bytes
+    assert not tma.takes(x, w[:64], 1)  # 1 MB
 
 
 def test_rejects_launches_it_cannot_run():
