@@ -26,9 +26,10 @@ BLOCK_N = 64
 BLOCK_K = 256
 NUM_STAGES = 5  # 5 x 32 KB of shared memory a program
 NUM_WARPS = 4
-# one-row projections with K (a group's) and weight bytes of at least these take the kernel: wo_b and wo_a (timed);
-# not wq_b (K 1280) nor wq_a+wkv (18 MB: bf16_gemv's whole-row kernel)
-MIN_K = 4096
+# one-row projections with K (a group's) and weight bytes of at least these take the kernel: wo_b. wo_a (K 4096 a
+# group, 67 MB) on it took 19.1 us of a layer's path (12-04 b6) against 19.5 on the tiled kernel on another
+# machine (b5): not shown to pay, left out; wq_b (K 1280) and wq_a+wkv (18 MB: bf16_gemv's whole-row kernel) too
+MIN_K = 8192
 MIN_BYTES = 64 << 20
 
 
