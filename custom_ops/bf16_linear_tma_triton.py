@@ -2,8 +2,8 @@
 attention's wo_b at decode batch 1.
 
 Each program owns BLOCK_N outputs over all of K and takes its weight tiles by TMA (a host tensor descriptor):
-a tile lands in shared memory with no registers or address arithmetic of the program's, so NUM_STAGES tiles of
-32 KB, 160 KB, are in flight a program. bf16_linear_triton.py's kernel (cp.async, 8 KB tiles, 2 stages) needs
+a tile lands in shared memory with no registers or address arithmetic of the program's, so (LONG's launch) 5
+tiles of 32 KB, 160 KB, are in flight a program. bf16_linear_triton.py's kernel (cp.async, 8 KB tiles, 2 stages) needs
 K split three ways to fill the GPU and still reads wo_b slower. H200, wo_b (5120 x 8192, 84 MB) alone
 (scripts/probe_read_bandwidth.py, 12-04 b3): 23.5 us at [64, 256] x 5 stages on 80 programs, against 27.7 for
 bf16_linear_triton.py's default launch and 27.1 for cuBLAS; at 3 stages 27.7. For wq_b (K 1280: a row is 5
@@ -22,10 +22,12 @@ from .attention_triton import _dot
 from .pdl import launch_options, pdl_wait
 from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
 
-BLOCK_N = 64
-BLOCK_K = 256
-NUM_STAGES = 5  # 5 x 32 KB of shared memory a program
-NUM_WARPS = 4
+# the launch of a row of at least LONG_K: [64, 256] tiles, 5 stages (5 x 32 KB of shared memory a program); of a
+# shorter row [128, 128] tiles, 3 stages (b3 probe, wq_b's K 1280: 22.8 us against 23.5-33.7 at 5 or more stages,
+# which leave fewer programs an SM, and 24.8-26.1 at [64, 256])
+LONG_K = 4096
+LONG = dict(block_n=64, block_k=256, num_stages=5, num_warps=4)
+SHORT = dict(block_n=128, block_k=128, num_stages=3, num_warps=4)
 # one-row projections with K (a group's) and weight bytes of at least these take the kernel: wo_b. wo_a (K 4096 a
 # group, 67 MB) on it took 19.1 us of a layer's path (12-04 b6) against 19.5 on the tiled kernel on another
 # machine (b5): not shown to pay, left out; wq_b (K 1280) and wq_a+wkv (18 MB: bf16_gemv's whole-row kernel) too
@@ -53,19 +55,25 @@ def _tma_gemv_kernel(x_ptr, w_desc, out_ptr, K, n_per_group, QUANT_X: tl.constex
     tl.store(out_ptr + pid * BLOCK_N + tl.arange(0, BLOCK_N), _round_bf16(tl.sum(acc, 0)).to(tl.bfloat16))
 
 
-def takes(x, weight, groups, block_n: int = BLOCK_N) -> bool:
-    """One row of a projection of at least MIN_K a group and MIN_BYTES, outputs in block_n-wide blocks a group,
-    rows of whole 16 bytes at a 16-byte aligned address (TMA's rules)."""
-    n, k = weight.shape
-    return (x.numel() == x.shape[-1] and k >= MIN_K and n * k * 2 >= MIN_BYTES and (n // groups) % block_n == 0
-            and k % 8 == 0 and weight.is_contiguous() and weight.data_ptr() % 16 == 0)
+def launch(k: int, **overrides) -> dict:
+    """The launch (block_n, block_k, num_stages, num_warps) of a row of K, with overrides (sweeps, tests)."""
+    return {**(LONG if k >= LONG_K else SHORT), **overrides}
 
 
-def bf16_linear_tma(x, weight, groups, quantize_x, block_n=BLOCK_N, block_k=BLOCK_K, num_stages=NUM_STAGES,
-                    num_warps=NUM_WARPS):
-    """bf16 [..., N] as the reference for one row (any size; `takes`: where the op uses it); the launch arguments
-    for sweeps."""
+def takes(x, weight, groups) -> bool:
+    """One row of a projection of at least MIN_K a group and MIN_BYTES, outputs in whole blocks of its launch a
+    group, rows of whole 16 bytes at a 16-byte aligned address (TMA's rules)."""
     n, k = weight.shape
+    return (x.numel() == x.shape[-1] and k >= MIN_K and n * k * 2 >= MIN_BYTES
+            and (n // groups) % launch(k)["block_n"] == 0 and k % 8 == 0 and weight.is_contiguous()
+            and weight.data_ptr() % 16 == 0)
+
+
+def bf16_linear_tma(x, weight, groups, quantize_x, **overrides):
+    """bf16 [..., N] as the reference for one row (any size; `takes`: where the op uses it); overrides: `launch`'s."""
+    n, k = weight.shape
+    settings = launch(k, **overrides)
+    block_n, block_k = settings["block_n"], settings["block_k"]
     if (n // groups) % block_n or block_k < 32 or block_k & (block_k - 1):
         raise ValueError(f"bf16_linear TMA: block_n={block_n} must divide a group's {n // groups} outputs and "
                          f"block_k={block_k} be a power of two >= 32 (whole FP8 groups)")
@@ -73,6 +81,6 @@ def bf16_linear_tma(x, weight, groups, quantize_x, block_n=BLOCK_N, block_k=BLOC
     _tma_gemv_kernel[(n // block_n,)](
         x.contiguous(), TensorDescriptor.from_tensor(weight, [block_n, block_k]), out, k, n // groups,
         QUANT_X=quantize_x, BLOCK_N=block_n, BLOCK_K=block_k, FP32_DOT=x.device.type != "cuda",
-        num_stages=num_stages, num_warps=num_warps, **launch_options(x.device))
+        num_stages=settings["num_stages"], num_warps=settings["num_warps"], **launch_options(x.device))
     return out.view(*x.shape[:-1], n)
 

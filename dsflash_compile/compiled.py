@@ -87,12 +87,15 @@ class CompileOptions:
     # a layer). Off: no clear gain. H200, B1 side by side (12-03 a3, compile_and_profile --variants
     # passes,linear-rope): 10.498 ms with it against 10.513 without, rounds overlapping, logits not bit-equal (max
     # 0.12 of 6.2, same argmax); wq_b's path grew by 0.6 us a layer (its tail blocks loaded cos / sin after the
-    # GEMV; they load before the K loop since, not measured yet: compile_and_profile --variants passes,linear-rope)
+    # GEMV). With cos / sin loaded before the K loop (12-04 b1): 10.336 ms against 10.343, rounds overlapping, wq_b +
+    # RoPE 22.8 us of a layer's path against 23.4; logits 1.3 apart (of 6.3) and another argmax, where the op alone
+    # gives linear + rope_'s bits at one row (CUDA test): not understood, so still off
     linear_rope: bool = False
     # issue 5: with mhc_defer_mixes, a deferred seam whose normed row only the one-row GEMV of wq_a + wkv reads leaves
     # its RMSNorm to that GEMV's programs, which load the whole row anyway (passes/seam_norm_gemv.py): the seam then
-    # takes no counter and no program finishes it (its path 7.3 us a layer at B1 on the H200, 12-03 a3). Off: not
-    # measured yet (compile_and_profile --variants passes,seam-norm-gemv)
+    # takes no counter and no program finishes it (its path 7.3 us a layer at B1 on the H200, 12-03 a3). Off: no
+    # clear gain. H200, B1 side by side (12-04 b1): 10.330 ms against 10.343, rounds overlapping; the seam 5.0 us of
+    # a layer's path against 7.8, the GEMV, each program summing the row's squares, 9.6 against 7.2
     seam_norm_gemv: bool = False
     # issue 5: dsflash::kv_norm_rope reads and computes before its PDL wait where a kernel computed from its
     # inputs' producers runs between them (passes/early_reads.py). Off: it did not pay. H200, B1 side by side

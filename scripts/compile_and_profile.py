@@ -20,10 +20,12 @@ with `--context` random rows per row (the step's cost does not depend on what th
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager
 
 import torch
 from torch._dynamo.utils import counters
@@ -57,8 +59,9 @@ VARIANTS = {
     "cublas-tall": {"linear_tall": False},  # 33-64 rows of wo_a / wo_b on cuBLAS (before QuantLinear.tall_rows)
     "router-in-seam": {"router_in_seam": True},  # the router inside the FFN's deferred seam (passes/router_seam.py)
     "linear-rope": {"linear_rope": True},  # q's RoPE in wq_b's epilogue (passes/linear_rope.py; off: no clear gain)
-    "seam-norm-gemv": {"seam_norm_gemv": True},  # the attention seam's norm in the wq_a+wkv GEMV (not measured)
+    "seam-norm-gemv": {"seam_norm_gemv": True},  # the attention seam's norm in the wq_a+wkv GEMV (off: no clear gain)
     "joint-norms": {"qkv_norm_op": True},  # q's norm in kv_norm_rope's launch (dsflash::qkv_norm_rope; off: slower)
+    "tma-linear-all": {},  # one row of wq_b, wo_a and wo_b on the TMA GEMV (KERNEL_SETTINGS; by default wo_b's only)
     "fused-mixes": {"mhc_defer_mixes": False},  # each seam finishes its own mixes (before passes/mhc_defer.py)
     "early-reads": {"early_reads": True},  # kv_norm_rope reading before its PDL wait (passes/early_reads.py)
     "one-graph": {"decode_graph_pieces": 1},  # the decode step as one CUDA graph (before piecewise_graph.py)
@@ -76,6 +79,27 @@ VARIANTS = {
     "passes": {},
     "warm": {},
 }
+
+# module constants a variant sets while it compiles and captures (its CUDA graphs keep the kernels the ops picked
+# then): launch rules measured side by side before they become defaults
+KERNEL_SETTINGS = {"tma-linear-all": {"dsflash_compile.custom_ops.bf16_linear_tma_triton": {"MIN_K": 1024}}}
+
+
+@contextmanager
+def kernel_settings(settings: dict):
+    """Set {module name: {constant: value}} for the block, then restore the values."""
+    saved = []
+    for name, values in settings.items():
+        module = importlib.import_module(name)
+        for constant, value in values.items():
+            saved.append((module, constant, getattr(module, constant)))
+            setattr(module, constant, value)
+    try:
+        yield
+    finally:
+        for module, constant, value in reversed(saved):
+            setattr(module, constant, value)
+
 
 
 def fill_cache(cache, batch: int, context: int, gen: torch.Generator) -> None:
@@ -238,51 +262,52 @@ def main() -> None:
     steps, alive = {}, []  # variant -> batch -> its decode step; the tensors its graphs read
     all_logits = {batch: {} for batch in args.batch}  # batch -> variant -> its third step's logits, in run order
     for variant in [v for v in VARIANTS if v in variants or (v == "warm" and "passes" in variants)]:
-        key = variant.replace("-", "_")
-        torch._dynamo.reset()
-        counters.clear()
-        model.compiled_runner = None
-        dsflash_compile.compile(model, max_batch=max_batch, max_length=max_length, batch_buckets=tuple(args.batch),
-                                **VARIANTS[variant])
-        runner = model.compiled_runner
-        for batch, (ids, mask) in inputs.items():
-            row = rows[batch]
-            runner.cache.reset()
-            # the same cache for every variant, so their logits compare
-            fill_cache(runner.cache, batch, args.context, torch.Generator(device="cuda").manual_seed(batch))
-            compiled_step = decode_step(runner, ids, mask, args.context)
-            if variant != "warm":
-                steps.setdefault(key, {})[batch] = compiled_step
-            start = time.perf_counter()
-            for _ in range(3):  # compile, record the CUDA graph, first replay
-                logits = compiled_step()
-            torch.cuda.synchronize()
-            row[f"{key}_compile_s"] = time.perf_counter() - start
-            print(f"{variant} batch {batch}: first three calls (compile + capture) {row[f'{key}_compile_s']:.1f} s",
-                  flush=True)
-            if variant == "warm":
-                continue
-            all_logits[batch][key] = logits[:batch].clone()
-            first, first_logits = next(iter(all_logits[batch].items()))
-            row[f"{key}_logits_vs_{first}"] = compare_logits(logits[:batch], first_logits)
-            graphs = counters["stats"]["unique_graphs"]
-            step_time(compiled_step, args.steps)  # steps after warm-up for the recompile count; the rounds time them
-            # every variant's trace (the passes' without a suffix): two compiles' kernels side by side
-            suffix = "" if variant == "passes" else f"-{variant}"
-            trace = os.path.join(args.out, f"decode-trace-{args.preset}-b{batch}{suffix}.json")
-            row[f"{key}_profile"] = profile_step(compiled_step, trace, top=15 if variant == "passes" else 0)
-            row[f"{key}_recompiles_after_warmup"] = counters["stats"]["unique_graphs"] - graphs
-            row[f"{key}_graph_breaks"] = sum(counters["graph_break"].values())
-            if runner.pass_manager is not None:
-                # a variant compiled after another with the same passes can hit Inductor's FX graph cache: its
-                # passes do not run again and count 0, so pass_matches keeps the largest count (a cold compile's)
-                matches = dict(runner.pass_manager.matches)
-                row[f"{key}_pass_matches"] = matches
-                if sum(matches.values()) >= sum(row.get("pass_matches", {}).values()):
-                    row["pass_matches"] = matches
-            print(f"{variant} batch {batch}: {row[f'{key}_profile']['kernels']} kernels, "
-                  f"{row[f'{key}_profile']['device_us']:.0f} us of kernel time", flush=True)
-            save_results(result, summary, args.out)  # partial results survive a timeout
+        with kernel_settings(KERNEL_SETTINGS.get(variant, {})):
+            key = variant.replace("-", "_")
+            torch._dynamo.reset()
+            counters.clear()
+            model.compiled_runner = None
+            dsflash_compile.compile(model, max_batch=max_batch, max_length=max_length, batch_buckets=tuple(args.batch),
+                                    **VARIANTS[variant])
+            runner = model.compiled_runner
+            for batch, (ids, mask) in inputs.items():
+                row = rows[batch]
+                runner.cache.reset()
+                # the same cache for every variant, so their logits compare
+                fill_cache(runner.cache, batch, args.context, torch.Generator(device="cuda").manual_seed(batch))
+                compiled_step = decode_step(runner, ids, mask, args.context)
+                if variant != "warm":
+                    steps.setdefault(key, {})[batch] = compiled_step
+                start = time.perf_counter()
+                for _ in range(3):  # compile, record the CUDA graph, first replay
+                    logits = compiled_step()
+                torch.cuda.synchronize()
+                row[f"{key}_compile_s"] = time.perf_counter() - start
+                print(f"{variant} batch {batch}: first three calls (compile + capture) {row[f'{key}_compile_s']:.1f} s",
+                      flush=True)
+                if variant == "warm":
+                    continue
+                all_logits[batch][key] = logits[:batch].clone()
+                first, first_logits = next(iter(all_logits[batch].items()))
+                row[f"{key}_logits_vs_{first}"] = compare_logits(logits[:batch], first_logits)
+                graphs = counters["stats"]["unique_graphs"]
+                step_time(compiled_step, args.steps)  # steps after warm-up for the recompiles; the rounds time them
+                # every variant's trace (the passes' without a suffix): two compiles' kernels side by side
+                suffix = "" if variant == "passes" else f"-{variant}"
+                trace = os.path.join(args.out, f"decode-trace-{args.preset}-b{batch}{suffix}.json")
+                row[f"{key}_profile"] = profile_step(compiled_step, trace, top=15 if variant == "passes" else 0)
+                row[f"{key}_recompiles_after_warmup"] = counters["stats"]["unique_graphs"] - graphs
+                row[f"{key}_graph_breaks"] = sum(counters["graph_break"].values())
+                if runner.pass_manager is not None:
+                    # a variant compiled after another with the same passes can hit Inductor's FX graph cache: its
+                    # passes do not run again and count 0, so pass_matches keeps the largest count (a cold compile's)
+                    matches = dict(runner.pass_manager.matches)
+                    row[f"{key}_pass_matches"] = matches
+                    if sum(matches.values()) >= sum(row.get("pass_matches", {}).values()):
+                        row["pass_matches"] = matches
+                print(f"{variant} batch {batch}: {row[f'{key}_profile']['kernels']} kernels, "
+                      f"{row[f'{key}_profile']['device_us']:.0f} us of kernel time", flush=True)
+                save_results(result, summary, args.out)  # partial results survive a timeout
         alive.append([*model.parameters(), *model.buffers()])
 
     if args.eager_logits and model.compiled_runner is not None:

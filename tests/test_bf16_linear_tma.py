@@ -2,7 +2,7 @@
 
 Under the interpreter against the reference (bit for bit on data whose sums are exact in fp32): K not a multiple
 of the tile, grouped, with and without the FP8 of x; which projections take it; compiled for sm_90 with TMA
-loads and no spills; on a GPU at wo_b's size, through the op and in a CUDA graph."""
+loads and no spills; on a GPU at the release's sizes (wo_b through the op) and in a CUDA graph."""
 
 import re
 
@@ -66,6 +66,13 @@ def test_which_projections_take_it():
     assert not tma.takes(x, w[:64], 1)  # 1 MB
 
 
+def test_launch_by_row_length():
+    """[64, 256] x 5 stages from LONG_K (wo_a, wo_b), [128, 128] x 3 below (wq_b); overrides win."""
+    assert tma.launch(8192) == tma.launch(4096) == dict(block_n=64, block_k=256, num_stages=5, num_warps=4)
+    assert tma.launch(1280) == dict(block_n=128, block_k=128, num_stages=3, num_warps=4)
+    assert tma.launch(1280, num_stages=2)["num_stages"] == 2
+
+
 def test_rejects_launches_it_cannot_run():
     x, w = case_inputs((1,), 64, 48, 1, True)
     with pytest.raises(ValueError, match="block_n=32 must divide a group's 48 outputs"):
@@ -77,10 +84,11 @@ def test_rejects_launches_it_cannot_run():
 @pytest.mark.parametrize("quantize", [True, False])
 def test_compiles_for_hopper_with_tma_without_spills(quantize):
     """The default launch on sm_90: no spills, the weight's tiles by TMA (cp.async.bulk.tensor)."""
-    args = dict(x_ptr="*bf16", w_desc=f"tensordesc<bf16[{tma.BLOCK_N},{tma.BLOCK_K}]>", out_ptr="*bf16", K="i32",
-                n_per_group="i32")
-    spec = ("_tma_gemv_kernel", args, dict(QUANT_X=quantize, BLOCK_N=tma.BLOCK_N, BLOCK_K=tma.BLOCK_K,
-                                           FP32_DOT=False), tma.NUM_WARPS)
+    launch = tma.launch(8192)
+    args = dict(x_ptr="*bf16", w_desc=f"tensordesc<bf16[{launch['block_n']},{launch['block_k']}]>", out_ptr="*bf16",
+                K="i32", n_per_group="i32")
+    spec = ("_tma_gemv_kernel", args, dict(QUANT_X=quantize, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
+                                           FP32_DOT=False), launch["num_warps"])
     check_compiles_for_hopper(tma, spec, divisible_by_16=("x_ptr", "K"))
     ptx = compile_for_hopper(tma, spec, divisible_by_16=("x_ptr", "K")).asm["ptx"]
     assert re.search(r"cp\.async\.bulk\.tensor", ptx), "the weight's tiles do not arrive by TMA"
@@ -89,19 +97,22 @@ def test_compiles_for_hopper_with_tma_without_spills(quantize):
 # ----------------------------------------------------------------------------------------------- CUDA
 
 @requires_cuda
-def test_wo_b_on_cuda():
-    """wo_b's size: against the reference (cuBLAS: another summation order), the op taking this kernel (the same
-    bits), and replayed in a CUDA graph on new x."""
-    k, n, groups, quantize = RELEASE["wo_b"]
+@pytest.mark.parametrize("name", ["wo_b", "wo_a", "wq_b"])
+def test_release_sizes_on_cuda(name):
+    """Against the reference (cuBLAS: another summation order); wo_b through the op (this kernel: the same bits);
+    replayed in a CUDA graph on new x. wo_a and wq_b (the op's other kernels by default) at the launch of their K."""
+    k, n, groups, quantize = RELEASE[name]
     x, w = case_inputs((1,), k, n, groups, False, device="cuda")
     got = tma.bf16_linear_tma(x, w, groups, quantize)
     want = bf16_linear_reference(x, w, groups, quantize)
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-2
-    assert torch.equal(torch.ops.dsflash.bf16_linear(x, w, groups, quantize), got)
-    assert torch.equal(torch.ops.dsflash.bf16_gemv(x, w, groups, quantize), got)
+    assert torch.equal(tma.bf16_linear_tma(x, w, groups, quantize), got)
+    if name == "wo_b":
+        assert torch.equal(torch.ops.dsflash.bf16_linear(x, w, groups, quantize), got)
+        assert torch.equal(torch.ops.dsflash.bf16_gemv(x, w, groups, quantize), got)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = torch.ops.dsflash.bf16_linear(x, w, groups, quantize)
+        captured = tma.bf16_linear_tma(x, w, groups, quantize)
     x.copy_(case_inputs((1,), k, n, groups, False, seed=1, device="cuda")[0])
     graph.replay()
     torch.cuda.synchronize()
