@@ -12,7 +12,7 @@ FP8 kernel of their input (H200 trace, 12-01 k: 75.5 us of GEMMs and 6 us of red
 weights' bytes take 57.6 us at the lm_head's 4.5 TB/s). The Triton kernel (bf16_linear_triton.py) streams the
 weight over every SM, quantizes its x tiles as it loads them and finishes split-K inside the launch. For one
 row, `dsflash::bf16_gemv` (bf16_gemv.py) is the same math on a kernel for weights of up to ~24 MB (wq_a+wkv), and
-one row of a long-K projection (wo_b) runs bf16_linear_tma_triton.py's kernel (weight tiles by TMA).
+one row of a large projection (wq_b, wo_a, wo_b) runs bf16_linear_tma_triton.py's kernel (weight tiles by TMA).
 
 The reference is QuantLinear's own math (CPU, and on CUDA for shapes the kernel does not take).
 """
@@ -98,6 +98,6 @@ if bf16_linear_triton is not None:
         check_rope(x, weight, groups, rot, head_dim)
         if not bf16_linear_triton.kernel_fits(x, weight, groups):
             return bf16_linear_reference(x, weight, groups, quantize_x, rot, head_dim)
-        if rot is None and bf16_linear_tma_triton.takes(x, weight, groups):  # one row of wo_b
+        if rot is None and bf16_linear_tma_triton.takes(x, weight, groups):  # one row of wq_b, wo_a, wo_b
             return bf16_linear_tma_triton.bf16_linear_tma(x, weight, groups, quantize_x)
         return bf16_linear_triton.bf16_linear_triton(x, weight, groups, quantize_x, rot=rot, head_dim=head_dim)

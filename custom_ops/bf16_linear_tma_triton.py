@@ -1,13 +1,13 @@
-"""TMA kernel of `dsflash::bf16_linear` for one row of a long-K projection (the math: bf16_linear.py): the
-attention's wo_b at decode batch 1.
+"""TMA kernel of `dsflash::bf16_linear` for one row of a large projection (the math: bf16_linear.py): the
+attention's wq_b, wo_a and wo_b at decode batch 1.
 
 Each program owns BLOCK_N outputs over all of K and takes its weight tiles by TMA (a host tensor descriptor):
 a tile lands in shared memory with no registers or address arithmetic of the program's, so (LONG's launch) 5
 tiles of 32 KB, 160 KB, are in flight a program. bf16_linear_triton.py's kernel (cp.async, 8 KB tiles, 2 stages) needs
 K split three ways to fill the GPU and still reads wo_b slower. H200, wo_b (5120 x 8192, 84 MB) alone
 (scripts/probe_read_bandwidth.py, 12-04 b3): 23.5 us at [64, 256] x 5 stages on 80 programs, against 27.7 for
-bf16_linear_triton.py's default launch and 27.1 for cuBLAS; at 3 stages 27.7. For wq_b (K 1280: a row is 5
-tiles, mostly the pipeline's ramp) the best TMA launch took 22.8 us against 23.4: not taken (MIN_K).
+bf16_linear_triton.py's default launch and 27.1 for cuBLAS; at 3 stages 27.7. Shorter rows (wq_b's K 1280, a
+row of 5 tiles) take smaller tiles at 3 stages (SHORT): more programs an SM.
 
 x is FP8-rounded per 32-column group as loaded (QUANT_X) and multiplied on tensor cores in a 16-row tile whose
 other rows are zeros; fp32 sums, one rounding to bf16 (bf16 products are exact in fp32: only the summation
@@ -28,10 +28,12 @@ from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
 LONG_K = 4096
 LONG = dict(block_n=64, block_k=256, num_stages=5, num_warps=4)
 SHORT = dict(block_n=128, block_k=128, num_stages=3, num_warps=4)
-# one-row projections with K (a group's) and weight bytes of at least these take the kernel: wo_b. wo_a (K 4096 a
-# group, 67 MB) on it took 19.1 us of a layer's path (12-04 b6) against 19.5 on the tiled kernel on another
-# machine (b5): not shown to pay, left out; wq_b (K 1280) and wq_a+wkv (18 MB: bf16_gemv's whole-row kernel) too
-MIN_K = 8192
+# one-row projections with K (a group's) and weight bytes of at least these take the kernel: wq_b, wo_a and wo_b,
+# not wq_a+wkv (18 MB: bf16_gemv's whole-row kernel) nor the indexer's wq_b (10 MB). H200, B1 step side by side
+# (12-04 b7, the two as compile_and_profile variants of one run): 10.303 ms with wq_b and wo_a on it as well
+# against 10.373 with wo_b only, logits bit-equal; wq_b 21.5 us of a layer's path against 22.6 on the tiled
+# kernel, wo_a 19.2 against 19.4. wo_b alone (b5): 10.292 against 10.423 ms, 23.5 us of the path against 25.5
+MIN_K = 1024
 MIN_BYTES = 64 << 20
 
 

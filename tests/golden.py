@@ -135,3 +135,80 @@ def teacher_forced(model, ids: torch.Tensor, cache, phase: str, step: int | None
     inner.advance(ctx)
     cache.seen_columns += ids.shape[1]
     return {"blocks": outs, "engram": engram_outs, "ctx": ctx}
+
+
+@lru_cache(1)
+def mixes_rounding_differences() -> int:
+    """Elements of prefill block 0's output (teacher-forced, ties forced) that differ from the golden run's.
+
+    The reference's end-to-end outputs can be matched closely only by arithmetic that reproduces it bit for bit
+    (the fixture's README, 'What this means for tests', 1): an ulp upstream flips an FP8 step or a top-k pick
+    and the flip grows. Block 0's attention and MoE are exact here on every CPU seen; its output also depends
+    on the mHC mixes' small fp32 GEMM ([P, 4D] x [4D, 24]), whose bits MKL picks by CPU: on the AMX machine of
+    12-04 b (Sapphire Rapids class) 25 of its 102400 values differ by one bf16 ulp where earlier machines gave
+    0, and the flips then grow past the fixture's bounds. 0: this machine reproduces the golden run's rounding."""
+    model = load_model(emulate_reference_index_key_pointer=True)
+    handles = force_selections(model, "prefill")
+    try:
+        with torch.no_grad():
+            run = teacher_forced(model, fixture()["inputs"]["prompt_ids"], model.new_cache(1, 100), "prefill")
+    finally:
+        for h in handles:
+            h.remove()
+    return int((run["blocks"][0] != fixture()["debug"]["prefill.block_out.0"]).sum())
+
+
+def skip_unless_reference_rounding() -> None:
+    """Skip a test that needs the reference's bits (end-to-end logits, block outputs after growing flips) on a
+    machine whose fp32 GEMMs round the mHC mixes otherwise (mixes_rounding_differences)."""
+    differ = mixes_rounding_differences()
+    if differ:
+        pytest.skip(f"this CPU's fp32 GEMMs round the mHC mixes otherwise than the golden run's ({differ} values "
+                    "of block 0 differ by one ulp): the reference's outputs compare only bit for bit "
+                    "(fixture README, 'What this means for tests'); test_sublayers_fed_reference_inputs checks "
+                    "the logic here")
+
+
+def teacher_forced_sublayers(model, mode: str, splits: tuple = (0, 100)) -> dict:
+    """A teacher-forced prefill in chunks `splits`, ties forced, where every attention and MoE is tied to the
+    reference's captures of that sublayer (attn_in / attn_out, ffn_in / ffn_out: after hc_pre and the norm,
+    after wo_b, the MoE's sum). mode "inputs": each gets the reference's input (its output kept): the
+    sublayers' arithmetic apart from the mHC mixes. mode "outputs": each returns the reference's output: the
+    blocks' mHC arithmetic apart from the sublayers' FP8 steps. Returns {"sublayers": {(name, layer, chunk
+    start): output}, "blocks": {(layer, chunk start): output}, "cache": the cache}."""
+    if mode not in ("inputs", "outputs"):
+        raise ValueError(f"teacher_forced_sublayers: mode must be 'inputs' or 'outputs', got {mode!r}")
+    ids = fixture()["inputs"]["prompt_ids"]
+    result = {"sublayers": {}, "blocks": {}, "cache": model.new_cache(1, splits[-1])}
+    for a, b in zip(splits[:-1], splits[1:]):
+        handles = force_selections(model, "prefill", start=a)
+        for block in model.model.layers:
+            for module, name in ((block.attn, "attn"), (block.ffn, "ffn")):
+                handles += _tie_sublayer(module, name, block.role.layer, mode, a, b, result["sublayers"])
+        try:
+            with torch.no_grad():
+                run = teacher_forced(model, ids[:, a:b], result["cache"], "prefill", columns=slice(a, b))
+        finally:
+            for h in handles:
+                h.remove()
+        result["blocks"].update({(layer, a): out for layer, out in run["blocks"].items()})
+    return result
+
+
+def _tie_sublayer(module, name: str, layer: int, mode: str, a: int, b: int, outs: dict) -> list:
+    """teacher_forced_sublayers' hooks on one attention (returns (out, topk)) or MoE (returns out)."""
+    dbg = fixture()["debug"]
+    if mode == "inputs":
+        def pre_hook(mod, args):
+            return (dbg[f"prefill.{name}_in.{layer}"][:, a:b].to(args[0].dtype),) + tuple(args[1:])
+
+        def keep(mod, args, out):
+            outs[(name, layer, a)] = out[0] if isinstance(out, tuple) else out
+        return [module.register_forward_pre_hook(pre_hook), module.register_forward_hook(keep)]
+
+    def replace(mod, args, out):
+        ref = dbg[f"prefill.{name}_out.{layer}"][:, a:b]
+        if isinstance(out, tuple):
+            return (ref.to(out[0].dtype).reshape(out[0].shape),) + tuple(out[1:])
+        return ref.to(out.dtype).reshape(out.shape)
+    return [module.register_forward_hook(replace)]

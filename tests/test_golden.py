@@ -4,7 +4,13 @@ Tolerances (README 'Determinism and tolerance'): end-to-end logits may differ by
 only the arithmetic order does (the float64-accumulation probe: max abs 0.669 prefill, 1.80 decode);
 a block fed the reference's own inputs may differ by at most max(5 x that probe's block error, 1e-4).
 Our CPU arithmetic follows the reference's rounding points, so the measured errors are ~1e-6 (the
-fixture's own head rounding), far inside these bounds; the tests print them.
+fixture's own head rounding), far inside these bounds; the tests print them. That holds where the CPU's
+BLAS rounds the mHC mixes' small fp32 GEMM as the golden run's machine did: on others (an AMX machine on
+12-04: 25 values of block 0 one ulp apart) the flips grow past the bounds as the fixture's README says they
+must, so the comparisons that need the reference's bits skip there (golden.skip_unless_reference_rounding),
+and two tests that hold on any CPU check the same logic in parts: every attention and MoE fed the
+reference's inputs gives its outputs bit for bit, and every block given the reference's sublayer outputs
+is within the block bounds.
 
 Decode runs with `emulate_reference_index_key_pointer=True`: the reference hands index keys on through
 one shared pointer that a ratio-2 source updates only when it writes a row, so on even decode positions
@@ -17,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from golden import (block_probe, blocks_to_mask, fixture, force_selections, load_model, probe, rel_l2,
-                    requires_golden, teacher_forced, tie_rows)
+                    requires_golden, skip_unless_reference_rounding, teacher_forced, teacher_forced_sublayers,
+                    tie_rows)
 
 pytestmark = requires_golden
 P, N = 100, 16  # prompt length, decode steps
@@ -65,6 +72,7 @@ def golden_run(ref_model):
 
 def test_prefill_logits_end_to_end(golden_run):
     """Prefill logits at all 100 positions through from_pretrained(folder), within the probe's bound."""
+    skip_unless_reference_rounding()
     stats = report("prefill", golden_run[0], fixture()["expected"]["prefill_logits_all"])
     assert stats["max_abs"] <= probe("prefill_logits", "max_abs")
     assert stats["argmax_agree"] == 1.0
@@ -72,6 +80,7 @@ def test_prefill_logits_end_to_end(golden_run):
 
 def test_decode_logits_end_to_end(golden_run):
     """The 16 decode steps feeding decode_input_ids, within the probe's bound."""
+    skip_unless_reference_rounding()
     stats = report("decode", golden_run[1], fixture()["expected"]["decode_logits"])
     assert stats["max_abs"] <= probe("decode_logits", "max_abs")
     assert stats["argmax_agree"] == 1.0
@@ -90,6 +99,7 @@ def test_packed_cache_records_change_no_output(golden_run, ref_model):
 
 def test_generate_reproduces_reference_greedy_ids(ref_model):
     """HF generate() (greedy) gives the reference's 17 generated ids."""
+    skip_unless_reference_rounding()
     inputs = fixture()["inputs"]
     out = ref_model.generate(inputs["prompt_ids"], max_new_tokens=N + 1, do_sample=False)
     assert out[0, P:].tolist() == inputs["generated_ids"][0].tolist()
@@ -99,6 +109,7 @@ def test_block_by_block_prefill(ref_model):
     """Every block (and Engram) fed the reference's inputs reproduces prefill.block_out.L, with the
     selections forced from the fixture at the recorded tie rows (unforced, ties resolve to the lower
     row: test_selections_equal_reference_except_ties checks the sets)."""
+    skip_unless_reference_rounding()
     dbg = fixture()["debug"]
     handles = force_selections(ref_model, "prefill")
     try:
@@ -115,6 +126,38 @@ def test_block_by_block_prefill(ref_model):
         assert rel_l2(out, dbg[f"prefill.engram_out.{layer}"]) <= 1e-4, f"engram {layer}"
 
 
+@pytest.mark.parametrize("splits", [(0, P), (0, 37, P)])
+def test_sublayers_fed_reference_inputs_equal_reference(splits):
+    """Every attention and MoE fed the reference's own input (attn_in.L, ffn_in.L; prefill in one shot and in
+    chunks, ties forced) gives the reference's output bit for bit: the sublayers' arithmetic on any CPU (the
+    end-to-end comparisons need the mHC mixes' GEMM to round as the golden run's: skip_unless_reference_rounding)."""
+    dbg = fixture()["debug"]
+    run = teacher_forced_sublayers(load_model(emulate_reference_index_key_pointer=True), "inputs", splits)
+    assert len(run["sublayers"]) == 2 * 9 * (len(splits) - 1)
+    for (name, layer, a), out in run["sublayers"].items():
+        ref = dbg[f"prefill.{name}_out.{layer}"][:, a:a + out.shape[1]]
+        assert torch.equal(out.reshape(ref.shape), ref), (name, layer, a)
+    for layer, ring in run["cache"].window.items():  # the window K=V and compressed rows those inputs give
+        assert torch.equal(ring[:1], dbg[f"state_after_prefill.window_kv.{layer}"]), layer
+    for layer, rows in run["cache"].compressed.items():
+        ref = dbg[f"state_after_prefill.compress_kv.{layer}"]
+        assert torch.equal(rows[:1, :ref.shape[1]], ref), layer
+
+
+@pytest.mark.parametrize("splits", [(0, P), (0, 37, P), (0, 1, 2, 3, 50, 51, P), (0, 64, 65, P)])
+def test_blocks_with_reference_sublayers_within_bounds(splits):
+    """Every block fed the reference's input streams and pre-mix, its attention and MoE returning the
+    reference's outputs: the mHC seams (mixes, Sinkhorn, collapse, norms, expansion) within the block bounds,
+    on any CPU (no FP8 step of a sublayer can flip and grow). (Chunks of 10 are left out: on the AMX machine of
+    12-04 the [10, 4D] x [4D, 24] mixes GEMM alone puts block 5 at rel L2 1.1e-4, past the 1e-4 floor.)"""
+    dbg = fixture()["debug"]
+    run = teacher_forced_sublayers(load_model(emulate_reference_index_key_pointer=True), "outputs", splits)
+    for (layer, a), out in run["blocks"].items():
+        err = rel_l2(out, dbg[f"prefill.block_out.{layer}"][:, a:a + out.shape[1]])
+        print(f"block {layer} chunk {a}: rel L2 {err:.2e}")
+        assert err <= max(5 * block_probe(layer), 1e-4), (layer, a, err)
+
+
 def test_block_by_block_decode(ref_model):
     """Each decode step, every block fed the reference's decode inputs, reproduces decode.block_out.L.
 
@@ -124,6 +167,7 @@ def test_block_by_block_decode(ref_model):
     while our end-to-end logits equal the reference's bit for bit. One such element can exceed the
     rel-L2 bound on its own (step 2, block 7: 2.3e-4), so a block passes if it is within the bound or
     differs in at most one element by at most one ulp."""
+    skip_unless_reference_rounding()
     dbg, ids = fixture()["debug"], fixture()["inputs"]
     cache = ref_model.new_cache(1, P + N)
     with torch.no_grad():
@@ -200,6 +244,7 @@ def check_selections(ref_model):
 
 def test_cache_state_after_prefill_and_decode(ref_model):
     """Window rings, compressed KV, index keys and compressor state equal state_after_{prefill,decode}."""
+    skip_unless_reference_rounding()
     dbg = fixture()["debug"]
     _, _, cache = run_prefill_and_decode(ref_model, forced=True)
     cache_p = ref_model.new_cache(1, P + N)
@@ -259,6 +304,7 @@ def test_engram_hash_ids_in_the_model(ref_model):
 def test_chunked_prefill_matches_one_shot_and_decode_matches_reference(golden_run, ref_model, splits):
     """Chunked prefill (37 splits the ratio-2 group {36, 37}) gives the one-shot logits bit for bit, and
     the decode that follows matches the reference within the golden bounds."""
+    skip_unless_reference_rounding()
     prefill, decode, _ = run_prefill_and_decode(ref_model, splits)
     assert torch.equal(prefill, golden_run[0])
     stats = report(f"decode after chunks {splits}", decode, fixture()["expected"]["decode_logits"])
@@ -274,6 +320,7 @@ def test_chunked_prefill_block_by_block(splits):
     4 rows, and the flips grow as the fixture's probes show; teacher forcing checks the logic itself.
     Chunks of 7 are left out: there the [7, 4D] x [4D, 24] mHC GEMM alone rounds differently, which
     flips one FP8 activation step of block 1 (rel L2 3.4e-4; its MoE fed the captured input is exact).)"""
+    skip_unless_reference_rounding()
     model = load_model()  # default semantics: chunked prefill has no 'stale pointer' quirk to reproduce
     dbg, ids = fixture()["debug"], fixture()["inputs"]["prompt_ids"]
     cache = model.new_cache(1, P)

@@ -53,9 +53,12 @@ def left_pad(seqs, pad_id=2):
 @pytest.mark.parametrize("quantize", [True, False])
 def test_ragged_batch_matches_each_prompt_alone(quantize):
     """Left-padded prompts of lengths 37/80/5, prefilled, then 6 decode steps, against each prompt alone
-    (chunked prefill is covered against the golden fixture). Prefill: equal (padding only adds rows). Decode: a batch of 3 turns the [1, .] GEMMs
-    into [3, .] ones, which MKL rounds differently; with the release's FP8/FP4 steps an ulp can flip a
-    quantization step (measured max 0.075 on logits of scale ~1), without them it stays at ~3e-3."""
+    (chunked prefill is covered against the golden fixture). A batch turns the [1, .] decode GEMMs into [3, .]
+    ones and the 5-token prompt's [5, .] prefill GEMMs into [80, .] ones, which MKL may round differently (on
+    earlier machines prefill was bit-equal; on the AMX machine of 12-04 the padded prompt's prefill logits
+    moved by up to 0.018): with the release's FP8/FP4 steps an ulp can flip a quantization step (measured max
+    0.13 on logits of scale ~1), without them up to 0.025. The top token must agree wherever the one alone leads by
+    more than twice the largest deviation (there no rounding can reorder it)."""
     torch.manual_seed(0)
     model = DeepseekV41ForCausalLM(preset_config("tiny", quantize_dequantize=quantize)).eval()
     seqs = prompts([37, 80, 5])
@@ -72,9 +75,13 @@ def test_ragged_batch_matches_each_prompt_alone(quantize):
             alone = model(s[None], cache=alone_cache).logits[0]
             alone_dec = torch.stack([model(steps[i:i + 1, j:j + 1], cache=alone_cache).logits[0, 0]
                                      for j in range(6)])
-            assert (batch[i, ids.shape[1] - len(s):] - alone).abs().max() <= 1e-5, i
-            assert (decode[i] - alone_dec).abs().max() <= (0.25 if quantize else 1e-2), i
-            assert torch.equal(decode[i].argmax(-1), alone_dec.argmax(-1)), i
+            bound = 0.25 if quantize else 5e-2
+            for ours, theirs in ((batch[i, ids.shape[1] - len(s):], alone), (decode[i], alone_dec)):
+                deviation = (ours - theirs).abs().max()
+                assert deviation <= bound, (i, float(deviation))
+                top2 = theirs.topk(2, dim=-1).values
+                clear = top2[..., 0] - top2[..., 1] > 2 * deviation
+                assert torch.equal(ours.argmax(-1)[clear], theirs.argmax(-1)[clear]), i
         assert cache.lengths[:3].tolist() == [37 + 6, 80 + 6, 5 + 6]
 
 

