@@ -24,8 +24,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from dsflash_compile.benchmarking import copy_bandwidth, print_table, run_metadata, save_results, time_graph
 from dsflash_compile.custom_ops import bf16_linear_triton as tiled
 
+# (N, K); wo_a as its bytes (block-diagonal in the model: 8 groups of [1024, 4096])
 SHAPES = {"moe_up (7 x w1+w3)": (32256, 5120), "moe_down (7 x w2)": (35840, 2304), "wq_b": (32768, 1280),
-          "wo_b": (5120, 8192)}
+          "wo_b": (5120, 8192), "wo_a": (8192, 4096), "wq_a+wkv": (1792, 5120)}
 # (block_n, block_k, num_stages, num_warps)
 TMA_GRID = list(itertools.product((32, 64, 128), (128, 256), (3, 5, 6, 7), (4,)))
 
