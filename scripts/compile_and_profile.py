@@ -101,7 +101,6 @@ def kernel_settings(settings: dict):
             setattr(module, constant, value)
 
 
-
 def fill_cache(cache, batch: int, context: int, gen: torch.Generator) -> None:
     """Every row of the first `batch` holds `context` tokens of random (finite, on-grid) records."""
     def fill(storage: dict, fmt: str, dim: int, rows: int):

@@ -210,7 +210,8 @@ def test_missing_tensor_is_named(fixture_copy):
 
 def test_wrong_shape_tensor_is_named(fixture_copy):
     _edit_checkpoint(fixture_copy, lambda t: t.__setitem__("layers.0.ffn_norm.weight", torch.ones(255).bfloat16()))
-    with pytest.raises(CheckpointError, match=r"layers\.0\.ffn_norm\.weight: wrong shape: expected \[256\], found \[255\]"):
+    with pytest.raises(CheckpointError,
+                       match=r"layers\.0\.ffn_norm\.weight: wrong shape: expected \[256\], found \[255\]"):
         DeepseekV41ForCausalLM.from_pretrained(fixture_copy)
 
 
