@@ -165,8 +165,8 @@ def skip_unless_reference_rounding() -> None:
     if differ:
         pytest.skip(f"this CPU's fp32 GEMMs round the mHC mixes otherwise than the golden run's ({differ} values "
                     "of block 0 differ by one ulp): the reference's outputs compare only bit for bit "
-                    "(fixture README, 'What this means for tests'); test_sublayers_fed_reference_inputs checks "
-                    "the logic here")
+                    "(fixture README, 'What this means for tests'); test_sublayers_fed_reference_inputs_equal_"
+                    "reference and test_blocks_with_reference_sublayers_within_bounds check the logic here")
 
 
 def teacher_forced_sublayers(model, mode: str, splits: tuple = (0, 100)) -> dict:
