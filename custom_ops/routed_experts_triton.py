@@ -42,6 +42,10 @@ BLOCK_K = 128  # 64 above 32 tokens (the down kernel: above 16): larger tiles sp
 # this op up to CompileOptions.moe_few_tokens tokens (16 by default), so only a raised cutoff takes it
 BY_EXPERT_ABOVE = 16
 BY_EXPERT_MAX_COMPARES = 16384  # pairs x stacked experts (powers of two): flash-40l-e8 at 64 tokens, 512 x 16
+# The up kernel's shared expert before its PDL wait (SHARED_FIRST), overlapping the router before it; the kernel
+# then launches early (pdl.launch_options), placed beside the router's programs. Safe only where x was written at
+# least two launches before the op (the router's launch between: MoE's few-token path)
+SHARED_FIRST = False
 
 
 @triton.jit
@@ -135,19 +139,51 @@ def _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M: tl.constexp
 
 
 @triton.jit
+def _shared_program(ids_ptr, T, KK, shared, BLOCK_M: tl.constexpr, KK_PAD: tl.constexpr):
+    """_program_expert's and the routing weight's values for program row KK (token 0's shared pair, which
+    computes the shared expert for every token) without reading ids or weights (the router's outputs)."""
+    t = tl.arange(0, BLOCK_M)
+    s = tl.arange(0, KK_PAD)
+    routed = t < T
+    hit = routed[:, None] & (s == KK)[None, :]
+    slot = tl.sum(tl.where(hit, s[None, :], 0), 1)
+    e = shared.to(ids_ptr.dtype.element_ty)  # as _slot_ids gives it
+    return e, e >= 0, hit, routed, slot, tl.where(routed, 1.0, 0.0)
+
+
+@triton.jit
+def _routed_program(weights_ptr, ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M: tl.constexpr, KK_PAD: tl.constexpr,
+                    P_PAD: tl.constexpr, G_PAD: tl.constexpr, BY_EXPERT: tl.constexpr):
+    """_program_expert's values and each token row's routing weight (the shared slot's: 1)."""
+    e, mine, hit, routed, slot = _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M, KK_PAD, P_PAD,
+                                                 G_PAD, BY_EXPERT)
+    t = tl.arange(0, BLOCK_M)
+    s = tl.arange(0, KK_PAD)
+    stored = tl.load(weights_ptr + t[:, None] * KK + s[None, :], mask=(t < T)[:, None] & (s < KK)[None, :], other=0.0)
+    return e, mine, hit, routed, slot, tl.sum(tl.where(hit, tl.where((s == KK)[None, :], 1.0, stored), 0.0), 1)
+
+
+@triton.jit
 def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS, shared, G, I, D, limit,
                QUANT_X: tl.constexpr, QUANT_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr, P_PAD: tl.constexpr, G_PAD: tl.constexpr,
-               BY_EXPERT: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
+               BY_EXPERT: tl.constexpr, SHARED_FIRST: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
+    """h of each (token, slot) pair (module notes). SHARED_FIRST (by pair, a shared expert): program row KK
+    streams the shared expert's weights before its PDL wait, while the router (the kernel before) still runs,
+    and stores after it; x must then come from a kernel at least two launches back (pdl.py)."""
     prog, pid_n = tl.program_id(0), tl.program_id(1)
-    e, mine, hit, routed, slot = _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M, KK_PAD, P_PAD, G_PAD,
-                                              BY_EXPERT)
+    if SHARED_FIRST:
+        if prog == KK:
+            e, mine, hit, routed, slot, weight = _shared_program(ids_ptr, T, KK, shared, BLOCK_M, KK_PAD)
+        else:
+            pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
+            e, mine, hit, routed, slot, weight = _routed_program(weights_ptr, ids_ptr, prog, T, KK, SLOTS, shared, G,
+                                                                 BLOCK_M, KK_PAD, P_PAD, G_PAD, BY_EXPERT)
+    else:
+        pdl_wait(PDL)
+        e, mine, hit, routed, slot, weight = _routed_program(weights_ptr, ids_ptr, prog, T, KK, SLOTS, shared, G,
+                                                             BLOCK_M, KK_PAD, P_PAD, G_PAD, BY_EXPERT)
     t = tl.arange(0, BLOCK_M)
-    s = tl.arange(0, KK_PAD)
-    stored = tl.load(weights_ptr + t[:, None] * KK + s[None, :], mask=(t < T)[:, None] & (s < KK)[None, :],
-                     other=0.0)
-    weight = tl.sum(tl.where(hit, tl.where((s == KK)[None, :], 1.0, stored), 0.0), 1)  # the shared slot's: 1
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = n < I
     rows = (tl.maximum(e, 0).to(tl.int64) * I + n[:, None]) * D
@@ -163,6 +199,9 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS,
         gate += _dot(x, tl.trans(tl.load(w1_ptr + rows + k[None, :], mask=w_mask, other=0.0)), FP32_DOT)
         up += _dot(x, tl.trans(tl.load(w3_ptr + rows + k[None, :], mask=w_mask, other=0.0)), FP32_DOT)
     h = _swiglu_h(gate, up, weight, limit, QUANT_H)
+    if SHARED_FIRST:
+        if prog == KK:
+            pdl_wait(PDL)  # h's rows may still be read by an earlier kernel (its buffer reused)
     out = h_ptr + (t * SLOTS + slot).to(tl.int64)[:, None] * I + n[None, :]
     tl.store(out, h.to(tl.bfloat16), mask=(mine & routed)[:, None] & n_in[None, :])
 
@@ -256,9 +295,10 @@ def by_expert_grid(tokens: int, experts: int, slots: int) -> bool:
 
 
 def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_x, quantize_h, shared_expert,
-                          out_bf16=False, up=None, down=None, by_expert=None):
+                          out_bf16=False, up=None, down=None, by_expert=None, shared_first=None):
     """fp32 [T, D] (bf16 with out_bf16) as the reference. up / down override the two projections' launches (see
-    `launches`); by_expert: the programs' rows (None: by_expert_grid's choice)."""
+    `launches`); by_expert: the programs' rows (None: by_expert_grid's choice); shared_first: the up kernel's
+    SHARED_FIRST where it applies (None: the module's SHARED_FIRST)."""
     tokens, dim = x.shape
     k = ids.shape[1]
     slots = k + (shared_expert >= 0)
@@ -283,10 +323,12 @@ def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_x, quanti
     rows = experts if by_expert else tokens * slots
     fixed = dict(BLOCK_M=block_m, KK_PAD=kk_pad, P_PAD=p_pad, G_PAD=g_pad, BY_EXPERT=by_expert,
                  FP32_DOT=x.device.type != "cuda")
+    shared_first = (SHARED_FIRST if shared_first is None else shared_first) and shared_expert >= 0 and not by_expert
     _up_kernel[(rows, triton.cdiv(inter, up["block_n"]))](
         x, weights, ids, w1, w3, h, tokens, k, slots, shared_expert, experts, inter, dim, float(limit),
         QUANT_X=quantize_x, QUANT_H=quantize_h, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], **fixed,
-        num_warps=up["num_warps"], num_stages=up["num_stages"], **launch_options(x.device, early=False))
+        SHARED_FIRST=shared_first, num_warps=up["num_warps"], num_stages=up["num_stages"],
+        **launch_options(x.device, early=shared_first))
     column_blocks = triton.cdiv(dim, down["block_n"])
     _down_kernel[(rows, column_blocks)](
         h, ids, w2, out, y, block_counters(x.device, column_blocks), tokens, k, slots, shared_expert, experts, inter,

@@ -62,6 +62,7 @@ VARIANTS = {
     "seam-norm-gemv": {"seam_norm_gemv": True},  # the attention seam's norm in the wq_a+wkv GEMV (off: no clear gain)
     "joint-norms": {"qkv_norm_op": True},  # q's norm in kv_norm_rope's launch (dsflash::qkv_norm_rope; off: slower)
     "tiled-big-linear": {},  # one row of wq_b, wo_a, wo_b on the tiled kernel (KERNEL_SETTINGS; before 12-04 b)
+    "shared-first": {},  # the MoE's shared expert streamed before the up kernel's PDL wait, beside the router
     "fused-mixes": {"mhc_defer_mixes": False},  # each seam finishes its own mixes (before passes/mhc_defer.py)
     "early-reads": {"early_reads": True},  # kv_norm_rope reading before its PDL wait (passes/early_reads.py)
     "one-graph": {"decode_graph_pieces": 1},  # the decode step as one CUDA graph (before piecewise_graph.py)
@@ -82,7 +83,8 @@ VARIANTS = {
 
 # module constants a variant sets while it compiles and captures (its CUDA graphs keep the kernels the ops picked
 # then): launch rules measured side by side before they become defaults
-KERNEL_SETTINGS = {"tiled-big-linear": {"dsflash_compile.custom_ops.bf16_linear_tma_triton": {"MIN_K": 1 << 30}}}
+KERNEL_SETTINGS = {"tiled-big-linear": {"dsflash_compile.custom_ops.bf16_linear_tma_triton": {"MIN_K": 1 << 30}},
+                   "shared-first": {"dsflash_compile.custom_ops.routed_experts_triton": {"SHARED_FIRST": True}}}
 
 
 @contextmanager

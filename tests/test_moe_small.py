@@ -98,6 +98,11 @@ def interpreter_checks():
         same.append(torch.equal(routed_experts_triton(*args, by_expert=not picked), kernel[name]))
     assert picks == {True, False}  # the cases' own picks cover both grids
     report(dict(name="by_expert_or_by_pair", same=all(same)))
+    # the up kernel's shared expert computed before its PDL wait (SHARED_FIRST: by pair, shared folded): same bits
+    cases = [name for name, case in CASES.items() if case[8] and not by_expert_grid(case[0], case[2], case[1])]
+    assert len(cases) >= 3
+    report(dict(name="shared_first", same=all(
+        torch.equal(routed_experts_triton(*op_args(*CASES[name]), shared_first=True), kernel[name]) for name in cases)))
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +122,7 @@ def test_kernels_match_reference(interpreted, name):
 
 @requires_interpreter
 @pytest.mark.parametrize("name", ["x_quantized_in_the_kernel", "shared_folded_or_a_slot", "by_expert_or_by_pair",
-                                  "bf16_out_is_the_fp32_sum_rounded"])
+                                  "bf16_out_is_the_fp32_sum_rounded", "shared_first"])
 def test_kernel_runs_that_must_agree(interpreted, name):
     assert interpreted[name]["same"], interpreted[name]
 
@@ -187,8 +192,9 @@ def test_kernels_compile_for_hopper_without_spills(block_m):
     up, down = module.launches(block_m)
     by_expert = module.by_expert_grid(block_m, 9, 7)
     assert by_expert == (block_m > 16)
-    for name, arg_types, launch, extra in (("_up_kernel", _UP, up, dict(QUANT_X=True, QUANT_H=True)),
-                                           ("_down_kernel", _DOWN, down, {}),
+    ups = [("_up_kernel", _UP, up, dict(QUANT_X=True, QUANT_H=True, SHARED_FIRST=first))
+           for first in ((False, True) if not by_expert else (False,))]  # SHARED_FIRST only by pair
+    for name, arg_types, launch, extra in (*ups, ("_down_kernel", _DOWN, down, {}),
                                            ("_down_kernel", dict(_DOWN, y_ptr="*bf16"), down, {})):  # out_bf16
         constexprs = dict(BLOCK_M=block_m, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"], KK_PAD=8,
                           P_PAD=8 * block_m, G_PAD=16, BY_EXPERT=by_expert, FP32_DOT=False, **extra)
@@ -223,3 +229,35 @@ def test_release_sizes_on_cuda(tokens):
     torch.cuda.synchronize()
     assert torch.equal(captured, torch.ops.dsflash.routed_experts(*args))
     torch.library.opcheck(torch.ops.dsflash.routed_experts.default, args)
+
+
+@requires_cuda
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_shared_first_after_the_router_in_a_cuda_graph(tokens):
+    """The up kernel's shared expert before its PDL wait (SHARED_FIRST), as MoE runs it at decode: x written by
+    a kernel, the router's launch, then the op, in a CUDA graph replayed on new x: the bits of the default
+    kernels run eagerly."""
+    from dsflash_compile.custom_ops.routed_experts_triton import routed_experts_triton
+
+    case = (tokens, 7, 9, 5120, 2304, 10.0, True, True, True, False)
+    x, _, _, w1, w3, w2, limit, quantize_x, quantize_h, shared = op_args(*case, device="cuda")
+    gate = (torch.randn(8, 5120, device="cuda") / 64).bfloat16()
+    bias = torch.zeros(8, device="cuda")
+    source = x.clone()
+
+    def moe(first):
+        y = source * 1.5  # a kernel writing x, two launches before the up kernel
+        weights, ids = torch.ops.dsflash.fused_router(y, gate, bias, 6, True, 1.0)
+        return routed_experts_triton(y, weights, ids, w1, w3, w2, limit, quantize_x, quantize_h, shared,
+                                     shared_first=first)
+
+    want = moe(False)
+    assert torch.equal(moe(True), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe(True)
+    source.copy_(op_args(*case, device="cuda", seed=1)[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, moe(False))
+    assert not torch.equal(captured, want)
