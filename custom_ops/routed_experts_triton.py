@@ -37,6 +37,10 @@ from .routed_experts import MAX_TOKENS
 
 UP_BLOCK_N = 32  # one FP8 group of h per row and program; 72 column blocks at I = 2304
 DOWN_BLOCK_N = 32  # 160 column blocks at D = 5120
+# registers a thread (ptxas's .maxnreg; None: as many as the compiler takes): at 128 the up kernel (144 unbounded,
+# 3 programs an SM: 396 slots for its 504 programs at batch 1) fits 4 an SM without spills (sm_90)
+UP_MAXNREG = None
+DOWN_MAXNREG = None
 BLOCK_K = 128  # 64 above 32 tokens (the down kernel: above 16): larger tiles spill at 128 (ptxas, sm_90)
 # Above this many tokens the programs' rows are the stacked experts (by_expert_grid). Not timed yet: MoE runs
 # this op up to CompileOptions.moe_few_tokens tokens (16 by default), so only a raised cutoff takes it
@@ -270,8 +274,8 @@ def kernel_fits(x, w1, w3, w2) -> bool:
 
 
 def launches(tokens: int, up: dict | None = None, down: dict | None = None) -> tuple[dict, dict]:
-    """Each kernel's launch at this token count (block_n, block_k, num_warps, num_stages), with overrides (sweeps:
-    scripts/sweep_routed.py); the up kernel's block_n must be a multiple of 32 (the FP8 groups of h).
+    """Each kernel's launch at this token count (block_n, block_k, num_warps, num_stages, maxnreg), with
+    overrides (sweeps: scripts/sweep_routed.py); the up kernel's block_n must be a multiple of 32 (the FP8 groups of h).
     Up to 32 tokens the down kernel runs 2 warps, 2 stages (H200 12-01: the op took 123.2 / 166.4 / 181.1 us at
     batch 1 / 8 / 16 against 130.5 / 168.8 / 189.3 with 4 warps, 3 stages; 64 columns were as fast but spill
     at 32 tokens, and at 64 tokens 2 warps spill). Above 16 tokens its K blocks are 64 wide: at 32 tokens
@@ -279,10 +283,17 @@ def launches(tokens: int, up: dict | None = None, down: dict | None = None) -> t
     up to CompileOptions.moe_few_tokens, 16 by default)."""
     few = tokens <= 32
     block_k = BLOCK_K if few else BLOCK_K // 2
-    up_launch = {"block_n": UP_BLOCK_N, "block_k": block_k, "num_warps": 4, "num_stages": 3, **(up or {})}
+    up_launch = {"block_n": UP_BLOCK_N, "block_k": block_k, "num_warps": 4, "num_stages": 3, "maxnreg": UP_MAXNREG,
+                 **(up or {})}
     down_launch = {"block_n": DOWN_BLOCK_N, "block_k": BLOCK_K if tokens <= 16 else BLOCK_K // 2,
-                   "num_warps": 2 if few else 4, "num_stages": 2 if few else 3, **(down or {})}
+                   "num_warps": 2 if few else 4, "num_stages": 2 if few else 3, "maxnreg": DOWN_MAXNREG,
+                   **(down or {})}
     return up_launch, down_launch
+
+
+def _compile_options(launch: dict) -> dict:
+    """A launch's Triton compile options (maxnreg only where set)."""
+    return {key: launch[key] for key in ("num_warps", "num_stages", "maxnreg") if launch.get(key) is not None}
 
 
 def by_expert_grid(tokens: int, experts: int, slots: int) -> bool:
@@ -327,11 +338,10 @@ def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_x, quanti
     _up_kernel[(rows, triton.cdiv(inter, up["block_n"]))](
         x, weights, ids, w1, w3, h, tokens, k, slots, shared_expert, experts, inter, dim, float(limit),
         QUANT_X=quantize_x, QUANT_H=quantize_h, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], **fixed,
-        SHARED_FIRST=shared_first, num_warps=up["num_warps"], num_stages=up["num_stages"],
-        **launch_options(x.device, early=shared_first))
+        SHARED_FIRST=shared_first, **_compile_options(up), **launch_options(x.device, early=shared_first))
     column_blocks = triton.cdiv(dim, down["block_n"])
     _down_kernel[(rows, column_blocks)](
         h, ids, w2, out, y, block_counters(x.device, column_blocks), tokens, k, slots, shared_expert, experts, inter,
-        dim, BLOCK_N=down["block_n"], BLOCK_K=down["block_k"], **fixed, num_warps=down["num_warps"],
-        num_stages=down["num_stages"], **launch_options(x.device))
+        dim, BLOCK_N=down["block_n"], BLOCK_K=down["block_k"], **fixed, **_compile_options(down),
+        **launch_options(x.device))
     return y

@@ -63,6 +63,8 @@ VARIANTS = {
     "joint-norms": {"qkv_norm_op": True},  # q's norm in kv_norm_rope's launch (dsflash::qkv_norm_rope; off: slower)
     "tiled-big-linear": {},  # one row of wq_b, wo_a, wo_b on the tiled kernel (KERNEL_SETTINGS; before 12-04 b)
     "shared-first": {},  # the MoE's shared expert streamed before the up kernel's PDL wait, beside the router
+    "up-regs-128": {},  # the routed experts' up kernel at 128 registers a thread: 4 programs an SM, one wave at B1
+    "down-16": {},  # the routed experts' down kernel on 16-column blocks (fewer registers, more programs an SM)
     "fused-mixes": {"mhc_defer_mixes": False},  # each seam finishes its own mixes (before passes/mhc_defer.py)
     "early-reads": {"early_reads": True},  # kv_norm_rope reading before its PDL wait (passes/early_reads.py)
     "one-graph": {"decode_graph_pieces": 1},  # the decode step as one CUDA graph (before piecewise_graph.py)
@@ -84,7 +86,9 @@ VARIANTS = {
 # module constants a variant sets while it compiles and captures (its CUDA graphs keep the kernels the ops picked
 # then): launch rules measured side by side before they become defaults
 KERNEL_SETTINGS = {"tiled-big-linear": {"dsflash_compile.custom_ops.bf16_linear_tma_triton": {"MIN_K": 1 << 30}},
-                   "shared-first": {"dsflash_compile.custom_ops.routed_experts_triton": {"SHARED_FIRST": True}}}
+                   "shared-first": {"dsflash_compile.custom_ops.routed_experts_triton": {"SHARED_FIRST": True}},
+                   "up-regs-128": {"dsflash_compile.custom_ops.routed_experts_triton": {"UP_MAXNREG": 128}},
+                   "down-16": {"dsflash_compile.custom_ops.routed_experts_triton": {"DOWN_BLOCK_N": 16}}}
 
 
 @contextmanager

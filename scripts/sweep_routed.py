@@ -25,11 +25,12 @@ from dsflash_compile.custom_ops.routed_experts import routed_experts_reference
 
 EXPERTS, SLOTS, DIM, INTER, LIMIT = 9, 7, 5120, 2304, 10.0
 TOKENS = [1, 8, 16]
-# (block_n, block_k, warps, stages); the up kernel's block_n is a multiple of 32 (its FP8 groups of h)
-VARIANTS = {"down": list(itertools.product((16, 32, 64, 128), (128, 256), (2, 4, 8), (2, 3))),
-            "up": list(itertools.product((32, 64), (64, 128, 256), (2, 4, 8), (2, 3)))}
+# (block_n, block_k, warps, stages, maxnreg); the up kernel's block_n is a multiple of 32 (its FP8 groups of h)
+VARIANTS = {"down": list(itertools.product((16, 32, 64, 128), (128, 256), (2, 4, 8), (2, 3), (None,))),
+            "up": list(itertools.product((32, 64), (64, 128, 256), (2, 4, 8), (2, 3), (None,)))}
 COLUMNS = [("tokens", "tokens", "d"), ("block_n", "block_n", "d"), ("block_k", "block_k", "d"),
-           ("warps", "num_warps", "d"), ("stages", "num_stages", "d"), ("op us", "s", ".1f", 1e6),
+           ("warps", "num_warps", "d"), ("stages", "num_stages", "d"), ("maxnreg", "maxnreg", ""),
+           ("op us", "s", ".1f", 1e6),
            ("agrees", "agrees", "")]
 
 
@@ -54,8 +55,9 @@ def sweep(kernel: str, tokens: int, variants: list[tuple], gen: torch.Generator)
         return ((got - want).abs().max() / scale).item() <= 2e-2
 
     rows = []
-    for block_n, block_k, warps, stages in variants:
-        launch = {"block_n": block_n, "block_k": block_k, "num_warps": warps, "num_stages": stages}
+    for block_n, block_k, warps, stages, maxnreg in variants:
+        launch = {"block_n": block_n, "block_k": block_k, "num_warps": warps, "num_stages": stages,
+                  "maxnreg": maxnreg}
         row = {"kernel": kernel, "tokens": tokens, **launch}
         try:
             rows.append(sweep_variant(
@@ -70,6 +72,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel", choices=sorted(VARIANTS), default="down")
     parser.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
+    parser.add_argument("--launches", nargs="+", metavar="N,K,WARPS,STAGES[,MAXNREG]",
+                        help="these launches instead of the grid (with the default)")
     parser.add_argument("--top", type=int, default=4, help="variants of the first batch size timed at the others")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
@@ -77,15 +81,17 @@ def main() -> None:
         raise SystemExit("sweep_routed.py needs a CUDA device")
     gen = torch.Generator(device="cuda").manual_seed(0)
     launch = dict(zip(("up", "down"), kernels.launches(args.tokens[0])))[args.kernel]
-    default = (launch["block_n"], launch["block_k"], launch["num_warps"], launch["num_stages"])
+    default = (launch["block_n"], launch["block_k"], launch["num_warps"], launch["num_stages"], launch["maxnreg"])
+    grid = VARIANTS[args.kernel] if not args.launches else [
+        tuple(int(v) for v in text.split(",")) + (None,) * (5 - len(text.split(","))) for text in args.launches]
     results = []
     for n, tokens in enumerate(args.tokens):  # saved after each batch size so a cut run keeps what it measured
         if n == 0:
-            variants = sorted(set(VARIANTS[args.kernel]) | {default})
+            variants = [default] + [v for v in dict.fromkeys(grid) if v != default]
         else:
             timed = fastest(r for r in results if r["tokens"] == args.tokens[0])
-            variants = sorted({default} | {(r["block_n"], r["block_k"], r["num_warps"], r["num_stages"])
-                                           for r in timed[:args.top]})
+            variants = list(dict.fromkeys([default] + [
+                (r["block_n"], r["block_k"], r["num_warps"], r["num_stages"], r["maxnreg"]) for r in timed[:args.top]]))
         measured = sweep(args.kernel, tokens, variants, gen)
         print_table(sorted((r for r in measured if "s" in r), key=lambda r: r["s"])[:12], COLUMNS)
         results += measured
