@@ -20,6 +20,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .attention_triton import _dot
 from .pdl import launch_options, pdl_wait
+from .prefetch_l2 import prefetch_rows_l2
 from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
 
 # the launch of a row of at least LONG_K: [64, 256] tiles, 5 stages (5 x 32 KB of shared memory a program); of a
@@ -35,15 +36,22 @@ SHORT = dict(block_n=128, block_k=128, num_stages=3, num_warps=4)
 # kernel, wo_a 19.2 against 19.4. wo_b alone (b5): 10.292 against 10.423 ms, 23.5 us of the path against 25.5
 MIN_K = 1024
 MIN_BYTES = 64 << 20
+# With PDL, each program first asks L2 for its first PREFETCH_STAGES x num_stages tiles of weight (prefetch_l2.py),
+# before its wait: in the tail of the kernel before (0: off)
+PREFETCH_STAGES = 0
 
 
 @triton.jit
-def _tma_gemv_kernel(x_ptr, w_desc, out_ptr, K, n_per_group, QUANT_X: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
-    """x [groups * K], out [N]; w_desc: the [N, K] weight in [BLOCK_N, BLOCK_K] tiles (columns past K arrive as
-    zeros); BLOCK_N divides n_per_group, so a program's outputs read one group's inputs."""
-    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
+def _tma_gemv_kernel(x_ptr, w_ptr, w_desc, out_ptr, K, n_per_group, QUANT_X: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
+    """x [groups * K], out [N]; w_desc: the [N, K] weight (at w_ptr) in [BLOCK_N, BLOCK_K] tiles (columns past K
+    arrive as zeros); BLOCK_N divides n_per_group, so a program's outputs read one group's inputs. PREFETCH_K > 0:
+    the program's rows' first PREFETCH_K columns (at most K) asked of L2 before the wait."""
     pid = tl.program_id(0)
+    if PREFETCH_K > 0:  # a weight: no kernel writes it
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        prefetch_rows_l2(w_ptr + rows.to(tl.int64) * K, tl.minimum(K, PREFETCH_K) * 2)
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     x_row = x_ptr + (pid * BLOCK_N // n_per_group) * K
     first = tl.arange(0, 16)[:, None] == 0  # the dot's tile: x in row 0, zeros below
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
@@ -58,8 +66,9 @@ def _tma_gemv_kernel(x_ptr, w_desc, out_ptr, K, n_per_group, QUANT_X: tl.constex
 
 
 def launch(k: int, **overrides) -> dict:
-    """The launch (block_n, block_k, num_stages, num_warps) of a row of K, with overrides (sweeps, tests)."""
-    return {**(LONG if k >= LONG_K else SHORT), **overrides}
+    """The launch (block_n, block_k, num_stages, num_warps, prefetch_stages) of a row of K, with overrides (sweeps,
+    tests)."""
+    return {**(LONG if k >= LONG_K else SHORT), "prefetch_stages": PREFETCH_STAGES, **overrides}
 
 
 def takes(x, weight, groups) -> bool:
@@ -80,9 +89,11 @@ def bf16_linear_tma(x, weight, groups, quantize_x, **overrides):
         raise ValueError(f"bf16_linear TMA: block_n={block_n} must divide a group's {n // groups} outputs and "
                          f"block_k={block_k} be a power of two >= 32 (whole FP8 groups)")
     out = x.new_empty(n)
+    options = launch_options(x.device)
+    prefetch = settings["prefetch_stages"] * settings["num_stages"] * block_k if options["PDL"] else 0
     _tma_gemv_kernel[(n // block_n,)](
-        x.contiguous(), TensorDescriptor.from_tensor(weight, [block_n, block_k]), out, k, n // groups,
-        QUANT_X=quantize_x, BLOCK_N=block_n, BLOCK_K=block_k, FP32_DOT=x.device.type != "cuda",
-        num_stages=settings["num_stages"], num_warps=settings["num_warps"], **launch_options(x.device))
+        x.contiguous(), weight, TensorDescriptor.from_tensor(weight, [block_n, block_k]), out, k, n // groups,
+        QUANT_X=quantize_x, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH_K=prefetch, FP32_DOT=x.device.type != "cuda",
+        num_stages=settings["num_stages"], num_warps=settings["num_warps"], **options)
     return out.view(*x.shape[:-1], n)
 

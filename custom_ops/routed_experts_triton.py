@@ -33,6 +33,7 @@ import triton.language as tl
 from .attention_triton import _dot
 from .block_counters import block_counters
 from .pdl import launch_options, pdl_wait
+from .prefetch_l2 import prefetch_rows_l2
 from .routed_experts import MAX_TOKENS
 
 UP_BLOCK_N = 32  # one FP8 group of h per row and program; 72 column blocks at I = 2304
@@ -41,6 +42,9 @@ DOWN_BLOCK_N = 32  # 160 column blocks at D = 5120
 # 3 programs an SM: 396 slots for its 504 programs at batch 1) fits 4 an SM without spills (sm_90)
 UP_MAXNREG = None
 DOWN_MAXNREG = None
+# With PDL, each down program first asks L2 for its W2 rows' first DOWN_PREFETCH_K columns (prefetch_l2.py), before
+# its wait: in the up kernel's tail (0: off)
+DOWN_PREFETCH_K = 0
 BLOCK_K = 128  # 64 above 32 tokens (the down kernel: above 16): larger tiles spill at 128 (ptxas, sm_90)
 # Above this many tokens the programs' rows are the stacked experts (by_expert_grid). Not timed yet: MoE runs
 # this op up to CompileOptions.moe_few_tokens tokens (16 by default), so only a raised cutoff takes it
@@ -213,18 +217,26 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS,
 @triton.jit
 def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, y_ptr, counter_ptr, T, KK, SLOTS, shared, G, I, D,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr,
-                 P_PAD: tl.constexpr, G_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, FP32_DOT: tl.constexpr,
-                 PDL: tl.constexpr):
+                 P_PAD: tl.constexpr, G_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, PREFETCH_K: tl.constexpr,
+                 FP32_DOT: tl.constexpr, PDL: tl.constexpr):
     """out[t, slot] = bf16(h[t, slot] @ W2[e]^T) for the tokens routed to e, over the programs that compute e
     (_program_expert); then the last program of each column block adds every token's pair outputs there into y
-    (_ordered_sum)."""
-    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
+    (_ordered_sum). PREFETCH_K > 0: before the wait, the program reads the ids (the router's, two launches back:
+    finished once any program of this kernel runs, since the up kernel's programs release it after their wait)
+    and asks L2 for its W2 rows' first PREFETCH_K columns."""
     prog, pid_n = tl.program_id(0), tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = n < D
+    if PREFETCH_K > 0:
+        e, mine, _, _, _ = _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M, KK_PAD, P_PAD, G_PAD,
+                                           BY_EXPERT)
+        if mine:
+            rows = tl.maximum(e, 0).to(tl.int64) * D + tl.minimum(n, D - 1)
+            prefetch_rows_l2(w2_ptr + rows * I, tl.minimum(I, PREFETCH_K) * 2)
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     e, mine, _, routed, slot = _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M, KK_PAD, P_PAD, G_PAD,
                                             BY_EXPERT)
     t = tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_in = n < D
     rows = (t * SLOTS + slot).to(tl.int64)[:, None]
     w_rows = w2_ptr + (tl.maximum(e, 0).to(tl.int64) * D + n[:, None]) * I
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -340,8 +352,10 @@ def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_x, quanti
         QUANT_X=quantize_x, QUANT_H=quantize_h, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], **fixed,
         SHARED_FIRST=shared_first, **_compile_options(up), **launch_options(x.device, early=shared_first))
     column_blocks = triton.cdiv(dim, down["block_n"])
+    down_options = launch_options(x.device)
+    prefetch = down.get("prefetch_k", DOWN_PREFETCH_K) if down_options["PDL"] and inter % 8 == 0 else 0
     _down_kernel[(rows, column_blocks)](
         h, ids, w2, out, y, block_counters(x.device, column_blocks), tokens, k, slots, shared_expert, experts, inter,
-        dim, BLOCK_N=down["block_n"], BLOCK_K=down["block_k"], **fixed, **_compile_options(down),
-        **launch_options(x.device))
+        dim, BLOCK_N=down["block_n"], BLOCK_K=down["block_k"], PREFETCH_K=prefetch, **fixed, **_compile_options(down),
+        **down_options)
     return y

@@ -65,6 +65,9 @@ VARIANTS = {
     "shared-first": {},  # the MoE's shared expert streamed before the up kernel's PDL wait, beside the router
     "up-regs-128": {},  # the routed experts' up kernel at 128 registers a thread: 4 programs an SM, one wave at B1
     "down-16": {},  # the routed experts' down kernel on 16-column blocks (fewer registers, more programs an SM)
+    "tma-prefetch": {},  # the TMA GEMVs ask L2 for their first num_stages tiles before their PDL wait
+    "tma-prefetch-2": {},  # ... for twice that
+    "down-prefetch": {},  # the routed experts' down kernel asks L2 for its rows' first 1024 columns before its wait
     "fused-mixes": {"mhc_defer_mixes": False},  # each seam finishes its own mixes (before passes/mhc_defer.py)
     "early-reads": {"early_reads": True},  # kv_norm_rope reading before its PDL wait (passes/early_reads.py)
     "one-graph": {"decode_graph_pieces": 1},  # the decode step as one CUDA graph (before piecewise_graph.py)
@@ -88,7 +91,10 @@ VARIANTS = {
 KERNEL_SETTINGS = {"tiled-big-linear": {"dsflash_compile.custom_ops.bf16_linear_tma_triton": {"MIN_K": 1 << 30}},
                    "shared-first": {"dsflash_compile.custom_ops.routed_experts_triton": {"SHARED_FIRST": True}},
                    "up-regs-128": {"dsflash_compile.custom_ops.routed_experts_triton": {"UP_MAXNREG": 128}},
-                   "down-16": {"dsflash_compile.custom_ops.routed_experts_triton": {"DOWN_BLOCK_N": 16}}}
+                   "down-16": {"dsflash_compile.custom_ops.routed_experts_triton": {"DOWN_BLOCK_N": 16}},
+                   "tma-prefetch": {"dsflash_compile.custom_ops.bf16_linear_tma_triton": {"PREFETCH_STAGES": 1}},
+                   "tma-prefetch-2": {"dsflash_compile.custom_ops.bf16_linear_tma_triton": {"PREFETCH_STAGES": 2}},
+                   "down-prefetch": {"dsflash_compile.custom_ops.routed_experts_triton": {"DOWN_PREFETCH_K": 1024}}}
 
 
 @contextmanager

@@ -69,8 +69,9 @@ def test_which_projections_take_it():
 
 def test_launch_by_row_length():
     """[64, 256] x 5 stages from LONG_K (wo_a, wo_b), [128, 128] x 3 below (wq_b); overrides win."""
-    assert tma.launch(8192) == tma.launch(4096) == dict(block_n=64, block_k=256, num_stages=5, num_warps=4)
-    assert tma.launch(1280) == dict(block_n=128, block_k=128, num_stages=3, num_warps=4)
+    off = dict(prefetch_stages=tma.PREFETCH_STAGES)
+    assert tma.launch(8192) == tma.launch(4096) == dict(block_n=64, block_k=256, num_stages=5, num_warps=4, **off)
+    assert tma.launch(1280) == dict(block_n=128, block_k=128, num_stages=3, num_warps=4, **off)
     assert tma.launch(1280, num_stages=2)["num_stages"] == 2
 
 
@@ -82,17 +83,21 @@ def test_rejects_launches_it_cannot_run():
         tma.bf16_linear_tma(x, w, 1, True, block_n=16, block_k=48)
 
 
-@pytest.mark.parametrize("quantize", [True, False])
-def test_compiles_for_hopper_with_tma_without_spills(quantize):
-    """The default launch on sm_90: no spills, the weight's tiles by TMA (cp.async.bulk.tensor)."""
+@pytest.mark.parametrize("quantize, prefetch_k", [(True, 0), (False, 0), (True, 1280)])
+def test_compiles_for_hopper_with_tma_without_spills(quantize, prefetch_k):
+    """The default launch on sm_90: no spills, the weight's tiles by TMA (cp.async.bulk.tensor); with PREFETCH_K
+    the L2 prefetch of the weight comes before the PDL wait, every other global access after it."""
     launch = tma.launch(8192)
-    args = dict(x_ptr="*bf16", w_desc=f"tensordesc<bf16[{launch['block_n']},{launch['block_k']}]>", out_ptr="*bf16",
-                K="i32", n_per_group="i32")
+    args = dict(x_ptr="*bf16", w_ptr="*bf16", w_desc=f"tensordesc<bf16[{launch['block_n']},{launch['block_k']}]>",
+                out_ptr="*bf16", K="i32", n_per_group="i32")
     spec = ("_tma_gemv_kernel", args, dict(QUANT_X=quantize, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
-                                           FP32_DOT=False), launch["num_warps"])
-    check_compiles_for_hopper(tma, spec, divisible_by_16=("x_ptr", "K"))
-    ptx = compile_for_hopper(tma, spec, divisible_by_16=("x_ptr", "K")).asm["ptx"]
+                                           PREFETCH_K=prefetch_k, FP32_DOT=False), launch["num_warps"])
+    check_compiles_for_hopper(tma, spec, divisible_by_16=("x_ptr", "w_ptr", "K"))
+    ptx = compile_for_hopper(tma, spec, divisible_by_16=("x_ptr", "w_ptr", "K")).asm["ptx"]
     assert re.search(r"cp\.async\.bulk\.tensor", ptx), "the weight's tiles do not arrive by TMA"
+    wait = ptx.index("griddepcontrol.wait")
+    assert ("cp.async.bulk.prefetch.L2" in ptx[:wait]) == (prefetch_k > 0)
+    assert not re.search(r"(ld|st)\.global|cp\.async\.bulk\.tensor", ptx[:wait])
 
 
 # ----------------------------------------------------------------------------------------------- CUDA
@@ -108,6 +113,7 @@ def test_release_sizes_on_cuda(name):
     want = bf16_linear_reference(x, w, groups, quantize)
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-2
     assert torch.equal(tma.bf16_linear_tma(x, w, groups, quantize), got)
+    assert torch.equal(tma.bf16_linear_tma(x, w, groups, quantize, prefetch_stages=2), got)
     assert torch.equal(torch.ops.dsflash.bf16_linear(x, w, groups, quantize), got)
     assert torch.equal(torch.ops.dsflash.bf16_gemv(x, w, groups, quantize), got)
     graph = torch.cuda.CUDAGraph()
