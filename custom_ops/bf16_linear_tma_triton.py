@@ -36,9 +36,13 @@ SHORT = dict(block_n=128, block_k=128, num_stages=3, num_warps=4)
 # kernel, wo_a 19.2 against 19.4. wo_b alone (b5): 10.292 against 10.423 ms, 23.5 us of the path against 25.5
 MIN_K = 1024
 MIN_BYTES = 64 << 20
-# With PDL, each program first asks L2 for its first PREFETCH_STAGES x num_stages tiles of weight (prefetch_l2.py),
-# before its wait: in the tail of the kernel before (0: off)
+# With PDL, each program of a row of at least PREFETCH_MIN_K first asks L2 for its first PREFETCH_STAGES x
+# num_stages tiles of weight (prefetch_l2.py), before its wait (0: off). It pays only in a GEMV's tail: wo_b's
+# programs land as wo_a's leave (their shared memory does not fit beside them). H200, B1 side by side (12-04 c3):
+# on all three 10.691 ms against 10.624 (wo_b 24.7 us of the path against 27.5, but wq_b 23.8 against 22.0 and
+# wo_a 22.0 against 19.3: there the prefetch runs beside the latency-bound kernels before them); at 2 x 11.035
 PREFETCH_STAGES = 0
+PREFETCH_MIN_K = 8192  # wo_b (the one-row projection right after another: wo_a)
 
 
 @triton.jit
@@ -68,7 +72,8 @@ def _tma_gemv_kernel(x_ptr, w_ptr, w_desc, out_ptr, K, n_per_group, QUANT_X: tl.
 def launch(k: int, **overrides) -> dict:
     """The launch (block_n, block_k, num_stages, num_warps, prefetch_stages) of a row of K, with overrides (sweeps,
     tests)."""
-    return {**(LONG if k >= LONG_K else SHORT), "prefetch_stages": PREFETCH_STAGES, **overrides}
+    return {**(LONG if k >= LONG_K else SHORT), "prefetch_stages": PREFETCH_STAGES if k >= PREFETCH_MIN_K else 0,
+            **overrides}
 
 
 def takes(x, weight, groups) -> bool:

@@ -65,8 +65,10 @@ VARIANTS = {
     "shared-first": {},  # the MoE's shared expert streamed before the up kernel's PDL wait, beside the router
     "up-regs-128": {},  # the routed experts' up kernel at 128 registers a thread: 4 programs an SM, one wave at B1
     "down-16": {},  # the routed experts' down kernel on 16-column blocks (fewer registers, more programs an SM)
-    "tma-prefetch": {},  # the TMA GEMVs ask L2 for their first num_stages tiles before their PDL wait
+    "tma-prefetch": {},  # the TMA GEMVs ask L2 for their first num_stages tiles before their PDL wait (all three)
     "tma-prefetch-2": {},  # ... for twice that
+    "prefetch-wo-b": {},  # ... wo_b's only (PREFETCH_MIN_K)
+    "prefetch-wo-b-2": {},  # ... twice that, wo_b's only
     "down-prefetch": {},  # the routed experts' down kernel asks L2 for its rows' first 1024 columns before its wait
     "fused-mixes": {"mhc_defer_mixes": False},  # each seam finishes its own mixes (before passes/mhc_defer.py)
     "early-reads": {"early_reads": True},  # kv_norm_rope reading before its PDL wait (passes/early_reads.py)
@@ -88,13 +90,16 @@ VARIANTS = {
 
 # module constants a variant sets while it compiles and captures (its CUDA graphs keep the kernels the ops picked
 # then): launch rules measured side by side before they become defaults
-KERNEL_SETTINGS = {"tiled-big-linear": {"dsflash_compile.custom_ops.bf16_linear_tma_triton": {"MIN_K": 1 << 30}},
-                   "shared-first": {"dsflash_compile.custom_ops.routed_experts_triton": {"SHARED_FIRST": True}},
-                   "up-regs-128": {"dsflash_compile.custom_ops.routed_experts_triton": {"UP_MAXNREG": 128}},
-                   "down-16": {"dsflash_compile.custom_ops.routed_experts_triton": {"DOWN_BLOCK_N": 16}},
-                   "tma-prefetch": {"dsflash_compile.custom_ops.bf16_linear_tma_triton": {"PREFETCH_STAGES": 1}},
-                   "tma-prefetch-2": {"dsflash_compile.custom_ops.bf16_linear_tma_triton": {"PREFETCH_STAGES": 2}},
-                   "down-prefetch": {"dsflash_compile.custom_ops.routed_experts_triton": {"DOWN_PREFETCH_K": 1024}}}
+TMA, ROUTED = "dsflash_compile.custom_ops.bf16_linear_tma_triton", "dsflash_compile.custom_ops.routed_experts_triton"
+KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
+                   "shared-first": {ROUTED: {"SHARED_FIRST": True}},
+                   "up-regs-128": {ROUTED: {"UP_MAXNREG": 128}},
+                   "down-16": {ROUTED: {"DOWN_BLOCK_N": 16}},
+                   "tma-prefetch": {TMA: {"PREFETCH_STAGES": 1, "PREFETCH_MIN_K": 0}},
+                   "tma-prefetch-2": {TMA: {"PREFETCH_STAGES": 2, "PREFETCH_MIN_K": 0}},
+                   "prefetch-wo-b": {TMA: {"PREFETCH_STAGES": 1}},
+                   "prefetch-wo-b-2": {TMA: {"PREFETCH_STAGES": 2}},
+                   "down-prefetch": {ROUTED: {"DOWN_PREFETCH_K": 1024}}}
 
 
 @contextmanager

@@ -68,10 +68,12 @@ def test_which_projections_take_it():
 
 
 def test_launch_by_row_length():
-    """[64, 256] x 5 stages from LONG_K (wo_a, wo_b), [128, 128] x 3 below (wq_b); overrides win."""
-    off = dict(prefetch_stages=tma.PREFETCH_STAGES)
-    assert tma.launch(8192) == tma.launch(4096) == dict(block_n=64, block_k=256, num_stages=5, num_warps=4, **off)
-    assert tma.launch(1280) == dict(block_n=128, block_k=128, num_stages=3, num_warps=4, **off)
+    """[64, 256] x 5 stages from LONG_K (wo_a, wo_b), [128, 128] x 3 below (wq_b); the L2 prefetch from
+    PREFETCH_MIN_K (wo_b); overrides win."""
+    long = dict(block_n=64, block_k=256, num_stages=5, num_warps=4)
+    assert tma.launch(8192) == dict(long, prefetch_stages=tma.PREFETCH_STAGES)  # wo_b: PREFETCH_MIN_K
+    assert tma.launch(4096) == dict(long, prefetch_stages=0)
+    assert tma.launch(1280) == dict(block_n=128, block_k=128, num_stages=3, num_warps=4, prefetch_stages=0)
     assert tma.launch(1280, num_stages=2)["num_stages"] == 2
 
 
