@@ -38,10 +38,12 @@ MIN_K = 1024
 MIN_BYTES = 64 << 20
 # With PDL, each program of a row of at least PREFETCH_MIN_K first asks L2 for its first PREFETCH_STAGES x
 # num_stages tiles of weight (prefetch_l2.py), before its wait (0: off). It pays only in a GEMV's tail: wo_b's
-# programs land as wo_a's leave (their shared memory does not fit beside them). H200, B1 side by side (12-04 c3):
-# on all three 10.691 ms against 10.624 (wo_b 24.7 us of the path against 27.5, but wq_b 23.8 against 22.0 and
-# wo_a 22.0 against 19.3: there the prefetch runs beside the latency-bound kernels before them); at 2 x 11.035
-PREFETCH_STAGES = 0
+# programs land as wo_a's leave (their shared memory does not fit beside them). H200, B1 side by side: wo_b only
+# 10.246 ms against 10.260 without, each of 5 rounds lower (12-04 c4: wo_b 23.1 us of the path against 23.6; on
+# c3's machine, where wo_b took 27.5, 24.7 with it); at 2 x 10.327. On all three projections 10.691 against
+# 10.624 (c3: wq_b 23.8 us against 22.0, wo_a 22.0 against 19.3, the prefetch beside the latency-bound kernels
+# before them; at 2 x 11.035)
+PREFETCH_STAGES = 1
 PREFETCH_MIN_K = 8192  # wo_b (the one-row projection right after another: wo_a)
 
 

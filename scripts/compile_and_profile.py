@@ -63,12 +63,13 @@ VARIANTS = {
     "joint-norms": {"qkv_norm_op": True},  # q's norm in kv_norm_rope's launch (dsflash::qkv_norm_rope; off: slower)
     "tiled-big-linear": {},  # one row of wq_b, wo_a, wo_b on the tiled kernel (KERNEL_SETTINGS; before 12-04 b)
     "shared-first": {},  # the MoE's shared expert streamed before the up kernel's PDL wait, beside the router
+    "shared-first-128": {},  # ... with the up kernel at 128 registers a thread (4 programs an SM)
     "up-regs-128": {},  # the routed experts' up kernel at 128 registers a thread: 4 programs an SM, one wave at B1
     "down-16": {},  # the routed experts' down kernel on 16-column blocks (fewer registers, more programs an SM)
     "tma-prefetch": {},  # the TMA GEMVs ask L2 for their first num_stages tiles before their PDL wait (all three)
     "tma-prefetch-2": {},  # ... for twice that
-    "prefetch-wo-b": {},  # ... wo_b's only (PREFETCH_MIN_K)
-    "prefetch-wo-b-2": {},  # ... twice that, wo_b's only
+    "no-prefetch": {},  # wo_b without its L2 prefetch before the PDL wait (before 12-04 c)
+    "prefetch-wo-b-2": {},  # wo_b's L2 prefetch for twice its num_stages tiles
     "down-prefetch": {},  # the routed experts' down kernel asks L2 for its rows' first 1024 columns before its wait
     "fused-mixes": {"mhc_defer_mixes": False},  # each seam finishes its own mixes (before passes/mhc_defer.py)
     "early-reads": {"early_reads": True},  # kv_norm_rope reading before its PDL wait (passes/early_reads.py)
@@ -93,11 +94,12 @@ VARIANTS = {
 TMA, ROUTED = "dsflash_compile.custom_ops.bf16_linear_tma_triton", "dsflash_compile.custom_ops.routed_experts_triton"
 KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "shared-first": {ROUTED: {"SHARED_FIRST": True}},
+                   "shared-first-128": {ROUTED: {"SHARED_FIRST": True, "UP_MAXNREG": 128}},
                    "up-regs-128": {ROUTED: {"UP_MAXNREG": 128}},
                    "down-16": {ROUTED: {"DOWN_BLOCK_N": 16}},
                    "tma-prefetch": {TMA: {"PREFETCH_STAGES": 1, "PREFETCH_MIN_K": 0}},
                    "tma-prefetch-2": {TMA: {"PREFETCH_STAGES": 2, "PREFETCH_MIN_K": 0}},
-                   "prefetch-wo-b": {TMA: {"PREFETCH_STAGES": 1}},
+                   "no-prefetch": {TMA: {"PREFETCH_STAGES": 0}},
                    "prefetch-wo-b-2": {TMA: {"PREFETCH_STAGES": 2}},
                    "down-prefetch": {ROUTED: {"DOWN_PREFETCH_K": 1024}}}
 
