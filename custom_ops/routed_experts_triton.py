@@ -32,19 +32,17 @@ import triton.language as tl
 
 from .attention_triton import _dot
 from .block_counters import block_counters
-from .pdl import launch_options, pdl_wait
-from .prefetch_l2 import prefetch_rows_l2
+from .pdl import launch_options, pdl_release, pdl_wait, pdl_wait_only
 from .routed_experts import MAX_TOKENS
 
 UP_BLOCK_N = 32  # one FP8 group of h per row and program; 72 column blocks at I = 2304
 DOWN_BLOCK_N = 32  # 160 column blocks at D = 5120
 # registers a thread (ptxas's .maxnreg; None: as many as the compiler takes): at 128 the up kernel (144 unbounded,
-# 3 programs an SM: 396 slots for its 504 programs at batch 1) fits 4 an SM without spills (sm_90)
+# 3 programs an SM: 396 slots for its 504 programs at batch 1) fits 4 an SM without spills (sm_90). Alone no gain
+# (H200, B1 side by side, 12-04 c2: 10.299 ms against 10.376, but the up kernel 81.0 us of a layer's path against
+# 81.2; c3: 10.616 against 10.624; the op alone 126.3 against 126.2 us); it makes SHARED_FIRST's early launch fit
 UP_MAXNREG = None
 DOWN_MAXNREG = None
-# With PDL, each down program first asks L2 for its W2 rows' first DOWN_PREFETCH_K columns (prefetch_l2.py), before
-# its wait: in the up kernel's tail (0: off)
-DOWN_PREFETCH_K = 0
 BLOCK_K = 128  # 64 above 32 tokens (the down kernel: above 16): larger tiles spill at 128 (ptxas, sm_90)
 # Above this many tokens the programs' rows are the stacked experts (by_expert_grid). Not timed yet: MoE runs
 # this op up to CompileOptions.moe_few_tokens tokens (16 by default), so only a raised cutoff takes it
@@ -52,7 +50,11 @@ BY_EXPERT_ABOVE = 16
 BY_EXPERT_MAX_COMPARES = 16384  # pairs x stacked experts (powers of two): flash-40l-e8 at 64 tokens, 512 x 16
 # The up kernel's shared expert before its PDL wait (SHARED_FIRST), overlapping the router before it; the kernel
 # then launches early (pdl.launch_options), placed beside the router's programs. Safe only where x was written at
-# least two launches before the op (the router's launch between: MoE's few-token path)
+# least two launches before the op (the router's launch between: MoE's few-token path). H200, B1 side by side:
+# 10.531 ms against 10.321 (12-04 c1: the up kernel 86.1 us of the path against 81.2, fewer of its programs
+# fitting beside the router's); with UP_MAXNREG 128 10.326 against 10.319 (c5: up 80.2 against 81.4, router 4.7
+# against 4.4, down 45.9 against 44.3, its programs scheduled only once the shared ones passed their wait: the
+# shared program now releases the down kernel at its top, not measured yet)
 SHARED_FIRST = False
 
 
@@ -182,6 +184,7 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS,
     prog, pid_n = tl.program_id(0), tl.program_id(1)
     if SHARED_FIRST:
         if prog == KK:
+            pdl_release(PDL)  # the down kernel may be scheduled once the routed programs passed their wait
             e, mine, hit, routed, slot, weight = _shared_program(ids_ptr, T, KK, shared, BLOCK_M, KK_PAD)
         else:
             pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
@@ -209,7 +212,7 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS,
     h = _swiglu_h(gate, up, weight, limit, QUANT_H)
     if SHARED_FIRST:
         if prog == KK:
-            pdl_wait(PDL)  # h's rows may still be read by an earlier kernel (its buffer reused)
+            pdl_wait_only(PDL)  # h's rows may still be read by an earlier kernel (its buffer reused)
     out = h_ptr + (t * SLOTS + slot).to(tl.int64)[:, None] * I + n[None, :]
     tl.store(out, h.to(tl.bfloat16), mask=(mine & routed)[:, None] & n_in[None, :])
 
@@ -217,26 +220,18 @@ def _up_kernel(x_ptr, weights_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, T, KK, SLOTS,
 @triton.jit
 def _down_kernel(h_ptr, ids_ptr, w2_ptr, out_ptr, y_ptr, counter_ptr, T, KK, SLOTS, shared, G, I, D,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KK_PAD: tl.constexpr,
-                 P_PAD: tl.constexpr, G_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, PREFETCH_K: tl.constexpr,
-                 FP32_DOT: tl.constexpr, PDL: tl.constexpr):
+                 P_PAD: tl.constexpr, G_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, FP32_DOT: tl.constexpr,
+                 PDL: tl.constexpr):
     """out[t, slot] = bf16(h[t, slot] @ W2[e]^T) for the tokens routed to e, over the programs that compute e
     (_program_expert); then the last program of each column block adds every token's pair outputs there into y
-    (_ordered_sum). PREFETCH_K > 0: before the wait, the program reads the ids (the router's, two launches back:
-    finished once any program of this kernel runs, since the up kernel's programs release it after their wait)
-    and asks L2 for its W2 rows' first PREFETCH_K columns."""
-    prog, pid_n = tl.program_id(0), tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_in = n < D
-    if PREFETCH_K > 0:
-        e, mine, _, _, _ = _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M, KK_PAD, P_PAD, G_PAD,
-                                           BY_EXPERT)
-        if mine:
-            rows = tl.maximum(e, 0).to(tl.int64) * D + tl.minimum(n, D - 1)
-            prefetch_rows_l2(w2_ptr + rows * I, tl.minimum(I, PREFETCH_K) * 2)
+    (_ordered_sum)."""
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
+    prog, pid_n = tl.program_id(0), tl.program_id(1)
     e, mine, _, routed, slot = _program_expert(ids_ptr, prog, T, KK, SLOTS, shared, G, BLOCK_M, KK_PAD, P_PAD, G_PAD,
                                             BY_EXPERT)
     t = tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = n < D
     rows = (t * SLOTS + slot).to(tl.int64)[:, None]
     w_rows = w2_ptr + (tl.maximum(e, 0).to(tl.int64) * D + n[:, None]) * I
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -287,7 +282,8 @@ def kernel_fits(x, w1, w3, w2) -> bool:
 
 def launches(tokens: int, up: dict | None = None, down: dict | None = None) -> tuple[dict, dict]:
     """Each kernel's launch at this token count (block_n, block_k, num_warps, num_stages, maxnreg), with
-    overrides (sweeps: scripts/sweep_routed.py); the up kernel's block_n must be a multiple of 32 (the FP8 groups of h).
+    overrides (sweeps: scripts/sweep_routed.py); the up kernel's block_n must be a multiple of 32 (the FP8
+    groups of h).
     Up to 32 tokens the down kernel runs 2 warps, 2 stages (H200 12-01: the op took 123.2 / 166.4 / 181.1 us at
     batch 1 / 8 / 16 against 130.5 / 168.8 / 189.3 with 4 warps, 3 stages; 64 columns were as fast but spill
     at 32 tokens, and at 64 tokens 2 warps spill). Above 16 tokens its K blocks are 64 wide: at 32 tokens
@@ -352,10 +348,8 @@ def routed_experts_triton(x, weights, ids, w1, w3, w2, limit, quantize_x, quanti
         QUANT_X=quantize_x, QUANT_H=quantize_h, BLOCK_N=up["block_n"], BLOCK_K=up["block_k"], **fixed,
         SHARED_FIRST=shared_first, **_compile_options(up), **launch_options(x.device, early=shared_first))
     column_blocks = triton.cdiv(dim, down["block_n"])
-    down_options = launch_options(x.device)
-    prefetch = down.get("prefetch_k", DOWN_PREFETCH_K) if down_options["PDL"] and inter % 8 == 0 else 0
     _down_kernel[(rows, column_blocks)](
         h, ids, w2, out, y, block_counters(x.device, column_blocks), tokens, k, slots, shared_expert, experts, inter,
-        dim, BLOCK_N=down["block_n"], BLOCK_K=down["block_k"], PREFETCH_K=prefetch, **fixed, **_compile_options(down),
-        **down_options)
+        dim, BLOCK_N=down["block_n"], BLOCK_K=down["block_k"], **fixed, **_compile_options(down),
+        **launch_options(x.device))
     return y

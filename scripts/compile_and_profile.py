@@ -70,7 +70,6 @@ VARIANTS = {
     "tma-prefetch-2": {},  # ... for twice that
     "no-prefetch": {},  # wo_b without its L2 prefetch before the PDL wait (before 12-04 c)
     "prefetch-wo-b-2": {},  # wo_b's L2 prefetch for twice its num_stages tiles
-    "down-prefetch": {},  # the routed experts' down kernel asks L2 for its rows' first 1024 columns before its wait
     "fused-mixes": {"mhc_defer_mixes": False},  # each seam finishes its own mixes (before passes/mhc_defer.py)
     "early-reads": {"early_reads": True},  # kv_norm_rope reading before its PDL wait (passes/early_reads.py)
     "one-graph": {"decode_graph_pieces": 1},  # the decode step as one CUDA graph (before piecewise_graph.py)
@@ -100,8 +99,7 @@ KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "tma-prefetch": {TMA: {"PREFETCH_STAGES": 1, "PREFETCH_MIN_K": 0}},
                    "tma-prefetch-2": {TMA: {"PREFETCH_STAGES": 2, "PREFETCH_MIN_K": 0}},
                    "no-prefetch": {TMA: {"PREFETCH_STAGES": 0}},
-                   "prefetch-wo-b-2": {TMA: {"PREFETCH_STAGES": 2}},
-                   "down-prefetch": {ROUTED: {"DOWN_PREFETCH_K": 1024}}}
+                   "prefetch-wo-b-2": {TMA: {"PREFETCH_STAGES": 2}}}
 
 
 @contextmanager

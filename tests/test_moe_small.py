@@ -186,7 +186,7 @@ _DOWN = dict(h_ptr="*bf16", ids_ptr="*i64", w2_ptr="*bf16", out_ptr="*bf16", y_p
 def test_kernels_compile_for_hopper_without_spills(block_m):
     """Each token tile's launches (routed_experts_triton.launches) at top-6 + shared, with the release's FP8 of x
     and h, the programs' rows as by_expert_grid picks them for flash-40l-e8 (9 stacked experts); the down
-    kernel with an fp32 and a bf16 sum, and with its L2 prefetch before the PDL wait."""
+    kernel with an fp32 and a bf16 sum."""
     from dsflash_compile.custom_ops import routed_experts_triton as module
 
     up, down = module.launches(block_m)
@@ -194,9 +194,8 @@ def test_kernels_compile_for_hopper_without_spills(block_m):
     assert by_expert == (block_m > 16)
     ups = [("_up_kernel", _UP, up, dict(QUANT_X=True, QUANT_H=True, SHARED_FIRST=first))
            for first in ((False, True) if not by_expert else (False,))]  # SHARED_FIRST only by pair
-    downs = [("_down_kernel", types, down, dict(PREFETCH_K=prefetch)) for types, prefetch in (
-        (_DOWN, 0), (dict(_DOWN, y_ptr="*bf16"), 0), (_DOWN, 1024))]  # fp32 and bf16 (out_bf16) sums; L2 prefetch
-    for name, arg_types, launch, extra in (*ups, *downs):
+    for name, arg_types, launch, extra in (*ups, ("_down_kernel", _DOWN, down, {}),
+                                           ("_down_kernel", dict(_DOWN, y_ptr="*bf16"), down, {})):  # out_bf16
         constexprs = dict(BLOCK_M=block_m, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"], KK_PAD=8,
                           P_PAD=8 * block_m, G_PAD=16, BY_EXPERT=by_expert, FP32_DOT=False, **extra)
         check_compiles_for_hopper(module, (name, arg_types, constexprs, launch["num_warps"]))
@@ -235,9 +234,9 @@ def test_release_sizes_on_cuda(tokens):
 @requires_cuda
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_shared_first_after_the_router_in_a_cuda_graph(tokens):
-    """The up kernel's shared expert before its PDL wait (SHARED_FIRST) and the down kernel's L2 prefetch (ids
-    read before its wait), as MoE runs them at decode: x written by a kernel, the router's launch, then the op, in
-    a CUDA graph replayed on new x: the bits of the default kernels run eagerly."""
+    """The up kernel's shared expert before its PDL wait (SHARED_FIRST), as MoE runs it at decode: x written by
+    a kernel, the router's launch, then the op, in a CUDA graph replayed on new x: the bits of the default
+    kernels run eagerly."""
     from dsflash_compile.custom_ops.routed_experts_triton import routed_experts_triton
 
     case = (tokens, 7, 9, 5120, 2304, 10.0, True, True, True, False)
@@ -250,7 +249,7 @@ def test_shared_first_after_the_router_in_a_cuda_graph(tokens):
         y = source * 1.5  # a kernel writing x, two launches before the up kernel
         weights, ids = torch.ops.dsflash.fused_router(y, gate, bias, 6, True, 1.0)
         return routed_experts_triton(y, weights, ids, w1, w3, w2, limit, quantize_x, quantize_h, shared,
-                                     shared_first=first, down={"prefetch_k": 1024 if first else 0})
+                                     shared_first=first)
 
     want = moe(False)
     assert torch.equal(moe(True), want)
