@@ -52,6 +52,19 @@ def test_every_kernel_waits_first():
         if "EARLY_GATE" in kernel.arg_names:  # a weight's tile (never written by a kernel) loaded before the wait
             assert lines[0].startswith("if EARLY_GATE:\n") and lines[1] == "pdl_wait(PDL)", (name, lines[:2])
             assert "store" not in lines[0] and set(re.findall(r"\w+_ptr", lines[0])) == {"w_ptr"}, name
+        elif "PREFETCH_K" in kernel.arg_names:  # a weight's rows asked of L2 (prefetch_l2.py), no load or store
+            wait = lines.index("pdl_wait(PDL)")
+            before = "\n".join(lines[:wait])
+            assert lines[wait - 1].startswith("if PREFETCH_K > 0:\n") and "prefetch_rows_l2(w_ptr" in before, name
+            assert "load" not in before and "store" not in before, name
+            assert set(re.findall(r"\w+_ptr", before)) == {"w_ptr"}, name
+        elif "SHARED_FIRST" in kernel.arg_names:  # its shared program reads x (two launches back) before its wait
+            assert lines[0].startswith("prog, pid_n = ") and "_ptr" not in lines[0], name
+            assert lines[1].startswith("if SHARED_FIRST:\n    if prog == KK:\n        pdl_release(PDL)\n"), name
+            routed, without = lines[1].split("else:\n")[1:]  # the routed programs, the kernel without it
+            assert routed.startswith("        pdl_wait(PDL)\n") and without.startswith("    pdl_wait(PDL)\n"), name
+            wait = lines.index("if SHARED_FIRST:\n    if prog == KK:\n        pdl_wait_only(PDL)")
+            assert not any("store" in line for line in lines[:wait]), name
         elif "EARLY" in kernel.arg_names:
             wait = lines.index("if EARLY:\n    pdl_wait_only(PDL)")
             assert lines[0] == "if EARLY:\n    pdl_release(PDL)\nelse:\n    pdl_wait(PDL)", (name, lines[0])
