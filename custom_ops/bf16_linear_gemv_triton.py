@@ -45,21 +45,50 @@ WHOLE_ROW_MAX_TILES = 5  # the registers of 40 KB of weight a program (longer ro
 # wo_a 20.6-28.9 against 18.9, wo_b 25.0 against 30.7; with no cap the B1 step took 11.18 ms against 10.65 (wq_b
 # 31.4 us on the step's path against 22.8, wo_b 23.9 against 23.4)
 MAX_BYTES_PER_SM = 192 * 1024
+# A program's K_CHUNKS tiles loaded before any arithmetic (AT_ONCE), so all of them are in flight together: tile by
+# tile, the FP8 rounding's and the sums' barriers (bar.sync) come between one tile's loads and the next's, and
+# ptxas does not move loads across them (sm_90 PTX of the default whole-row launch: 5 load groups, each after the
+# previous tile's barriers; AT_ONCE: all 20 vector loads first). Not yet measured on a GPU: off
+AT_ONCE = False
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, norm_w_ptr, N, K, n_per_group, eps,
                  QUANT_X: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr,
-                 NORM: tl.constexpr, PDL: tl.constexpr):
+                 NORM: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr):
     """x [groups * K] and out [N]; weight [N, K]; BLOCK_N divides n_per_group. A program's split is K_CHUNKS
-    tiles of BLOCK_K columns, unrolled so that all their loads are in flight at once. NORM (one group, one split:
-    the program holds the whole row): x is first RMS-normed by norm_w (layers.RMSNorm, rounded to bf16), each
-    program taking the row's sum of squares itself (the mHC seam before it then has no norm to finish)."""
+    tiles of BLOCK_K columns, unrolled (their loads in flight one tile after another: AT_ONCE). NORM (one group,
+    one split: the program holds the whole row): x is first RMS-normed by norm_w (layers.RMSNorm, rounded to
+    bf16), each program taking the row's sum of squares itself (the mHC seam before it then has no norm to
+    finish). HEAD > 0 (AT_ONCE): the split's tiles loaded at once, as [BLOCK_N, HEAD] and [BLOCK_N, TAIL] tiles."""
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     pid_n, split = tl.program_id(0), tl.program_id(1)
     splits = tl.num_programs(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     group = pid_n * BLOCK_N // n_per_group
+    if HEAD > 0:
+        acc = _split_at_once(x_ptr, w_ptr, norm_w_ptr, n, group, split, K, eps, QUANT_X, BLOCK_K, K_CHUNKS, NORM,
+                             HEAD, TAIL)
+    else:
+        acc = _split_by_tiles(x_ptr, w_ptr, norm_w_ptr, n, group, split, K, eps, QUANT_X, BLOCK_N, BLOCK_K, K_CHUNKS,
+                              NORM)
+    if splits == 1:
+        tl.store(out_ptr + n, _round_bf16(acc).to(tl.bfloat16))
+    else:
+        tl.store(partial_ptr + split * N + n, acc)
+        tl.debug_barrier()  # every thread's stores are issued before the release below
+        if tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel") == splits - 1:
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for s in range(splits):  # split order: deterministic
+                total += tl.load(partial_ptr + s * N + n, cache_modifier=".cg")
+            tl.store(out_ptr + n, _round_bf16(total).to(tl.bfloat16))
+            tl.atomic_xchg(counter_ptr + pid_n, 0)
+
+
+@triton.jit
+def _split_by_tiles(x_ptr, w_ptr, norm_w_ptr, n, group, split, K, eps, QUANT_X: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, NORM: tl.constexpr):
+    """The split's fp32 sums of products, tile by tile."""
     if NORM:
         ss = tl.zeros((), dtype=tl.float32)
         for c in tl.static_range(K_CHUNKS):
@@ -78,17 +107,58 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, norm_w_ptr, N,
             x = tl.reshape(_fp8_qdq_groups(tl.reshape(x, (1, BLOCK_K)), 1, BLOCK_K), (BLOCK_K,))
             x = x.to(tl.bfloat16).to(tl.float32)  # E4M3 values times a power of two: exact in bf16
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    if splits == 1:
-        tl.store(out_ptr + n, _round_bf16(acc).to(tl.bfloat16))
-    else:
-        tl.store(partial_ptr + split * N + n, acc)
-        tl.debug_barrier()  # every thread's stores are issued before the release below
-        if tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel") == splits - 1:
-            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for s in range(splits):  # split order: deterministic
-                total += tl.load(partial_ptr + s * N + n, cache_modifier=".cg")
-            tl.store(out_ptr + n, _round_bf16(total).to(tl.bfloat16))
-            tl.atomic_xchg(counter_ptr + pid_n, 0)
+    return acc
+
+
+@triton.jit
+def _span(x_ptr, w_ptr, n, group, start, stop, K, WIDTH: tl.constexpr):
+    """The weight tile [BLOCK_N, WIDTH] and x (fp32) of columns start.. (masked at stop and K)."""
+    k = start + tl.arange(0, WIDTH)
+    live = (k < stop) & (k < K)
+    w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=live[None, :], other=0.0)
+    return w, tl.load(x_ptr + group * K + k, mask=live, other=0.0).to(tl.float32), k, live
+
+
+@triton.jit
+def _input(x, k, live, norm_w_ptr, rstd, QUANT_X: tl.constexpr, NORM: tl.constexpr, WIDTH: tl.constexpr):
+    """x as the products take it: normed (layers.RMSNorm: weight * (x * rstd), rounded to bf16), FP8-rounded in
+    groups of 32 (a span starts on a multiple of 32; its padding is zeros)."""
+    if NORM:
+        x = _round_bf16(tl.load(norm_w_ptr + k, mask=live, other=0.0).to(tl.float32) * (x * rstd))
+    if QUANT_X:
+        x = tl.reshape(_fp8_qdq_groups(tl.reshape(x, (1, WIDTH)), 1, WIDTH), (WIDTH,))
+        x = x.to(tl.bfloat16).to(tl.float32)  # E4M3 values times a power of two: exact in bf16
+    return x
+
+
+@triton.jit
+def _split_at_once(x_ptr, w_ptr, norm_w_ptr, n, group, split, K, eps, QUANT_X: tl.constexpr, BLOCK_K: tl.constexpr,
+                   K_CHUNKS: tl.constexpr, NORM: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr):
+    """The split's fp32 sums of products, its K_CHUNKS tiles loaded by two statements (AT_ONCE; HEAD + TAIL
+    columns, powers of two, so no register holds padding: 4096 + 1024 for wq_a+wkv's row), every weight load
+    issued before the first barrier."""
+    start = split * (K_CHUNKS * BLOCK_K)
+    stop = start + K_CHUNKS * BLOCK_K
+    w, x, k, live = _span(x_ptr, w_ptr, n, group, start, stop, K, HEAD)
+    if TAIL > 0:
+        w_tail, x_tail, k_tail, live_tail = _span(x_ptr, w_ptr, n, group, start + HEAD, stop, K, TAIL)
+    rstd = 0.0
+    if NORM:  # one split: the whole row
+        squares = tl.sum(x * x, 0)
+        if TAIL > 0:
+            squares += tl.sum(x_tail * x_tail, 0)
+        rstd = tl.math.rsqrt(squares / K + eps)
+    acc = tl.sum(w.to(tl.float32) * _input(x, k, live, norm_w_ptr, rstd, QUANT_X, NORM, HEAD)[None, :], axis=1)
+    if TAIL > 0:
+        x_tail = _input(x_tail, k_tail, live_tail, norm_w_ptr, rstd, QUANT_X, NORM, TAIL)
+        acc += tl.sum(w_tail.to(tl.float32) * x_tail[None, :], axis=1)
+    return acc
+
+def spans(columns: int) -> tuple[int, int] | None:
+    """A split's columns as AT_ONCE loads them: (head, tail), powers of two (tail 0: none), or None."""
+    head = 1 << (columns.bit_length() - 1)
+    tail = columns - head
+    return (head, tail) if tail & (tail - 1) == 0 else None
 
 
 def takes(rows: int, n: int, k: int, groups: int, sms: int | None) -> bool:
@@ -122,10 +192,11 @@ def takes_norm(n: int, k: int, groups: int, sms: int) -> bool:
 
 
 def bf16_linear_gemv(x, weight, groups, quantize_x, block_n=None, block_k=None, num_warps=None, k_chunks=None,
-                     norm_weight=None, eps=0.0):
+                     norm_weight=None, eps=0.0, at_once=None):
     """bf16 [..., N] as the reference, for one row (`fits`); block_n, block_k (powers of two, block_n dividing a
     group's outputs), num_warps and k_chunks (tiles a program) override `launch`'s (scripts/sweep_linear.py).
-    norm_weight (one group, whole rows a program): x RMS-normed by it first (the kernel's NORM)."""
+    norm_weight (one group, whole rows a program): x RMS-normed by it first (the kernel's NORM). at_once: the
+    tiles loaded at once (None: AT_ONCE)."""
     n, k = weight.shape
     default = launch(n, k, groups, _num_sms(x.device))
     block_n, block_k = block_n or default["block_n"], block_k or default["block_k"]
@@ -136,6 +207,7 @@ def bf16_linear_gemv(x, weight, groups, quantize_x, block_n=None, block_k=None, 
     block_k = min(block_k, triton.next_power_of_2(k))
     k_chunks = min(k_chunks, triton.cdiv(k, block_k))
     splits = triton.cdiv(k, block_k * k_chunks)
+    at_once = (AT_ONCE if at_once is None else at_once) and spans(k_chunks * block_k) is not None
     if norm_weight is not None and (groups != 1 or splits != 1):
         raise ValueError(f"bf16_gemv: the input's norm needs one group and whole rows a program, got groups={groups} "
                          f"and {splits} splits of K")
@@ -145,6 +217,7 @@ def bf16_linear_gemv(x, weight, groups, quantize_x, block_n=None, block_k=None, 
     _gemv_kernel[(n // block_n, splits)](
         x.contiguous(), weight.contiguous(), out, partial, counters,
         x if norm_weight is None else norm_weight.contiguous(), n, k, n // groups, eps, QUANT_X=quantize_x,
-        BLOCK_N=block_n, BLOCK_K=block_k, K_CHUNKS=k_chunks, NORM=norm_weight is not None, num_warps=num_warps,
+        BLOCK_N=block_n, BLOCK_K=block_k, K_CHUNKS=k_chunks, NORM=norm_weight is not None,
+        **dict(zip(("HEAD", "TAIL"), spans(k_chunks * block_k) if at_once else (0, 0))), num_warps=num_warps,
         **launch_options(x.device))
     return out.view(*x.shape[:-1], n)

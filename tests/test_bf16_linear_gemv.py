@@ -8,7 +8,7 @@ at the release sizes, through the op (a weight too large for the kernel on bf16_
 
 import pytest
 import torch
-from hopper import check_compiles_for_hopper
+from hopper import check_compiles_for_hopper, compile_for_hopper
 from interp import report, requires_interpreter, run_interpreted
 from test_bf16_linear import RELEASE, case_inputs
 
@@ -33,18 +33,26 @@ CASES = {
     "random_data": (2048, 32, 1, True, False, {}),
     "whole_rows": (3072, 48, 1, True, True, dict(block_n=4, k_chunks=3)),  # no split: 12 blocks of 4 outputs
     "chunked_splits": (1280, 16, 1, True, True, dict(block_k=512, k_chunks=2)),  # split 1: 256 of 1024 columns
+    # the tiles loaded at once (AT_ONCE): wq_a+wkv's row of 5 tiles as 4096 + 1024 columns; split in 1024-wide
+    # spans, the last 256 wide; x's FP8 groups and the sums across the two spans on random data
+    "five_tiles_at_once": (5120, 16, 1, True, True, dict(block_n=4, k_chunks=5, at_once=True)),
+    "splits_at_once": (1280, 16, 1, True, True, dict(block_k=512, k_chunks=2, at_once=True)),
+    "random_at_once": (3072, 32, 1, True, False, dict(block_n=4, k_chunks=3, at_once=True)),
 }
 
 
 def interpreter_checks():
-    """Entry point of the subprocess: every case's kernel against the reference."""
+    """Entry point of the subprocess: every case's kernel against the reference; the tiles loaded at once against
+    tile by tile (random data: the same sums in another order, within a bf16 ulp)."""
     for name, (k, n, groups, quantize_x, exact, launch) in CASES.items():
         x, w = case_inputs((1,), k, n, groups, exact)
         got = gemv.bf16_linear_gemv(x, w, groups, quantize_x, **launch)
         want = bf16_linear_reference(x, w, groups, quantize_x)
         again = gemv.bf16_linear_gemv(x, w, groups, quantize_x, **launch)
+        tiles = gemv.bf16_linear_gemv(x, w, groups, quantize_x, **{**launch, "at_once": False})
+        ulps = ((got.float() - tiles.float()).abs() / tiles.float().abs().clamp(min=1e-30)).max().item() * 128
         report(dict(name=name, same=torch.equal(got, want), again=torch.equal(again, got), shape=list(got.shape),
-                    err=((got - want).abs().max() / want.abs().max()).item()))
+                    err=((got - want).abs().max() / want.abs().max()).item(), tiles_ulps=ulps))
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +64,7 @@ def interpreted():
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel_matches_reference(interpreted, name):
     result, (_, n, _, _, exact, _) = interpreted[name], CASES[name]
-    assert result["shape"] == [1, n] and result["again"], result
+    assert result["shape"] == [1, n] and result["again"] and result["tiles_ulps"] <= 1, result
     if exact:
         assert result["same"], result
     else:  # another summation order can move a bf16 rounding
@@ -123,18 +131,25 @@ def test_plain_linear_takes_it_for_one_row_when_set():
     assert torch.ops.dsflash.bf16_gemv.default not in ops
 
 
+@pytest.mark.parametrize("at_once", [False, True])
 @pytest.mark.parametrize("whole_rows", [False, True])
 @pytest.mark.parametrize("quantize", [True, False])
-def test_compiles_for_hopper_without_spills(quantize, whole_rows):
-    """Both default launches (wq_a+wkv's whole rows of 5 tiles, K split in tiles) without spills on sm_90."""
+def test_compiles_for_hopper_without_spills(quantize, whole_rows, at_once):
+    """Both default launches (wq_a+wkv's whole rows of 5 tiles, K split in tiles) without spills on sm_90, tile by
+    tile and loaded at once (AT_ONCE: then every weight load comes before the first barrier)."""
     launch = gemv.launch(1792, 5120, 1, 132) if whole_rows else gemv.launch(32, 5120, 1, 132)
     assert launch["k_chunks"] == (5 if whole_rows else 1)
     args = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32", N="i32",
                 K="i32", n_per_group="i32")
+    head, tail = gemv.spans(launch["k_chunks"] * launch["block_k"]) if at_once else (0, 0)
     constexprs = dict(QUANT_X=quantize, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
-                      K_CHUNKS=launch["k_chunks"])
-    check_compiles_for_hopper(gemv, ("_gemv_kernel", args, constexprs, launch["num_warps"]),
-                              divisible_by_16=("x_ptr", "w_ptr", "K"))
+                      K_CHUNKS=launch["k_chunks"], HEAD=head, TAIL=tail)
+    spec = ("_gemv_kernel", args, constexprs, launch["num_warps"])
+    check_compiles_for_hopper(gemv, spec, divisible_by_16=("x_ptr", "w_ptr", "K"))
+    ptx = compile_for_hopper(gemv, spec, divisible_by_16=("x_ptr", "w_ptr", "K")).asm["ptx"]
+    weight_loads = [i for i, line in enumerate(ptx.splitlines()) if "ld.global.v4" in line]
+    first_barrier = next(i for i, line in enumerate(ptx.splitlines()) if "bar.sync" in line)
+    assert (max(weight_loads) < first_barrier) == (at_once and whole_rows or launch["k_chunks"] == 1), at_once
 
 
 def test_default_launch_takes_whole_rows_for_long_rows_only():
@@ -150,8 +165,8 @@ def test_default_launch_takes_whole_rows_for_long_rows_only():
 @requires_cuda
 @pytest.mark.parametrize("name", ["wq_a+wkv", "indexer_wq_b", "wo_b", *PLAIN])
 def test_release_sizes_on_cuda(name):
-    """Against the reference (cuBLAS: another summation order), the op taking this kernel (wo_b, too large for
-    it: bf16_linear's bits), and replayed in a CUDA graph on new x."""
+    """Against the reference (cuBLAS: another summation order), also with the tiles loaded at once, the op taking
+    this kernel (wo_b, too large for it: bf16_linear's bits), and replayed in a CUDA graph on new x."""
     k, n, groups, quantize = RELEASE[name] if name in RELEASE else PLAIN[name]
     x, w = case_inputs((1,), k, n, groups, False, device="cuda")
     if not gemv.fits(x, w, groups):
@@ -163,6 +178,8 @@ def test_release_sizes_on_cuda(name):
     want = bf16_linear_reference(x, w, groups, quantize)
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-2
     assert torch.equal(torch.ops.dsflash.bf16_gemv(x, w, groups, quantize), got)
+    at_once = gemv.bf16_linear_gemv(x, w, groups, quantize, at_once=True)  # the same sums in another order
+    assert ((at_once - want).abs().max() / want.abs().max()).item() <= 1e-2
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = torch.ops.dsflash.bf16_gemv(x, w, groups, quantize)

@@ -28,6 +28,9 @@ ops = torch.ops.dsflash
 CASES = {
     "three_tiles": (3072, 48, True, dict(block_n=4, block_k=1024, k_chunks=3)),
     "ragged_tile": (1280, 32, False, dict(block_n=8, block_k=512, k_chunks=3)),  # the last tile 256 of 512 wide
+    # the tiles loaded at once (AT_ONCE): 2048 + 1024 columns; 1024 + 512, the last 256 masked
+    "three_tiles_at_once": (3072, 48, True, dict(block_n=4, block_k=1024, k_chunks=3, at_once=True)),
+    "ragged_at_once": (1280, 32, False, dict(block_n=8, block_k=512, k_chunks=3, at_once=True)),
 }
 
 
@@ -123,15 +126,18 @@ def test_compile_option_installs_the_pass(fresh_dynamo):  # noqa: F811
     assert not installed(seam_norm_gemv=True, mhc_defer_mixes=False)  # it rewrites the deferred seams
 
 
-def test_kernel_compiles_for_hopper_without_spills():
-    """wq_a+wkv's default launch (whole rows: 4 outputs x 5 tiles of 1024, 8 warps) with the norm prologue."""
+@pytest.mark.parametrize("at_once", [False, True])
+def test_kernel_compiles_for_hopper_without_spills(at_once):
+    """wq_a+wkv's default launch (whole rows: 4 outputs x 5 tiles of 1024, 8 warps) with the norm prologue, tile
+    by tile and loaded at once (AT_ONCE: 4096 + 1024 columns)."""
     from dsflash_compile.custom_ops import bf16_linear_gemv_triton as module
 
     launch = module.launch(1792, 5120, 1, 132)
     args = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32",
                 norm_w_ptr="*bf16", N="i32", K="i32", n_per_group="i32", eps="fp32")
+    head, tail = module.spans(launch["k_chunks"] * launch["block_k"]) if at_once else (0, 0)
     constexprs = dict(QUANT_X=True, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
-                      K_CHUNKS=launch["k_chunks"], NORM=True)
+                      K_CHUNKS=launch["k_chunks"], NORM=True, HEAD=head, TAIL=tail)
     check_compiles_for_hopper(module, ("_gemv_kernel", args, constexprs, launch["num_warps"]),
                               divisible_by_16=("x_ptr", "w_ptr", "K"))
 
