@@ -41,7 +41,9 @@ def probe(name: str, n: int, k: int, gen: torch.Generator) -> list[dict]:
     variants = {"cuBLAS": lambda w: F.linear(x, w),
                 "triton cp.async (bf16_linear default)": lambda w: tiled.bf16_linear_triton(x, w, 1, False)}
     if whole_tile.fits(x, weights[0], 1):
-        variants["triton whole tile (bf16_gemv)"] = lambda w: whole_tile.bf16_linear_gemv(x, w, 1, False)
+        variants["triton whole tile (bf16_gemv)"] = lambda w: whole_tile.bf16_linear_gemv(x, w, 1, False,
+                                                                                        at_once=False)
+        variants["triton whole tile at once"] = lambda w: whole_tile.bf16_linear_gemv(x, w, 1, False, at_once=True)
     for block_n, block_k, stages, warps in TMA_GRID:
         variants[f"triton TMA {block_n}x{block_k} {stages}s {warps}w"] = (
             lambda w, o=dict(block_n=block_n, block_k=block_k, num_stages=stages, num_warps=warps):
