@@ -37,10 +37,11 @@ from .routed_experts import MAX_TOKENS
 
 UP_BLOCK_N = 32  # one FP8 group of h per row and program; 72 column blocks at I = 2304
 DOWN_BLOCK_N = 32  # 160 column blocks at D = 5120
-# registers a thread (ptxas's .maxnreg; None: as many as the compiler takes): at 128 the up kernel (144 unbounded,
-# 3 programs an SM: 396 slots for its 504 programs at batch 1) fits 4 an SM without spills (sm_90). Alone no gain
-# (H200, B1 side by side, 12-04 c2: 10.299 ms against 10.376, but the up kernel 81.0 us of a layer's path against
-# 81.2; c3: 10.616 against 10.624; the op alone 126.3 against 126.2 us); it makes SHARED_FIRST's early launch fit
+# registers a thread (ptxas's .maxnreg; None: as many as the compiler takes). As launched at batch 1 (sizes
+# specialized as multiples of 16: cp.async, 3 stages) the up kernel takes 92 registers and 44 KB of shared memory,
+# 5 programs an SM; at 128 the compiler takes all 128 (4 an SM). H200, B1 side by side, no gain alone (12-04 c2:
+# 10.299 ms against 10.376, but the up kernel 81.0 us of a layer's path against 81.2; c3: 10.616 against 10.624;
+# the op alone 126.3 against 126.2 us)
 UP_MAXNREG = None
 DOWN_MAXNREG = None
 BLOCK_K = 128  # 64 above 32 tokens (the down kernel: above 16): larger tiles spill at 128 (ptxas, sm_90)
@@ -51,10 +52,10 @@ BY_EXPERT_MAX_COMPARES = 16384  # pairs x stacked experts (powers of two): flash
 # The up kernel's shared expert before its PDL wait (SHARED_FIRST), overlapping the router before it; the kernel
 # then launches early (pdl.launch_options), placed beside the router's programs. Safe only where x was written at
 # least two launches before the op (the router's launch between: MoE's few-token path). H200, B1 side by side:
-# 10.531 ms against 10.321 (12-04 c1: the up kernel 86.1 us of the path against 81.2, fewer of its programs
-# fitting beside the router's); with UP_MAXNREG 128 10.326 against 10.319 (c5: up 80.2 against 81.4, router 4.7
-# against 4.4, down 45.9 against 44.3, its programs scheduled only once the shared ones passed their wait: the
-# shared program now releases the down kernel at its top, not measured yet)
+# 10.531 ms against 10.321 (12-04 c1: the up kernel 86.1 us of the path against 81.2); with UP_MAXNREG 128 10.326
+# against 10.319 (c5: up 80.2 against 81.4, router 4.7 against 4.4, down 45.9 against 44.3, its programs scheduled
+# only once the shared ones passed their wait: the shared program now releases the down kernel at its top, not
+# measured yet). Why 128 registers helps the early launch is not understood
 SHARED_FIRST = False
 
 

@@ -66,7 +66,7 @@ VARIANTS = {
     "tiled-big-linear": {},  # one row of wq_b, wo_a, wo_b on the tiled kernel (KERNEL_SETTINGS; before 12-04 b)
     "shared-first": {},  # the MoE's shared expert streamed before the up kernel's PDL wait, beside the router
     "shared-first-128": {},  # ... with the up kernel at 128 registers a thread (4 programs an SM)
-    "up-regs-128": {},  # the routed experts' up kernel at 128 registers a thread: 4 programs an SM, one wave at B1
+    "up-regs-128": {},  # the routed experts' up kernel at 128 registers a thread (4 programs an SM against 5)
     "down-16": {},  # the routed experts' down kernel on 16-column blocks (fewer registers, more programs an SM)
     "tma-prefetch": {},  # the TMA GEMVs ask L2 for their first num_stages tiles before their PDL wait (all three)
     "tma-prefetch-2": {},  # ... for twice that
