@@ -12,20 +12,20 @@ import pytest
 
 def compile_for_hopper(module, spec, divisible_by_16=()):
     """Compile one kernel of `module` for sm_90. spec: (kernel name, args: name -> type such as "*bf16" or
-    "i32", constexprs, num_warps). divisible_by_16: arguments the launch specializes as multiples of 16
+    "i32", constexprs, num_warps[, num_stages]). divisible_by_16: arguments the launch specializes as multiples of 16
     (pointers from torch allocations, sizes that happen to be), which drive Triton's vector widths."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    name, args, constexprs, num_warps = spec
+    name, args, constexprs, num_warps, *stages = spec
     fn = getattr(module, name)
     if "PDL" in fn.arg_names and "PDL" not in constexprs:  # as launched on the H200 (custom_ops/pdl.py)
         constexprs = dict(constexprs, PDL=True)
     signature = dict(args, **{arg: "constexpr" for arg in constexprs})
     attrs = {(fn.arg_names.index(arg),): [["tt.divisibility", 16]] for arg in divisible_by_16}
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps})
+                          options={"num_warps": num_warps, **({"num_stages": stages[0]} if stages else {})})
 
 
 def check_compiles_for_hopper(module, spec, divisible_by_16=()) -> dict:

@@ -186,7 +186,8 @@ _DOWN = dict(h_ptr="*bf16", ids_ptr="*i64", w2_ptr="*bf16", out_ptr="*bf16", y_p
 def test_kernels_compile_for_hopper_without_spills(block_m):
     """Each token tile's launches (routed_experts_triton.launches) at top-6 + shared, with the release's FP8 of x
     and h, the programs' rows as by_expert_grid picks them for flash-40l-e8 (9 stacked experts); the down
-    kernel with an fp32 and a bf16 sum."""
+    kernel with an fp32 and a bf16 sum. Pointers, I and D specialized as multiples of 16, as the launch at the
+    release's sizes specializes them (their cp.async pipelines then exist)."""
     from dsflash_compile.custom_ops import routed_experts_triton as module
 
     up, down = module.launches(block_m)
@@ -198,7 +199,9 @@ def test_kernels_compile_for_hopper_without_spills(block_m):
                                            ("_down_kernel", dict(_DOWN, y_ptr="*bf16"), down, {})):  # out_bf16
         constexprs = dict(BLOCK_M=block_m, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"], KK_PAD=8,
                           P_PAD=8 * block_m, G_PAD=16, BY_EXPERT=by_expert, FP32_DOT=False, **extra)
-        check_compiles_for_hopper(module, (name, arg_types, constexprs, launch["num_warps"]))
+        pointers_and_sizes = [arg for arg in arg_types if arg.endswith("_ptr") or arg in ("I", "D")]
+        check_compiles_for_hopper(module, (name, arg_types, constexprs, launch["num_warps"], launch["num_stages"]),
+                                  divisible_by_16=pointers_and_sizes)  # as launched there
 
 
 # ----------------------------------------------------------------------------------------------- CUDA
