@@ -93,7 +93,8 @@ def test_compiles_for_hopper_with_tma_without_spills(quantize, prefetch_k):
     args = dict(x_ptr="*bf16", w_ptr="*bf16", w_desc=f"tensordesc<bf16[{launch['block_n']},{launch['block_k']}]>",
                 out_ptr="*bf16", K="i32", n_per_group="i32")
     spec = ("_tma_gemv_kernel", args, dict(QUANT_X=quantize, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
-                                           PREFETCH_K=prefetch_k, FP32_DOT=False), launch["num_warps"])
+                                           PREFETCH_K=prefetch_k, FP32_DOT=False), launch["num_warps"],
+            launch["num_stages"])
     check_compiles_for_hopper(tma, spec, divisible_by_16=("x_ptr", "w_ptr", "K"))
     ptx = compile_for_hopper(tma, spec, divisible_by_16=("x_ptr", "w_ptr", "K")).asm["ptx"]
     assert re.search(r"cp\.async\.bulk\.tensor", ptx), "the weight's tiles do not arrive by TMA"
