@@ -99,8 +99,10 @@ def interpreter_checks():
     assert picks == {True, False}  # the cases' own picks cover both grids
     report(dict(name="by_expert_or_by_pair", same=all(same)))
     # the up kernel's shared expert computed before its PDL wait (SHARED_FIRST: by pair, shared folded): same bits
-    cases = [name for name, case in CASES.items() if case[8] and not by_expert_grid(case[0], case[2], case[1])]
-    assert len(cases) >= 3
+    # (exact data; random_data's interpreter time is spared)
+    cases = [name for name, case in CASES.items()
+             if case[8] and case[9] and not by_expert_grid(case[0], case[2], case[1])]
+    assert len(cases) >= 2
     report(dict(name="shared_first", same=all(
         torch.equal(routed_experts_triton(*op_args(*CASES[name]), shared_first=True), kernel[name]) for name in cases)))
 
