@@ -1,5 +1,6 @@
 """Triton kernel of `dsflash::bf16_gemv` (bf16_gemv.py; the math: bf16_linear.py), one row of a projection with a
-weight of up to ~24 MB: each program loads its whole weight tile at once.
+weight of up to ~24 MB: each program loads its whole weight tile at once (whole rows, several tiles: one after
+another unless AT_ONCE).
 
 bf16_linear_triton.py streams a tile through a software pipeline over K (a few blocks in flight a program). For
 the fused input projection at decode batch 1 (wq_a+wkv: 1792 x 5120, 18 MB) its programs are three K blocks
