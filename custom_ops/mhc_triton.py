@@ -38,6 +38,17 @@ from .pdl import launch_options, pdl_wait
 from .router_triton import _route_row
 
 
+# The mixes' fn tile (a weight: no kernel writes it) loaded before the PDL wait (EARLY_FN), as the router's gate
+# (router_triton.EARLY_GATE). In the sm_90 code of the decode launch the streams' loads come after the fn tile's
+# (24 KB a program) and the barriers behind it, so its latency is the seam path's first step; before the wait
+# it overlaps the kernels before. ROW_LOADS_FIRST: the sublayer's output, post, comb and the lagged pre loaded with
+# the streams (masked by has_post / collapse rather than branched on them): otherwise they come after the barriers
+# of the streams' load and of the mixes' sums, two more round trips. Both reorder loads only (the same bits). Not
+# yet measured on a GPU: off
+EARLY_FN = False
+ROW_LOADS_FIRST = False
+
+
 # has_post, mixes, collapse are runtime flags, never specialized (do_not_specialize: Triton would compile a 1
 # apart): the one launch and both split launches then run one binary, so their reductions add in the same order.
 # As constexprs each variant was compiled on its own, and on the H200 (11-30) the split seam's bits differed
@@ -50,8 +61,13 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
                  route_scale, HC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
                  PART: tl.constexpr, CHUNKS_PAD: tl.constexpr, NORM_BLOCK: tl.constexpr, ROUTE_TOPK: tl.constexpr,
                  ROUTE_K_PAD: tl.constexpr, ROUTE_E_PAD: tl.constexpr, ROUTE_NORMALIZE: tl.constexpr,
-                 PDL: tl.constexpr):
+                 EARLY_FN: tl.constexpr, ROW_LOADS_FIRST: tl.constexpr, PDL: tl.constexpr):
+    """EARLY_FN, ROW_LOADS_FIRST: module notes."""
+    if EARLY_FN:  # fn is a weight, which no kernel writes: its tile may load before the wait
+        fn = _fn_tile(fn_ptr, mixes, HC, D, BLOCK_D, PART)
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
+    if not EARLY_FN:
+        fn = _fn_tile(fn_ptr, mixes, HC, D, BLOCK_D, PART)
     block = tl.program_id(0)
     chunk = tl.program_id(1)
     chunks = tl.num_programs(1)
@@ -60,17 +76,17 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
     d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
     in_d = d < D
     col = tl.arange(0, PART)  # partial row: MIX mix dot products, the streams' and the collapse's sum of squares
-    fn = tl.load(fn_ptr + col[:, None, None] * (HC * D) + i[None, :, None] * D + d[None, None, :],
-                 mask=(col < MIX)[:, None, None] & in_d[None, None, :] & (mixes != 0), other=0.0)
     sd = i[:, None] * D + d[None, :]
     for t in range(BLOCK_T):
         row = (block * BLOCK_T + t).to(tl.int64)
         if row < N:
+            if ROW_LOADS_FIRST:  # masked by the flags rather than branched on them: issued with x's loads
+                o, q, c = _post_inputs(out_ptr, post_ptr, comb_ptr, row, d, in_d, i, has_post != 0, HC, D)
+                p = tl.load(pre_lag_ptr + row * HC + i, mask=collapse != 0, other=0.0)
             x = tl.load(streams_ptr + row * HC * D + sd, mask=in_d[None, :], other=0.0).to(tl.float32)
             if has_post != 0:  # Y_j = post_j * out + sum_i comb[i, j] X_i, rounded to bf16
-                o = tl.load(out_ptr + row * D + d, mask=in_d, other=0.0).to(tl.float32)
-                q = tl.load(post_ptr + row * HC + i)
-                c = tl.load(comb_ptr + row * HC * HC + i[:, None] * HC + i[None, :])
+                if not ROW_LOADS_FIRST:
+                    o, q, c = _post_inputs(out_ptr, post_ptr, comb_ptr, row, d, in_d, i, True, HC, D)
                 y = (q[:, None] * o[None, :] + tl.sum(c[:, :, None] * x[:, None, :], axis=0)).to(tl.bfloat16)
                 tl.store(new_streams_ptr + row * HC * D + sd, y, mask=in_d[None, :])
                 x = y.to(tl.float32)
@@ -83,7 +99,8 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
                 mix = tl.sum(tl.sum(fn * x[None, :, :], axis=2), axis=1)
                 streams_ss = tl.sum(tl.sum(x * x, axis=1), axis=0)
             if collapse != 0:
-                p = tl.load(pre_lag_ptr + row * HC + i)
+                if not ROW_LOADS_FIRST:
+                    p = tl.load(pre_lag_ptr + row * HC + i)
                 collapsed = tl.sum(p[:, None] * x, axis=0).to(tl.bfloat16)
                 tl.store(normed_ptr + row * D + d, collapsed, mask=in_d)
                 cf = collapsed.to(tl.float32)
@@ -101,6 +118,26 @@ def _seam_kernel(out_ptr, streams_ptr, post_ptr, comb_ptr, pre_lag_ptr, fn_ptr, 
                           share_finish, HC, D, PART, CHUNKS_PAD, NORM_BLOCK, BLOCK_T, gate_ptr, gate_bias_ptr,
                           route_weights_ptr, route_ids_ptr, experts, route_scale, ROUTE_TOPK, ROUTE_K_PAD,
                           ROUTE_E_PAD, ROUTE_NORMALIZE)
+
+
+@triton.jit
+def _post_inputs(out_ptr, post_ptr, comb_ptr, row, d, in_d, i, live, HC: tl.constexpr, D: tl.constexpr):
+    """The sublayer's output columns (fp32), the row's post [HC] and comb [HC, HC] (`live` false: zeros, no loads)."""
+    o = tl.load(out_ptr + row * D + d, mask=in_d & live, other=0.0).to(tl.float32)
+    q = tl.load(post_ptr + row * HC + i, mask=live, other=0.0)
+    c = tl.load(comb_ptr + row * HC * HC + i[:, None] * HC + i[None, :], mask=live, other=0.0)
+    return o, q, c
+
+
+@triton.jit
+def _fn_tile(fn_ptr, mixes, HC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr):
+    """The program's columns of the mixes' fn [(2 + HC) HC, HC D]: [PART, HC, BLOCK_D] fp32, zeros past the mixes'
+    rows (and with mixes off)."""
+    i = tl.arange(0, HC)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col = tl.arange(0, PART)
+    return tl.load(fn_ptr + col[:, None, None] * (HC * D) + i[None, :, None] * D + d[None, None, :],
+                   mask=(col < (2 + HC) * HC)[:, None, None] & (d < D)[None, None, :] & (mixes != 0), other=0.0)
 
 
 @triton.jit
@@ -199,7 +236,8 @@ def takes_rows(tokens: int, mixes: bool, collapse: bool) -> bool:
 
 def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_weight, norm_eps, hc_eps, iters,
                     block_t=1, block_d=None, num_warps=4, norm_block=None, share_finish=None, mixes=True,
-                    collapse=True, rows=None, rows_launch=None, finish_mixes=True, route=None, norm=True):
+                    collapse=True, rows=None, rows_launch=None, finish_mixes=True, route=None, norm=True,
+                    early_fn=None, row_loads_first=None):
     """Both ops: with out/post/comb None (the entry seam) returns (normed, pre, post, comb), else
     (new streams, normed, pre, post, comb); shapes as the ops' references. block_t (tokens per program),
     block_d (columns per program), num_warps, norm_block (the finish's RMSNorm tile) and share_finish (two
@@ -214,7 +252,8 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
     route (gate, bias, topk, normalize, scale; collapse on, not rows, at most ROUTE_MAX_EXPERTS experts): the
     program that norms a row also routes it as dsflash::fused_router would; (weights fp32, ids int64)
     [tokens, topk] are returned last. norm=False (the deferred seam: finish_mixes off, collapse on, no route): the
-    collapse is returned un-normed in normed's place, and the kernel takes no counter (mhc_deferred.py)."""
+    collapse is returned un-normed in normed's place, and the kernel takes no counter (mhc_deferred.py).
+    early_fn, row_loads_first: _seam_kernel's EARLY_FN, ROW_LOADS_FIRST (None: the module's)."""
     *lead, hc, dim = streams.shape
     tokens = streams.numel() // (hc * dim)
     rows = takes_rows(tokens, mixes, collapse) if rows is None else rows
@@ -266,7 +305,9 @@ def mhc_seam_triton(out, streams, post, comb, pre_lagged, fn, scale, base, norm_
                 NORM_BLOCK=min(norm_block or NORM_BLOCK, triton.next_power_of_2(dim)), ROUTE_TOPK=topk,
                 ROUTE_K_PAD=triton.next_power_of_2(max(topk, 1)),
                 ROUTE_E_PAD=triton.next_power_of_2(gate.shape[0]) if route else 1, ROUTE_NORMALIZE=bool(normalize),
-                num_warps=num_warps, **launch_options(flat.device))
+                EARLY_FN=EARLY_FN if early_fn is None else early_fn,
+                ROW_LOADS_FIRST=ROW_LOADS_FIRST if row_loads_first is None else row_loads_first, num_warps=num_warps,
+                **launch_options(flat.device))
     lead = tuple(lead)
     outputs = [new_streams.view(lead + (hc, dim))] if has_post else []
     if collapse:

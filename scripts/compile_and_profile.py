@@ -61,6 +61,8 @@ VARIANTS = {
     "linear-rope": {"linear_rope": True},  # q's RoPE in wq_b's epilogue (passes/linear_rope.py; off: no clear gain)
     "seam-norm-gemv": {"seam_norm_gemv": True},  # the attention seam's norm in the wq_a+wkv GEMV (off: no clear gain)
     "gemv-at-once": {},  # bf16_gemv's tiles loaded at once (AT_ONCE: every weight load before the first barrier)
+    "seam-early-fn": {},  # the mHC seam kernel's fn tile loaded before its PDL wait (mhc_triton.EARLY_FN)
+    "seam-loads-first": {},  # ... and the row's loads issued together (ROW_LOADS_FIRST)
     "seam-norm-at-once": {"seam_norm_gemv": True},  # both
     "joint-norms": {"qkv_norm_op": True},  # q's norm in kv_norm_rope's launch (dsflash::qkv_norm_rope; off: slower)
     "tiled-big-linear": {},  # one row of wq_b, wo_a, wo_b on the tiled kernel (KERNEL_SETTINGS; before 12-04 b)
@@ -93,7 +95,7 @@ VARIANTS = {
 # module constants a variant sets while it compiles and captures (its CUDA graphs keep the kernels the ops picked
 # then): launch rules measured side by side before they become defaults
 TMA, ROUTED = "dsflash_compile.custom_ops.bf16_linear_tma_triton", "dsflash_compile.custom_ops.routed_experts_triton"
-GEMV = "dsflash_compile.custom_ops.bf16_linear_gemv_triton"
+GEMV, MHC = "dsflash_compile.custom_ops.bf16_linear_gemv_triton", "dsflash_compile.custom_ops.mhc_triton"
 KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "shared-first": {ROUTED: {"SHARED_FIRST": True}},
                    "shared-first-128": {ROUTED: {"SHARED_FIRST": True, "UP_MAXNREG": 128}},
@@ -104,7 +106,9 @@ KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "no-prefetch": {TMA: {"PREFETCH_STAGES": 0}},
                    "prefetch-wo-b-2": {TMA: {"PREFETCH_STAGES": 2}},
                    "gemv-at-once": {GEMV: {"AT_ONCE": True}},
-                   "seam-norm-at-once": {GEMV: {"AT_ONCE": True}}}
+                   "seam-norm-at-once": {GEMV: {"AT_ONCE": True}},
+                   "seam-early-fn": {MHC: {"EARLY_FN": True}},
+                   "seam-loads-first": {MHC: {"EARLY_FN": True, "ROW_LOADS_FIRST": True}}}
 
 
 @contextmanager

@@ -17,7 +17,7 @@ from dsflash_compile.passes import MhcFusionPass
 from dsflash_compile.passes.mhc_fusion import trace_like_post_grad
 from graph_caches import graph_caches_off
 from interp import report, run_interpreted, requires_interpreter
-from hopper import check_compiles_for_hopper
+from hopper import check_compiles_for_hopper, compile_for_hopper
 
 NORM_EPS, HC_EPS, ITERS = 1e-20, 1e-6, 20  # the tiny preset's (and the release's)
 EPS32 = torch.finfo(torch.float32).eps
@@ -148,6 +148,12 @@ def interpreter_checks():
         if not launch.get("rows"):  # the one-launch kernel again: its counters were reset
             again = mhc_seam_triton(out, streams, post, comb, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS, **launch)
             result["repeatable"] = all(torch.equal(a, b) for a, b in zip(got, again))
+        if name in ("decode", "token_blocks"):  # the loads reordered (EARLY_FN, ROW_LOADS_FIRST): the same bits
+            early = dict(launch, early_fn=True, row_loads_first=True)
+            result["reordered_same"] = all(torch.equal(a, b) for a, b in zip(got, mhc_seam_triton(
+                out, streams, post, comb, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS, **early))) and all(
+                torch.equal(a, b) for a, b in zip(entry, mhc_seam_triton(
+                    None, streams, None, None, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS, **early)))
         report(result)
 
 
@@ -163,6 +169,7 @@ def test_seam_kernel_matches_reference(interpreted, name):
     normed output; sums run in another order), fp32 mixes within 2e-6."""
     r = interpreted[name]
     assert name in ROWS_CASES or r["repeatable"], r  # a second one-launch run (the rows kernels keep no state)
+    assert r.get("reordered_same", True), r
     assert max(r["streams_ulps"], r["normed_ulps"], r["entry_normed_ulps"]) <= 3, r
     assert max(r["mixes_err"], r["entry_mixes_err"]) <= 2e-6, r
 
@@ -200,6 +207,40 @@ def test_seam_kernel_on_cuda_two_finishing_programs_give_one_programs_bits(token
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_seam_kernel_on_cuda_with_its_loads_reordered(tokens):
+    """EARLY_FN and ROW_LOADS_FIRST (the fn tile before the PDL wait, the row's loads together), full and entry
+    seams and the deferred seam's partials: within the default kernel's bounds against the reference (another
+    binary: sm_90 may lay its sums out otherwise), the same outputs twice, and in a CUDA graph on new streams."""
+    from dsflash_compile.custom_ops.mhc_triton import mhc_seam_triton
+
+    out, streams, post, comb, pre_lagged, *params = (t.cuda() for t in seam_args((tokens,), dim=5120))
+    args = (out, streams, post, comb, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)
+    early = dict(early_fn=True, row_loads_first=True, rows=False)
+    got = mhc_seam_triton(*args, **early)
+    assert all(torch.equal(a, b) for a, b in zip(got, mhc_seam_triton(*args, **early), strict=True))
+    want = entry_seam_reference(got[0], pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)
+    assert post_error_ratio(got[0], out, streams, post, comb) <= 1
+    assert normed_error_ratio(got[1], got[0], pre_lagged, params[-1], NORM_EPS) <= 1
+    assert max((g - w).abs().max().item() for g, w in zip(got[2:], want[1:])) <= 1e-5
+    entry = mhc_seam_triton(None, streams, None, None, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS, **early)
+    want = entry_seam_reference(streams, pre_lagged, *params, NORM_EPS, HC_EPS, ITERS)
+    assert max((g - w).abs().max().item() for g, w in zip(entry[1:], want[1:])) <= 1e-5
+    partials = mhc_seam_triton(*args, finish_mixes=False, norm=False, **early)
+    default = mhc_seam_triton(*args, finish_mixes=False, norm=False, early_fn=False, row_loads_first=False,
+                              rows=False)
+    assert torch.equal(partials[0], default[0])  # the new streams: no sum across threads
+    assert (partials[2] - default[2]).abs().max().item() <= 1e-5 * default[2].abs().max().item()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = mhc_seam_triton(*args, **early)
+    streams.copy_(seam_args((tokens,), dim=5120, seed=1)[1].cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, mhc_seam_triton(*args, **early), strict=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("tokens", [ROWS_MIN_TOKENS, 64, 300])
 def test_rows_kernels_on_cuda(tokens):
     """Release dims on CUDA, the rows kernels' default launch (D splits, the split finish): the same bits as
@@ -225,15 +266,22 @@ def test_rows_kernels_on_cuda(tokens):
     assert all(torch.equal(a, b) for a, b in zip(captured, mhc_seam_triton(*args, rows=True), strict=True))
 
 
-@pytest.mark.parametrize("block_t, block_d", [(1, 64), (1, 128), (16, 64)])
-def test_seam_kernel_compiles_for_hopper(block_t, block_d):
+@pytest.mark.parametrize("block_t, block_d, early_fn", [(1, 64, False), (1, 64, True), (1, 128, False),
+                                                       (16, 64, False)])
+def test_seam_kernel_compiles_for_hopper(block_t, block_d, early_fn):
     """Release dims (hc 4, D 5120), the default launches (decode, wider chunks) and a token block: sm_90
-    code, no spills (one binary for both ops and the split halves: their flags are runtime arguments)."""
+    code, no spills (one binary for both ops and the split halves: their flags are runtime arguments). With
+    EARLY_FN the fn tile's loads, and no other global access, come before the PDL wait."""
     from dsflash_compile.custom_ops import mhc_triton
 
     constexprs = dict(HC=4, D=5120, BLOCK_D=block_d, BLOCK_T=block_t, PART=32, CHUNKS_PAD=128,
-                      NORM_BLOCK=mhc_triton.NORM_BLOCK, **NO_ROUTE)
-    check_compiles_for_hopper(mhc_triton, ("_seam_kernel", KERNEL_ARGS, constexprs, 4))
+                      NORM_BLOCK=mhc_triton.NORM_BLOCK, EARLY_FN=early_fn, ROW_LOADS_FIRST=early_fn, **NO_ROUTE)
+    pointers = [arg for arg in KERNEL_ARGS if arg.endswith("_ptr")]
+    spec = ("_seam_kernel", KERNEL_ARGS, constexprs, 4)
+    check_compiles_for_hopper(mhc_triton, spec, divisible_by_16=pointers)
+    ptx = compile_for_hopper(mhc_triton, spec, divisible_by_16=pointers).asm["ptx"]
+    before = ptx[:ptx.index("griddepcontrol.wait")]
+    assert ("ld.global" in before) == early_fn and "st.global" not in before and "atom" not in before
 
 
 @pytest.mark.parametrize("split", [False, True])

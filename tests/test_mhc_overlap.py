@@ -278,9 +278,10 @@ def test_kernel_halves_equal_the_one_launch_seam(interpreted, name):
 
 def test_kernel_halves_run_the_one_launch_binary():
     """The halves' switches are runtime arguments Triton never specializes (a 1 would be compiled apart), and no
-    constexpr tells the launches apart (the ROUTE_ ones are fixed unless a routed seam routes): the split and the
-    one launch run the same sm_90 code, so the same summation orders (as separate constexpr variants, the H200
-    gave them different bits at 16 tokens)."""
+    constexpr tells the launches apart (the ROUTE_ ones are fixed unless a routed seam routes; EARLY_FN and
+    ROW_LOADS_FIRST come from the module for every launch): the split and the one launch run the same sm_90 code,
+    so the same summation orders (as separate constexpr variants, the H200 gave them different bits at 16
+    tokens)."""
     from dsflash_compile.custom_ops import mhc_triton
 
     kernel = mhc_triton._seam_kernel
@@ -288,4 +289,5 @@ def test_kernel_halves_run_the_one_launch_binary():
     assert {p.name for p in kernel.params if p.do_not_specialize} == flags
     assert {p.name for p in kernel.params if p.is_constexpr} == {"HC", "D", "BLOCK_D", "BLOCK_T", "PART",
                                                                  "CHUNKS_PAD", "NORM_BLOCK", "PDL", "ROUTE_TOPK",
-                                                                 "ROUTE_K_PAD", "ROUTE_E_PAD", "ROUTE_NORMALIZE"}
+                                                                 "ROUTE_K_PAD", "ROUTE_E_PAD", "ROUTE_NORMALIZE",
+                                                                 "EARLY_FN", "ROW_LOADS_FIRST"}

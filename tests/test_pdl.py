@@ -52,6 +52,9 @@ def test_every_kernel_waits_first():
         if "EARLY_GATE" in kernel.arg_names:  # a weight's tile (never written by a kernel) loaded before the wait
             assert lines[0].startswith("if EARLY_GATE:\n") and lines[1] == "pdl_wait(PDL)", (name, lines[:2])
             assert "store" not in lines[0] and set(re.findall(r"\w+_ptr", lines[0])) == {"w_ptr"}, name
+        elif "EARLY_FN" in kernel.arg_names:  # the mixes' fn tile (a weight) loaded before the wait
+            assert lines[0] == "if EARLY_FN:\n    fn = _fn_tile(fn_ptr, mixes, HC, D, BLOCK_D, PART)", name
+            assert lines[1] == "pdl_wait(PDL)", name
         elif "PREFETCH_K" in kernel.arg_names:  # a weight's rows asked of L2 (prefetch_l2.py), no load or store
             wait = lines.index("pdl_wait(PDL)")
             before = "\n".join(lines[:wait])
