@@ -103,8 +103,9 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, partial_ptr, scores_ptr, counter_ptr,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORMALIZE: tl.constexpr,
                    X_FP32: tl.constexpr, FP32_DOT: tl.constexpr, EARLY_GATE: tl.constexpr, PDL: tl.constexpr):
     """EARLY_GATE: a split is one BLOCK_K-wide tile, loaded before the PDL wait (the module docstring)."""
-    if EARLY_GATE:  # the gate is a weight, which no kernel writes: its tile may load before the wait
+    if EARLY_GATE:  # the gate and its bias are weights, which no kernel writes: they may load before the wait
         gate_tile = _gate_tile(w_ptr, D, E, BLOCK_E, BLOCK_K)
+        gate_bias = _bias(bias_ptr, tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E), E)
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     token_block = tl.program_id(0)
     expert_block = tl.program_id(1)
@@ -142,7 +143,11 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, partial_ptr, scores_ptr, counter_ptr,
         scores = _sqrt_softplus(tl.sum(parts, axis=1))
         tl.atomic_xchg(tile_counter, 0)
         if E_PAD <= BLOCK_E:  # one expert block: this tile holds every score, so the top-k starts from registers
-            _top_k(t, e, scores, bias_ptr, scores_ptr, weights_ptr, ids_ptr, N, E, scale, TOPK, K_PAD, BLOCK_E,
+            if EARLY_GATE:  # (else the last program's bias load is one more round trip on the router's path)
+                bias = gate_bias
+            else:
+                bias = _bias(bias_ptr, e, E)
+            _top_k(t, e, scores, bias, scores_ptr, weights_ptr, ids_ptr, N, E, scale, TOPK, K_PAD, BLOCK_E,
                    NORMALIZE, False)
         else:
             tl.store(scores_ptr + t[:, None] * E + e[None, :], scores, mask=tile_in)
@@ -153,22 +158,29 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, partial_ptr, scores_ptr, counter_ptr,
                 # .cg: the other expert blocks' scores, stored by other programs
                 every = tl.load(scores_ptr + t[:, None] * E + ex[None, :], mask=(t < N)[:, None] & (ex < E)[None, :],
                                 other=0.0, cache_modifier=".cg")
-                _top_k(t, ex, every, bias_ptr, scores_ptr, weights_ptr, ids_ptr, N, E, scale, TOPK, K_PAD, E_PAD,
-                       NORMALIZE, True)
+                _top_k(t, ex, every, _bias(bias_ptr, ex, E), scores_ptr, weights_ptr, ids_ptr, N, E, scale, TOPK,
+                       K_PAD, E_PAD, NORMALIZE, True)
                 tl.atomic_xchg(block_counter, 0)
 
 
 @triton.jit
-def _top_k(t, ex, scores, bias_ptr, scores_ptr, weights_ptr, ids_ptr, N, E, scale, TOPK: tl.constexpr,
+def _bias(bias_ptr, ex, E):
+    """The routing bias of experts ex (fp32; zeros past E)."""
+    return tl.load(bias_ptr + ex, mask=ex < E, other=0.0)
+
+
+@triton.jit
+def _top_k(t, ex, scores, bias, scores_ptr, weights_ptr, ids_ptr, N, E, scale, TOPK: tl.constexpr,
            K_PAD: tl.constexpr, W: tl.constexpr, NORMALIZE: tl.constexpr, GATHER_LOADS: tl.constexpr):
     """Tokens t: top-k experts of score + bias (ties to the lowest id), their unbiased scores normalised and
-    scaled; stores weights and ids. scores [tokens, W]: experts ex (W a power of two, ex < E the real ones).
+    scaled; stores weights and ids. scores [tokens, W], bias [W] (_bias): experts ex (W a power of two, ex < E the
+    real ones).
     The picked scores: selected from the tile in registers, or with GATHER_LOADS loaded again from scores_ptr
     ([N, E], where the tile came from: with the release's 512-wide tile, keeping it live through the k rounds
     would spill)."""
     ex_in = ex < E
     t_in = t < N
-    biased = tl.where(ex_in[None, :], scores + tl.load(bias_ptr + ex, mask=ex_in, other=0.0)[None, :], float("-inf"))
+    biased = tl.where(ex_in[None, :], scores + bias[None, :], float("-inf"))
     bits = biased.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits, so int order = float order
     keys = (ordered.to(tl.int64) << 32) | (W - 1 - ex)[None, :]
@@ -209,8 +221,8 @@ def _route_row(x_ptr, row, w_ptr, bias_ptr, weights_ptr, ids_ptr, E, scale, D: t
         w = tl.load(w_ptr + e[:, None] * D + d[None, :], mask=e_in[:, None] & d_in[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     scores = _sqrt_softplus(tl.sum(acc, axis=1))
-    _top_k(row + tl.arange(0, 1), e, scores[None, :], bias_ptr, weights_ptr, weights_ptr, ids_ptr, row + 1, E, scale,
-           TOPK, K_PAD, E_PAD, NORMALIZE, False)
+    _top_k(row + tl.arange(0, 1), e, scores[None, :], _bias(bias_ptr, e, E), weights_ptr, weights_ptr, ids_ptr,
+           row + 1, E, scale, TOPK, K_PAD, E_PAD, NORMALIZE, False)
 
 
 def kernel_fits(x, weight, bias, topk) -> bool:

@@ -49,9 +49,9 @@ def test_every_kernel_waits_first():
         lines = [ast.unparse(statement) for statement in body]
         # kernels with an EARLY switch work before their wait with it on (pdl.py): they release the next kernel
         # first and wait before any store; off, they wait first like the rest
-        if "EARLY_GATE" in kernel.arg_names:  # a weight's tile (never written by a kernel) loaded before the wait
+        if "EARLY_GATE" in kernel.arg_names:  # the gate's tile and bias (weights) loaded before the wait
             assert lines[0].startswith("if EARLY_GATE:\n") and lines[1] == "pdl_wait(PDL)", (name, lines[:2])
-            assert "store" not in lines[0] and set(re.findall(r"\w+_ptr", lines[0])) == {"w_ptr"}, name
+            assert "store" not in lines[0] and set(re.findall(r"\w+_ptr", lines[0])) == {"w_ptr", "bias_ptr"}, name
         elif "EARLY_FN" in kernel.arg_names:  # the mixes' fn tile (a weight) loaded before the wait
             assert lines[0] == "if EARLY_FN:\n    fn = _fn_tile(fn_ptr, mixes, HC, D, BLOCK_D, PART)", name
             assert lines[1] == "pdl_wait(PDL)", name
