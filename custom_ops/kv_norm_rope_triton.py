@@ -20,40 +20,58 @@ from .pdl import launch_options, pdl_release, pdl_wait, pdl_wait_only
 from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
 
 MAX_DIM = 4096  # a row in registers (the release's 512 at 4 warps: 4 values a thread)
+# The rotation's cos / sin loaded with the row and the norm weight (ROT_FIRST): else they come after the norm's
+# barriers (the row's sum of squares) in the sm_90 code, a second round trip on the kernel's path. Loads only move
+# (the same bits). Not yet measured on a GPU: off
+ROT_FIRST = False
 
 
 @triton.jit
 def _kv_norm_rope_kernel(kv_ptr, w_ptr, rot_ptr, out_ptr, row_stride, eps, D: tl.constexpr, PAIRS: tl.constexpr,
-                         QUANT: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+                         QUANT: tl.constexpr, EARLY: tl.constexpr, ROT_FIRST: tl.constexpr, PDL: tl.constexpr):
     """kv rows [N, D] (stride row_stride, unit column stride), rot [N, PAIRS, 2] and out [N, D] contiguous."""
     if EARLY:
         pdl_release(PDL)
     else:
         pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     row = tl.program_id(0).to(tl.int64)
-    y = _kv_row(kv_ptr, w_ptr, rot_ptr, row, row_stride, eps, D, PAIRS, QUANT)
+    y = _kv_row(kv_ptr, w_ptr, rot_ptr, row, row_stride, eps, D, PAIRS, QUANT, ROT_FIRST)
     if EARLY:
         pdl_wait_only(PDL)
     tl.store(out_ptr + row * D + tl.reshape(tl.arange(0, D), (1, D)), y.to(tl.bfloat16))
 
 
 @triton.jit
-def _kv_row(kv_ptr, w_ptr, rot_ptr, row, row_stride, eps, D: tl.constexpr, PAIRS: tl.constexpr, QUANT: tl.constexpr):
-    """One row's normed, rotated (and with QUANT FP8-rounded) values, fp32 [1, D]."""
+def _kv_row(kv_ptr, w_ptr, rot_ptr, row, row_stride, eps, D: tl.constexpr, PAIRS: tl.constexpr, QUANT: tl.constexpr,
+            ROT_FIRST: tl.constexpr):
+    """One row's normed, rotated (and with QUANT FP8-rounded) values, fp32 [1, D]. ROT_FIRST: module notes."""
     d = tl.arange(0, D)
-    x = tl.load(kv_ptr + row * row_stride + d).to(tl.float32)
-    normed = _round_bf16(_rms_norm_f32(x, tl.load(w_ptr + d).to(tl.float32), tl.sum(x * x, 0), eps, D))
-    even, odd = tl.split(tl.reshape(normed, (D // 2, 2)))
     j = tl.arange(0, D // 2) - (D // 2 - PAIRS)  # the pair's rotation; < 0 before the tail
     tail = j >= 0
-    cos = tl.load(rot_ptr + row * 2 * PAIRS + 2 * j, mask=tail, other=1.0)
-    sin = tl.load(rot_ptr + row * 2 * PAIRS + 2 * j + 1, mask=tail, other=0.0)
+    x = tl.load(kv_ptr + row * row_stride + d).to(tl.float32)
+    w = tl.load(w_ptr + d).to(tl.float32)
+    if ROT_FIRST:  # (cos, sin) pairs as one [D / 2, 2] tile, split as the row's pairs are
+        pair = tl.load(rot_ptr + row * 2 * PAIRS + 2 * j[:, None] + tl.arange(0, 2)[None, :], mask=tail[:, None],
+                       other=0.0)
+        cos, sin = tl.split(pair)
+        cos = tl.where(tail, cos, 1.0)
+    normed = _round_bf16(_rms_norm_f32(x, w, tl.sum(x * x, 0), eps, D))
+    even, odd = tl.split(tl.reshape(normed, (D // 2, 2)))
+    if not ROT_FIRST:
+        cos, sin = _rotation(rot_ptr, row, j, tail, PAIRS)
     rotated_even = tl.where(tail, _round_bf16(even * cos - odd * sin), even)
     rotated_odd = tl.where(tail, _round_bf16(even * sin + odd * cos), odd)
     y = tl.reshape(tl.join(rotated_even, rotated_odd), (1, D))
     if QUANT:
         y = _fp8_qdq_groups(y, 1, D)  # E4M3 values times a power of two: exact in bf16
     return y
+
+
+@triton.jit
+def _rotation(rot_ptr, row, j, tail, PAIRS: tl.constexpr):
+    """cos, sin of the row's pairs j (1, 0 before the tail: j < 0)."""
+    cos = tl.load(rot_ptr + row * 2 * PAIRS + 2 * j, mask=tail, other=1.0)
+    return cos, tl.load(rot_ptr + row * 2 * PAIRS + 2 * j + 1, mask=tail, other=0.0)
 
 
 @triton.jit
@@ -66,7 +84,7 @@ def _qkv_norm_rope_kernel(kv_ptr, w_ptr, rot_ptr, out_ptr, q_ptr, q_w_ptr, q_out
     pid = tl.program_id(0)
     if pid < kv_rows:
         row = pid.to(tl.int64)
-        y = _kv_row(kv_ptr, w_ptr, rot_ptr, row, row_stride, eps, D, PAIRS, QUANT)
+        y = _kv_row(kv_ptr, w_ptr, rot_ptr, row, row_stride, eps, D, PAIRS, QUANT, False)
         tl.store(out_ptr + row * D + tl.reshape(tl.arange(0, D), (1, D)), y.to(tl.bfloat16))
     else:
         row = (pid - kv_rows).to(tl.int64)
@@ -85,8 +103,9 @@ def kernel_fits(kv) -> bool:
     return 64 <= dim <= MAX_DIM and dim & (dim - 1) == 0
 
 
-def kv_norm_rope_triton(kv, weight, eps, rot, quantize, early=False):
-    """bf16 [..., T, D] as the reference; early: the kernel's EARLY (module docstring)."""
+def kv_norm_rope_triton(kv, weight, eps, rot, quantize, early=False, rot_first=None):
+    """bf16 [..., T, D] as the reference; early: the kernel's EARLY (module docstring); rot_first: its ROT_FIRST
+    (None: the module's)."""
     dim, pairs = kv.shape[-1], rot.shape[-2]
     rows = kv.reshape(-1, dim)  # a view for a column slice of a wider projection (wq_a + wkv's kv part)
     if rows.stride(-1) != 1:
@@ -95,6 +114,7 @@ def kv_norm_rope_triton(kv, weight, eps, rot, quantize, early=False):
     if rows.shape[0]:
         _kv_norm_rope_kernel[(rows.shape[0],)](rows, weight.contiguous(), rot.contiguous(), out, rows.stride(0),
                                                eps, D=dim, PAIRS=pairs, QUANT=quantize, EARLY=early,
+                                               ROT_FIRST=ROT_FIRST if rot_first is None else rot_first,
                                                num_warps=4 if dim <= 1024 else 8, **launch_options(rows.device))
     return out
 

@@ -63,6 +63,8 @@ VARIANTS = {
     "gemv-at-once": {},  # bf16_gemv's tiles loaded at once (AT_ONCE: every weight load before the first barrier)
     "seam-early-fn": {},  # the mHC seam kernel's fn tile loaded before its PDL wait (mhc_triton.EARLY_FN)
     "seam-loads-first": {},  # ... and the row's loads issued together (ROW_LOADS_FIRST)
+    "kv-rot-first": {},  # kv_norm_rope's cos / sin loaded with its row (kv_norm_rope_triton.ROT_FIRST)
+    "loads-first": {},  # gemv-at-once, seam-loads-first and kv-rot-first together
     "seam-norm-at-once": {"seam_norm_gemv": True},  # both
     "joint-norms": {"qkv_norm_op": True},  # q's norm in kv_norm_rope's launch (dsflash::qkv_norm_rope; off: slower)
     "tiled-big-linear": {},  # one row of wq_b, wo_a, wo_b on the tiled kernel (KERNEL_SETTINGS; before 12-04 b)
@@ -96,6 +98,7 @@ VARIANTS = {
 # then): launch rules measured side by side before they become defaults
 TMA, ROUTED = "dsflash_compile.custom_ops.bf16_linear_tma_triton", "dsflash_compile.custom_ops.routed_experts_triton"
 GEMV, MHC = "dsflash_compile.custom_ops.bf16_linear_gemv_triton", "dsflash_compile.custom_ops.mhc_triton"
+KV = "dsflash_compile.custom_ops.kv_norm_rope_triton"
 KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "shared-first": {ROUTED: {"SHARED_FIRST": True}},
                    "shared-first-128": {ROUTED: {"SHARED_FIRST": True, "UP_MAXNREG": 128}},
@@ -108,7 +111,10 @@ KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "gemv-at-once": {GEMV: {"AT_ONCE": True}},
                    "seam-norm-at-once": {GEMV: {"AT_ONCE": True}},
                    "seam-early-fn": {MHC: {"EARLY_FN": True}},
-                   "seam-loads-first": {MHC: {"EARLY_FN": True, "ROW_LOADS_FIRST": True}}}
+                   "seam-loads-first": {MHC: {"EARLY_FN": True, "ROW_LOADS_FIRST": True}},
+                   "kv-rot-first": {KV: {"ROT_FIRST": True}},
+                   "loads-first": {GEMV: {"AT_ONCE": True}, MHC: {"EARLY_FN": True, "ROW_LOADS_FIRST": True},
+                                   KV: {"ROT_FIRST": True}}}
 
 
 @contextmanager

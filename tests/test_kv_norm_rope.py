@@ -5,9 +5,11 @@ ulp (the norm's sum and the rotation's products round in another order than torc
 quant.fp8_qdq of the kernel's own unquantized row bit for bit (the FP8 step itself is exact); compiled for sm_90
 without spills; opcheck and errors."""
 
+import functools
+
 import pytest
 import torch
-from hopper import check_compiles_for_hopper
+from hopper import check_compiles_for_hopper, compile_for_hopper
 from interp import report, requires_interpreter, run_interpreted
 from test_mhc_fusion import bf16_ulps
 
@@ -78,6 +80,12 @@ def interpreter_checks():
         report(dict(name=name, ulps=ulps, same=same))
     for name, (ulps, same) in compare_joint(qkv_norm_rope_triton, kv_norm_rope_triton).items():
         report(dict(name=f"joint_{name}", ulps=ulps, same=same))
+    for name, case in CASES.items():  # the rotation loaded with the row (ROT_FIRST): the same bits
+        kv, weight, rot = case_inputs(*case)
+        report(dict(name=f"rot_first_{name}", same=all(
+            torch.equal(kv_norm_rope_triton(kv, weight, EPS, rot, quantize, rot_first=True),
+                        kv_norm_rope_triton(kv, weight, EPS, rot, quantize, rot_first=False))
+            for quantize in (False, True))))
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +98,12 @@ def interpreted():
 def test_kernel_matches_reference(interpreted, name):
     result = interpreted[name]
     assert result["ulps"] <= 1 and result["same"], result
+
+
+@requires_interpreter
+@pytest.mark.parametrize("name", list(CASES))
+def test_rotation_loaded_first_gives_the_same_bits(interpreted, name):
+    assert interpreted[f"rot_first_{name}"]["same"]
 
 
 @requires_interpreter
@@ -136,14 +150,19 @@ def test_opcheck_and_errors():
 _KERNEL = dict(kv_ptr="*bf16", w_ptr="*bf16", rot_ptr="*fp32", out_ptr="*bf16", row_stride="i32", eps="fp32")
 
 
-@pytest.mark.parametrize("early", [False, True])
-def test_kernel_compiles_for_hopper_without_spills(early):
+@pytest.mark.parametrize("early, rot_first", [(False, False), (True, False), (False, True)])
+def test_kernel_compiles_for_hopper_without_spills(early, rot_first):
     """The release row (512 values, 32 rotated pairs, FP8) at its launch's 4 warps, waiting first or (EARLY)
-    working before its wait."""
+    working before its wait; with ROT_FIRST every load comes before the norm's first barrier."""
     from dsflash_compile.custom_ops import kv_norm_rope_triton as module
 
-    check_compiles_for_hopper(module, ("_kv_norm_rope_kernel", _KERNEL,
-                                       dict(D=512, PAIRS=32, QUANT=True, EARLY=early), 4))
+    spec = ("_kv_norm_rope_kernel", _KERNEL, dict(D=512, PAIRS=32, QUANT=True, EARLY=early, ROT_FIRST=rot_first), 4)
+    aligned = ("kv_ptr", "w_ptr", "rot_ptr", "out_ptr", "row_stride")  # as the release's launch specializes them
+    check_compiles_for_hopper(module, spec, divisible_by_16=aligned)
+    ptx = compile_for_hopper(module, spec, divisible_by_16=aligned).asm["ptx"].splitlines()
+    loads = [n for n, line in enumerate(ptx) if "ld.global" in line]
+    first_barrier = next(n for n, line in enumerate(ptx) if "bar.sync" in line)
+    assert (max(loads) < first_barrier) == rot_first
 
 
 def test_joint_kernel_compiles_for_hopper_without_spills():
@@ -166,9 +185,13 @@ def test_joint_kernel_on_cuda():
 
 @requires_cuda
 def test_kernel_on_cuda_and_in_a_cuda_graph():
-    """The GPU's code (its own rsqrt, FMAs): the properties above, and a CUDA graph replay on new inputs."""
-    for name, (ulps, same) in compare(torch.ops.dsflash.kv_norm_rope, device="cuda").items():
-        assert ulps <= 1 and same, (name, ulps)
+    """The GPU's code (its own rsqrt, FMAs): the properties above (also with the rotation loaded first), and a CUDA
+    graph replay on new inputs."""
+    from dsflash_compile.custom_ops.kv_norm_rope_triton import kv_norm_rope_triton
+
+    for run in (torch.ops.dsflash.kv_norm_rope, functools.partial(kv_norm_rope_triton, rot_first=True)):
+        for name, (ulps, same) in compare(run, device="cuda").items():
+            assert ulps <= 1 and same, (name, ulps)
     kv, weight, rot = case_inputs(*CASES["decode_release"], device="cuda")
     graph = torch.cuda.CUDAGraph()
     torch.ops.dsflash.kv_norm_rope(kv, weight, EPS, rot, True)  # compiles the kernel outside the capture
