@@ -90,6 +90,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, norm_w_ptr, N,
 def _split_by_tiles(x_ptr, w_ptr, norm_w_ptr, n, group, split, K, eps, QUANT_X: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, NORM: tl.constexpr):
     """The split's fp32 sums of products, tile by tile."""
+    rstd = 0.0
     if NORM:
         ss = tl.zeros((), dtype=tl.float32)
         for c in tl.static_range(K_CHUNKS):
@@ -102,11 +103,7 @@ def _split_by_tiles(x_ptr, w_ptr, norm_w_ptr, n, group, split, K, eps, QUANT_X: 
         k = (split * K_CHUNKS + c) * BLOCK_K + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=(k < K)[None, :], other=0.0)
         x = tl.load(x_ptr + group * K + k, mask=k < K, other=0.0).to(tl.float32)
-        if NORM:  # (layers.RMSNorm: weight * (x * rstd), rounded to bf16)
-            x = _round_bf16(tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32) * (x * rstd))
-        if QUANT_X:  # whole groups of 32: a tile starts on a multiple of BLOCK_K
-            x = tl.reshape(_fp8_qdq_groups(tl.reshape(x, (1, BLOCK_K)), 1, BLOCK_K), (BLOCK_K,))
-            x = x.to(tl.bfloat16).to(tl.float32)  # E4M3 values times a power of two: exact in bf16
+        x = _input(x, k, k < K, norm_w_ptr, rstd, QUANT_X, NORM, BLOCK_K)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     return acc
 
@@ -123,7 +120,7 @@ def _span(x_ptr, w_ptr, n, group, start, stop, K, WIDTH: tl.constexpr):
 @triton.jit
 def _input(x, k, live, norm_w_ptr, rstd, QUANT_X: tl.constexpr, NORM: tl.constexpr, WIDTH: tl.constexpr):
     """x as the products take it: normed (layers.RMSNorm: weight * (x * rstd), rounded to bf16), FP8-rounded in
-    groups of 32 (a span starts on a multiple of 32; its padding is zeros)."""
+    groups of 32 (a tile or span starts on a multiple of 32; its padding is zeros)."""
     if NORM:
         x = _round_bf16(tl.load(norm_w_ptr + k, mask=live, other=0.0).to(tl.float32) * (x * rstd))
     if QUANT_X:
@@ -208,7 +205,7 @@ def bf16_linear_gemv(x, weight, groups, quantize_x, block_n=None, block_k=None, 
     block_k = min(block_k, triton.next_power_of_2(k))
     k_chunks = min(k_chunks, triton.cdiv(k, block_k))
     splits = triton.cdiv(k, block_k * k_chunks)
-    at_once = (AT_ONCE if at_once is None else at_once) and spans(k_chunks * block_k) is not None
+    head, tail = (spans(k_chunks * block_k) if (AT_ONCE if at_once is None else at_once) else None) or (0, 0)
     if norm_weight is not None and (groups != 1 or splits != 1):
         raise ValueError(f"bf16_gemv: the input's norm needs one group and whole rows a program, got groups={groups} "
                          f"and {splits} splits of K")
@@ -219,6 +216,5 @@ def bf16_linear_gemv(x, weight, groups, quantize_x, block_n=None, block_k=None, 
         x.contiguous(), weight.contiguous(), out, partial, counters,
         x if norm_weight is None else norm_weight.contiguous(), n, k, n // groups, eps, QUANT_X=quantize_x,
         BLOCK_N=block_n, BLOCK_K=block_k, K_CHUNKS=k_chunks, NORM=norm_weight is not None,
-        **dict(zip(("HEAD", "TAIL"), spans(k_chunks * block_k) if at_once else (0, 0))), num_warps=num_warps,
-        **launch_options(x.device))
+        HEAD=head, TAIL=tail, num_warps=num_warps, **launch_options(x.device))
     return out.view(*x.shape[:-1], n)

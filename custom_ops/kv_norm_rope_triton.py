@@ -50,11 +50,8 @@ def _kv_row(kv_ptr, w_ptr, rot_ptr, row, row_stride, eps, D: tl.constexpr, PAIRS
     tail = j >= 0
     x = tl.load(kv_ptr + row * row_stride + d).to(tl.float32)
     w = tl.load(w_ptr + d).to(tl.float32)
-    if ROT_FIRST:  # (cos, sin) pairs as one [D / 2, 2] tile, split as the row's pairs are
-        pair = tl.load(rot_ptr + row * 2 * PAIRS + 2 * j[:, None] + tl.arange(0, 2)[None, :], mask=tail[:, None],
-                       other=0.0)
-        cos, sin = tl.split(pair)
-        cos = tl.where(tail, cos, 1.0)
+    if ROT_FIRST:
+        cos, sin = _rotation(rot_ptr, row, j, tail, PAIRS)
     normed = _round_bf16(_rms_norm_f32(x, w, tl.sum(x * x, 0), eps, D))
     even, odd = tl.split(tl.reshape(normed, (D // 2, 2)))
     if not ROT_FIRST:
@@ -69,9 +66,12 @@ def _kv_row(kv_ptr, w_ptr, rot_ptr, row, row_stride, eps, D: tl.constexpr, PAIRS
 
 @triton.jit
 def _rotation(rot_ptr, row, j, tail, PAIRS: tl.constexpr):
-    """cos, sin of the row's pairs j (1, 0 before the tail: j < 0)."""
-    cos = tl.load(rot_ptr + row * 2 * PAIRS + 2 * j, mask=tail, other=1.0)
-    return cos, tl.load(rot_ptr + row * 2 * PAIRS + 2 * j + 1, mask=tail, other=0.0)
+    """cos, sin of the row's pairs j (1, 0 before the tail: j < 0), loaded as one [D / 2, 2] tile and split as the
+    row's pairs are (two loads would each convert their layout, a barrier between them)."""
+    pair = tl.load(rot_ptr + row * 2 * PAIRS + 2 * j[:, None] + tl.arange(0, 2)[None, :], mask=tail[:, None],
+                   other=0.0)
+    cos, sin = tl.split(pair)
+    return tl.where(tail, cos, 1.0), sin
 
 
 @triton.jit

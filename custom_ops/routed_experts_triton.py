@@ -43,7 +43,6 @@ DOWN_BLOCK_N = 32  # 160 column blocks at D = 5120
 # 10.299 ms against 10.376, but the up kernel 81.0 us of a layer's path against 81.2; c3: 10.616 against 10.624;
 # the op alone 126.3 against 126.2 us)
 UP_MAXNREG = None
-DOWN_MAXNREG = None
 BLOCK_K = 128  # 64 above 32 tokens (the down kernel: above 16): larger tiles spill at 128 (ptxas, sm_90)
 # Above this many tokens the programs' rows are the stacked experts (by_expert_grid). Not timed yet: MoE runs
 # this op up to CompileOptions.moe_few_tokens tokens (16 by default), so only a raised cutoff takes it
@@ -295,7 +294,7 @@ def launches(tokens: int, up: dict | None = None, down: dict | None = None) -> t
     up_launch = {"block_n": UP_BLOCK_N, "block_k": block_k, "num_warps": 4, "num_stages": 3, "maxnreg": UP_MAXNREG,
                  **(up or {})}
     down_launch = {"block_n": DOWN_BLOCK_N, "block_k": BLOCK_K if tokens <= 16 else BLOCK_K // 2,
-                   "num_warps": 2 if few else 4, "num_stages": 2 if few else 3, "maxnreg": DOWN_MAXNREG,
+                   "num_warps": 2 if few else 4, "num_stages": 2 if few else 3, "maxnreg": None,
                    **(down or {})}
     return up_launch, down_launch
 
