@@ -49,7 +49,9 @@ MAX_BYTES_PER_SM = 192 * 1024
 # A program's K_CHUNKS tiles loaded before any arithmetic (AT_ONCE), so all of them are in flight together: tile by
 # tile, the FP8 rounding's and the sums' barriers (bar.sync) come between one tile's loads and the next's, and
 # ptxas does not move loads across them (sm_90 PTX of the default whole-row launch: 5 load groups, each after the
-# previous tile's barriers; AT_ONCE: all 20 vector loads first). Not yet measured on a GPU: off
+# previous tile's barriers; AT_ONCE: all 20 vector loads first). Measured (H200, 12-04 d1): wq_a+wkv alone 6.84 us
+# against 7.95 (probe_read_bandwidth.py), but on the B1 step's path 7.3 against 7.2 and the step 10.237 ms against
+# 10.263 (2 of 5 rounds lower: noise); with the seams' early loads 10.160 against 10.168: off
 AT_ONCE = False
 
 

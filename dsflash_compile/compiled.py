@@ -216,6 +216,10 @@ class CompileOptions:
     # 3, 5, 9, 18), so the GPU waits only for a one-block piece's launch; 1: even pieces. H200, flash-40l-e8 bf16
     # (12-02 s), against 4 even pieces side by side: B1 11.11 ms against 11.28, B64 17.77 against 18.10
     decode_graph_growth: float = 2.0
+    # with more than one piece, the step's set-up (embedding, Engram hashes, positions, rotations: ~18 small
+    # kernels, ~28 us on the H200) as a piece of its own before the first block's: the GPU then waits only for
+    # that piece's cudaGraphLaunch, and the first block's piece launches while the set-up runs
+    decode_graph_setup_piece: bool = False
     # bounded replay's trimmed layers as CUDA graphs too (with cuda_graphs), in chunks longer than
     # prefill_graph_tokens (a shorter chunk's graph holds them)
     trimmed_graphs: bool = True
@@ -436,6 +440,8 @@ class CompiledRunner:
         layers = self.model.model.layers
         starts = itertools.accumulate(piece_sizes(len(layers), pieces, self.options.decode_graph_growth)[:-1])
         cuts = {layers[i] for i in starts}
+        if pieces > 1 and self.options.decode_graph_setup_piece:
+            cuts.add(layers[0])
         graph = PiecewiseGraph(self.pool)
         self.model.model.block_hook = lambda block: graph.cut() if block in cuts else None
         try:

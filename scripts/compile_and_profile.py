@@ -61,10 +61,11 @@ VARIANTS = {
     "linear-rope": {"linear_rope": True},  # q's RoPE in wq_b's epilogue (passes/linear_rope.py; off: no clear gain)
     "seam-norm-gemv": {"seam_norm_gemv": True},  # the attention seam's norm in the wq_a+wkv GEMV (off: no clear gain)
     "gemv-at-once": {},  # bf16_gemv's tiles loaded at once (AT_ONCE: every weight load before the first barrier)
-    "seam-early-fn": {},  # the mHC seam kernel's fn tile loaded before its PDL wait (mhc_triton.EARLY_FN)
-    "seam-loads-first": {},  # ... and the row's loads issued together (ROW_LOADS_FIRST)
+    # the mHC seam kernel's fn tile after its PDL wait and the row's loads after the mixes' barriers (before 12-04 d:
+    # mhc_triton.EARLY_FN, ROW_LOADS_FIRST)
+    "seam-late-loads": {},
     "kv-rot-first": {},  # kv_norm_rope's cos / sin loaded with its row (kv_norm_rope_triton.ROT_FIRST)
-    "loads-first": {},  # gemv-at-once, seam-loads-first and kv-rot-first together
+    "loads-first": {},  # gemv-at-once and kv-rot-first together
     "seam-norm-at-once": {"seam_norm_gemv": True},  # both
     "joint-norms": {"qkv_norm_op": True},  # q's norm in kv_norm_rope's launch (dsflash::qkv_norm_rope; off: slower)
     "tiled-big-linear": {},  # one row of wq_b, wo_a, wo_b on the tiled kernel (KERNEL_SETTINGS; before 12-04 b)
@@ -80,6 +81,7 @@ VARIANTS = {
     "early-reads": {"early_reads": True},  # kv_norm_rope reading before its PDL wait (passes/early_reads.py)
     "one-graph": {"decode_graph_pieces": 1},  # the decode step as one CUDA graph (before piecewise_graph.py)
     "even-pieces": {"decode_graph_pieces": 4, "decode_graph_growth": 1.0},  # 4 even pieces (before 12-02 s)
+    "setup-piece": {"decode_graph_setup_piece": True},  # the set-up in a graph piece of its own
     # issue 5's decode fusions off: shared expert on its own GEMMs, wq_a and wkv apart, Engram and set-up eager
     "unfused": {"moe_shared_stacked": False, "fuse_input_projections": False, "compile_engram": False,
                 "compile_setup": False},
@@ -110,11 +112,9 @@ KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "prefetch-wo-b-2": {TMA: {"PREFETCH_STAGES": 2}},
                    "gemv-at-once": {GEMV: {"AT_ONCE": True}},
                    "seam-norm-at-once": {GEMV: {"AT_ONCE": True}},
-                   "seam-early-fn": {MHC: {"EARLY_FN": True}},
-                   "seam-loads-first": {MHC: {"EARLY_FN": True, "ROW_LOADS_FIRST": True}},
+                   "seam-late-loads": {MHC: {"EARLY_FN": False, "ROW_LOADS_FIRST": False}},
                    "kv-rot-first": {KV: {"ROT_FIRST": True}},
-                   "loads-first": {GEMV: {"AT_ONCE": True}, MHC: {"EARLY_FN": True, "ROW_LOADS_FIRST": True},
-                                   KV: {"ROT_FIRST": True}}}
+                   "loads-first": {GEMV: {"AT_ONCE": True}, KV: {"ROT_FIRST": True}}}
 
 
 @contextmanager

@@ -378,26 +378,28 @@ def test_cuda_graph_decode_follows_eager(fresh_dynamo, chunk_graph):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="decode CUDA graphs need a GPU")
 @torch.no_grad()
 def test_decode_graph_in_pieces_gives_the_blocks_bits(fresh_dynamo):
-    """The decode step captured as 1, 3 and 9 graphs (tiny has 9 blocks: a cut before every block) replays
-    the bits of the blocks run without graphs, step after step (the pieces share one pool: replayed in
-    capture order, no piece reads memory a later one reused). Eager-backend blocks: graphs are what is tested."""
+    """The decode step captured as 1, 3 and 9 graphs (tiny has 9 blocks: a cut before every block), and as 3
+    with the set-up in a piece of its own (4 graphs), replays the bits of the blocks run without graphs, step
+    after step (the pieces share one pool: replayed in capture order, no piece reads memory a later one reused).
+    Eager-backend blocks: graphs are what is tested."""
     ids = prompts(2, 14).cuda()
     logits = {}
-    for pieces in (1, 3, 9, 0):  # 0: no graphs
+    for pieces, setup_piece in ((1, False), (3, False), (3, True), (9, False), (0, False)):  # 0: no graphs
         model = tiny_model().cuda()
         # graphs of eager-backend set-up and Engram code would copy their constants from the host at every call
         # (Dynamo traces through their lru_cache), which a capture refuses: those stay uncompiled, the prompt
         # runs without a chunk graph
         dsflash_compile.compile(model, max_batch=2, max_length=32, batch_buckets=(2,), prefill_buckets=(16,),
                                 backend="eager", passes=False, decode_graph_pieces=max(pieces, 1),
-                                compile_setup=False, compile_engram=False, prefill_graph_tokens=0)
+                                compile_setup=False, compile_engram=False, prefill_graph_tokens=0,
+                                decode_graph_setup_piece=setup_piece)
         runner = model.compiled_runner
         runner.cuda_graphs = pieces > 0
         cache = runner.fresh_cache(2, 32)
         steps = [model(ids[:, :8], cache=cache, logits_to_keep=1).logits]
         steps += [model(ids[:, t:t + 1], cache=cache).logits for t in range(8, 14)]
         if pieces:
-            assert len(runner.graphs[2][0].graphs) == pieces
-        logits[pieces] = steps
-    for pieces in (1, 3, 9):
-        assert all(torch.equal(a, b) for a, b in zip(logits[pieces], logits[0])), pieces
+            assert len(runner.graphs[2][0].graphs) == pieces + setup_piece
+        logits[pieces, setup_piece] = steps
+    for key in logits:
+        assert all(torch.equal(a, b) for a, b in zip(logits[key], logits[0, False])), key
