@@ -14,13 +14,11 @@ other rows are zeros; fp32 sums, one rounding to bf16 (bf16 products are exact i
 order differs from the reference's GEMM).
 """
 
-import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .attention_triton import _dot, _num_sms
-from .block_counters import block_counters
+from .attention_triton import _dot
 from .pdl import launch_options, pdl_wait
 from .prefetch_l2 import prefetch_rows_l2
 from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
@@ -29,9 +27,8 @@ from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
 # shorter row [128, 128] tiles, 3 stages (b3 probe, wq_b's K 1280: 22.8 us against 23.5-33.7 at 5 or more stages,
 # which leave fewer programs an SM, and 24.8-26.1 at [64, 256])
 LONG_K = 4096
-# programs_per_sm: K is split until each output block's programs fill that many an SM (k_splits; 0: unsplit)
-LONG = dict(block_n=64, block_k=256, num_stages=5, num_warps=4, programs_per_sm=0)
-SHORT = dict(block_n=128, block_k=128, num_stages=3, num_warps=4, programs_per_sm=0)
+LONG = dict(block_n=64, block_k=256, num_stages=5, num_warps=4)
+SHORT = dict(block_n=128, block_k=128, num_stages=3, num_warps=4)
 # one-row projections with K (a group's) and weight bytes of at least these take the kernel: wq_b, wo_a and wo_b,
 # not wq_a+wkv (18 MB: bf16_gemv's whole-row kernel) nor the indexer's wq_b (10 MB). H200, B1 step side by side
 # (12-04 b7, the two as compile_and_profile variants of one run): 10.303 ms with wq_b and wo_a on it as well
@@ -51,65 +48,34 @@ PREFETCH_MIN_K = 8192  # wo_b (the one-row projection right after another: wo_a)
 
 
 @triton.jit
-def _tma_gemv_kernel(x_ptr, w_ptr, w_desc, out_ptr, partial_ptr, counter_ptr, K, n_per_group, tiles_per_split,
-                     QUANT_X: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-                     PREFETCH_K: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
+def _tma_gemv_kernel(x_ptr, w_ptr, w_desc, out_ptr, K, n_per_group, QUANT_X: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
     """x [groups * K], out [N]; w_desc: the [N, K] weight (at w_ptr) in [BLOCK_N, BLOCK_K] tiles (columns past K
-    arrive as zeros); BLOCK_N divides n_per_group, so a program's outputs read one group's inputs. Program (block,
-    split) takes tiles_per_split tiles of K from split * tiles_per_split; with SPLITS > 1 it stores its fp32 sums
-    and bumps the block's counter, and the last to arrive adds the splits' sums in split order (the same bits
-    whichever program is last), stores bf16 and resets the counter (block_counters.py). PREFETCH_K > 0: the
-    program's first PREFETCH_K columns of its rows (at most its share) asked of L2 before the wait."""
-    pid, split = tl.program_id(0), tl.program_id(1)
-    first = split * tiles_per_split
-    tiles = tl.minimum(tiles_per_split, tl.cdiv(K, BLOCK_K) - first)
+    arrive as zeros); BLOCK_N divides n_per_group, so a program's outputs read one group's inputs. PREFETCH_K > 0:
+    the program's rows' first PREFETCH_K columns (at most K) asked of L2 before the wait."""
+    pid = tl.program_id(0)
     if PREFETCH_K > 0:  # a weight: no kernel writes it
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        prefetch_rows_l2(w_ptr + rows.to(tl.int64) * K + first * BLOCK_K,
-                         tl.minimum(K - first * BLOCK_K, PREFETCH_K) * 2)
+        prefetch_rows_l2(w_ptr + rows.to(tl.int64) * K, tl.minimum(K, PREFETCH_K) * 2)
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     x_row = x_ptr + (pid * BLOCK_N // n_per_group) * K
-    is_row = tl.arange(0, 16)[:, None] == 0  # the dot's tile: x in row 0, zeros below
+    first = tl.arange(0, 16)[:, None] == 0  # the dot's tile: x in row 0, zeros below
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    for i in range(tiles):
-        kb = first + i
+    for kb in range(tl.cdiv(K, BLOCK_K)):
         k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + k[None, :], mask=(k < K)[None, :], other=0.0)
         if QUANT_X:  # E4M3 values times a power of two: exact in bf16
             x = _fp8_qdq_groups(x.to(tl.float32), 1, BLOCK_K)
-        x = tl.where(is_row, x, 0.0).to(tl.bfloat16)
+        x = tl.where(first, x, 0.0).to(tl.bfloat16)
         acc += _dot(x, tl.trans(w_desc.load([pid * BLOCK_N, kb * BLOCK_K])), FP32_DOT)
-    sums = tl.sum(acc, 0)
-    outputs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    if SPLITS == 1:
-        tl.store(out_ptr + outputs, _round_bf16(sums).to(tl.bfloat16))
-    else:
-        mine = partial_ptr + pid * SPLITS * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(mine + split * BLOCK_N, sums)
-        tl.debug_barrier()  # every thread's stores are issued before the release below
-        if tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel") == SPLITS - 1:
-            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for s in range(SPLITS):  # split order: deterministic
-                total += tl.load(mine + s * BLOCK_N)
-            tl.store(out_ptr + outputs, _round_bf16(total).to(tl.bfloat16))
-            tl.atomic_xchg(counter_ptr + pid, 0)
+    tl.store(out_ptr + pid * BLOCK_N + tl.arange(0, BLOCK_N), _round_bf16(tl.sum(acc, 0)).to(tl.bfloat16))
 
 
 def launch(k: int, **overrides) -> dict:
-    """The launch (block_n, block_k, num_stages, num_warps, programs_per_sm, prefetch_stages) of a row of K, with
-    overrides (sweeps, tests)."""
+    """The launch (block_n, block_k, num_stages, num_warps, prefetch_stages) of a row of K, with overrides (sweeps,
+    tests)."""
     return {**(LONG if k >= LONG_K else SHORT), "prefetch_stages": PREFETCH_STAGES if k >= PREFETCH_MIN_K else 0,
             **overrides}
-
-
-def k_splits(n: int, k: int, settings: dict, sms: int) -> int:
-    """K splits of the launch: as many as keep every output block's programs within programs_per_sm an SM
-    (resident together: one wave), each split at least 2 tiles; 1 with programs_per_sm 0 or where the blocks
-    alone fill the slots. settings["splits"] wins."""
-    if settings.get("splits"):
-        return settings["splits"]
-    blocks, tiles = n // settings["block_n"], triton.cdiv(k, settings["block_k"])
-    return max(1, min(settings["programs_per_sm"] * sms // blocks, tiles // 2))
 
 
 def takes(x, weight, groups) -> bool:
@@ -122,25 +88,19 @@ def takes(x, weight, groups) -> bool:
 
 
 def bf16_linear_tma(x, weight, groups, quantize_x, **overrides):
-    """bf16 [..., N] as the reference for one row (any size; `takes`: where the op uses it); overrides: `launch`'s
-    and splits."""
+    """bf16 [..., N] as the reference for one row (any size; `takes`: where the op uses it); overrides: `launch`'s."""
     n, k = weight.shape
     settings = launch(k, **overrides)
     block_n, block_k = settings["block_n"], settings["block_k"]
     if (n // groups) % block_n or block_k < 32 or block_k & (block_k - 1):
         raise ValueError(f"bf16_linear TMA: block_n={block_n} must divide a group's {n // groups} outputs and "
                          f"block_k={block_k} be a power of two >= 32 (whole FP8 groups)")
-    tiles = triton.cdiv(k, block_k)
-    per_split = triton.cdiv(tiles, k_splits(n, k, settings, _num_sms(x.device)))
-    splits = triton.cdiv(tiles, per_split)  # no split left without tiles
     out = x.new_empty(n)
-    partial = x.new_empty(n * splits if splits > 1 else 1, dtype=torch.float32)
-    counters = block_counters(x.device, n // block_n) if splits > 1 else partial
     options = launch_options(x.device)
     prefetch = settings["prefetch_stages"] * settings["num_stages"] * block_k if options["PDL"] else 0
-    _tma_gemv_kernel[(n // block_n, splits)](
-        x.contiguous(), weight, TensorDescriptor.from_tensor(weight, [block_n, block_k]), out, partial, counters, k,
-        n // groups, per_split, QUANT_X=quantize_x, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits,
-        PREFETCH_K=prefetch, FP32_DOT=x.device.type != "cuda", num_stages=settings["num_stages"],
-        num_warps=settings["num_warps"], **options)
+    _tma_gemv_kernel[(n // block_n,)](
+        x.contiguous(), weight, TensorDescriptor.from_tensor(weight, [block_n, block_k]), out, k, n // groups,
+        QUANT_X=quantize_x, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH_K=prefetch, FP32_DOT=x.device.type != "cuda",
+        num_stages=settings["num_stages"], num_warps=settings["num_warps"], **options)
     return out.view(*x.shape[:-1], n)
+

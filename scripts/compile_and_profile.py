@@ -77,14 +77,6 @@ VARIANTS = {
     "tma-prefetch-2": {},  # ... for twice that
     "no-prefetch": {},  # wo_b without its L2 prefetch before the PDL wait (before 12-04 c)
     "prefetch-wo-b-2": {},  # wo_b's L2 prefetch for twice its num_stages tiles
-    # wo_a and wo_b (the TMA GEMV's long rows) split in K until their programs fill the SMs (k_splits), the last
-    # program of an output block adding the splits' sums: [128, 128] x 3 stages, 2 programs an SM (wo_a 64 blocks x
-    # 4 splits, wo_b 40 x 6); ... without wo_b's L2 prefetch; [64, 256] x 3, 2 an SM (128 x 2, 80 x 3); [64, 128] x 4,
-    # 3 an SM (128 x 3, 80 x 4)
-    "tma-split": {},
-    "tma-split-no-prefetch": {},
-    "tma-split-64": {},
-    "tma-split-3": {},
     "fused-mixes": {"mhc_defer_mixes": False},  # each seam finishes its own mixes (before passes/mhc_defer.py)
     "early-reads": {"early_reads": True},  # kv_norm_rope reading before its PDL wait (passes/early_reads.py)
     "one-graph": {"decode_graph_pieces": 1},  # the decode step as one CUDA graph (before piecewise_graph.py)
@@ -109,7 +101,6 @@ VARIANTS = {
 TMA, ROUTED = "dsflash_compile.custom_ops.bf16_linear_tma_triton", "dsflash_compile.custom_ops.routed_experts_triton"
 GEMV, MHC = "dsflash_compile.custom_ops.bf16_linear_gemv_triton", "dsflash_compile.custom_ops.mhc_triton"
 KV = "dsflash_compile.custom_ops.kv_norm_rope_triton"
-SPLIT_LONG = dict(block_n=128, block_k=128, num_stages=3, num_warps=4, programs_per_sm=2)
 KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "shared-first": {ROUTED: {"SHARED_FIRST": True}},
                    "shared-first-128": {ROUTED: {"SHARED_FIRST": True, "UP_MAXNREG": 128}},
@@ -119,10 +110,6 @@ KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "tma-prefetch-2": {TMA: {"PREFETCH_STAGES": 2, "PREFETCH_MIN_K": 0}},
                    "no-prefetch": {TMA: {"PREFETCH_STAGES": 0}},
                    "prefetch-wo-b-2": {TMA: {"PREFETCH_STAGES": 2}},
-                   "tma-split": {TMA: {"LONG": SPLIT_LONG}},
-                   "tma-split-no-prefetch": {TMA: {"LONG": SPLIT_LONG, "PREFETCH_STAGES": 0}},
-                   "tma-split-64": {TMA: {"LONG": dict(SPLIT_LONG, block_n=64, block_k=256)}},
-                   "tma-split-3": {TMA: {"LONG": dict(SPLIT_LONG, block_n=64, num_stages=4, programs_per_sm=3)}},
                    "gemv-at-once": {GEMV: {"AT_ONCE": True}},
                    "seam-norm-at-once": {GEMV: {"AT_ONCE": True}},
                    "seam-late-loads": {MHC: {"EARLY_FN": False, "ROW_LOADS_FIRST": False}},

@@ -5,8 +5,7 @@ H200), and our Triton kernels, which load through cp.async, reach ~4.0 (the rout
 cuBLAS's lm_head GEMV (TMA, 12 stages) streams 1.3 GB at ~4.4 (12-04 b1 trace). This probe times, at the decode
 shapes (the MoE's stacked w1 / w3 and w2 of 7 experts, wq_b, wo_b, wo_a, wq_a+wkv): the copy, cuBLAS,
 bf16_linear_triton.py's one-row kernel, bf16_gemv's whole-tile kernel where it fits, and bf16_linear_tma_triton.py's
-kernel (weight tiles by TMA, `num_stages` in flight a program) at TMA_GRID's launches and TMA_SPLIT's (K split
-until the programs fill the SMs), each checked against
+kernel (weight tiles by TMA, `num_stages` in flight a program) at TMA_GRID's launches, each checked against
 F.linear first. (The 12-04 b3 / b5 figures came from this script's own
 copy of that kernel, written before the op's: the same loads, x not FP8-rounded, as here.)
 
@@ -31,8 +30,6 @@ SHAPES = {"moe_up (7 x w1+w3)": (32256, 5120), "moe_down (7 x w2)": (35840, 2304
           "wo_b": (5120, 8192), "wo_a": (8192, 4096), "wq_a+wkv": (1792, 5120)}
 # (block_n, block_k, num_stages, num_warps)
 TMA_GRID = list(itertools.product((16, 32, 64, 128), (128, 256), (3, 5, 6, 7), (4,)))
-# ... and split in K until the programs fill programs_per_sm an SM (tma.k_splits): (block_n, block_k, stages, per SM)
-TMA_SPLIT = [(128, 128, 3, 2), (64, 256, 3, 2), (64, 128, 4, 3), (128, 128, 4, 2), (32, 256, 3, 4)]
 
 
 def probe(name: str, n: int, k: int, gen: torch.Generator) -> list[dict]:
@@ -51,11 +48,6 @@ def probe(name: str, n: int, k: int, gen: torch.Generator) -> list[dict]:
         variants[f"triton TMA {block_n}x{block_k} {stages}s {warps}w"] = (
             lambda w, o=dict(block_n=block_n, block_k=block_k, num_stages=stages, num_warps=warps):
             tma.bf16_linear_tma(x, w, 1, False, **o))
-    for block_n, block_k, stages, per_sm in TMA_SPLIT:
-        o = dict(block_n=block_n, block_k=block_k, num_stages=stages, num_warps=4, programs_per_sm=per_sm)
-        splits = tma.k_splits(n, k, tma.launch(k, **o), torch.cuda.get_device_properties(0).multi_processor_count)
-        variants[f"triton TMA {block_n}x{block_k} {stages}s 4w split {splits}"] = (
-            lambda w, o=o: tma.bf16_linear_tma(x, w, 1, False, **o))
 
     def agrees(outs):  # the first weight's
         return ((outs[0].float().view(-1) - want).abs().max() / want.abs().max()).item() <= 2 ** -7
@@ -88,8 +80,7 @@ def main() -> None:
         rows = probe(name, *SHAPES[name], gen)
         result["rows"] += rows
         ranked = sorted((r for r in rows if r.get("agrees")), key=lambda r: r["s"])
-        listed = [r for r in rows if not r["variant"].startswith("triton TMA") or "split" in r["variant"]]
-        print_table(ranked[:6] + listed,
+        print_table(ranked[:6] + [r for r in rows if not r["variant"].startswith("triton TMA")],
                     [("shape", "shape", ""), ("variant", "variant", ""), ("us", "s", ".2f", 1e6),
                      ("TB/s", "tbps", ".2f")])
         save_results(result, "read-bandwidth-probe", args.out)

@@ -23,10 +23,6 @@ CASES = {
     "ragged_k": (224, 96, 1, True, True, dict(block_n=32, block_k=64, num_stages=3)),  # a last tile 32 wide
     "grouped": (256, 64, 4, False, True, dict(block_n=16, block_k=64, num_stages=2)),
     "random_data": (1024, 64, 1, True, False, dict(block_n=64, block_k=256, num_stages=5)),
-    # K split: 8 tiles in splits of 3, 3, 2 (the last program adds the splits' sums), one split of a ragged K
-    "split": (512, 64, 1, True, True, dict(block_n=32, block_k=64, num_stages=2, splits=3)),
-    "split_ragged_grouped": (224, 64, 2, False, True, dict(block_n=16, block_k=64, num_stages=2, splits=2)),
-    "split_random_data": (1024, 64, 1, True, False, dict(block_n=32, block_k=128, num_stages=3, splits=4)),
 }
 
 
@@ -74,24 +70,11 @@ def test_which_projections_take_it():
 def test_launch_by_row_length():
     """[64, 256] x 5 stages from LONG_K (wo_a, wo_b), [128, 128] x 3 below (wq_b); the L2 prefetch from
     PREFETCH_MIN_K (wo_b); overrides win."""
-    long = dict(block_n=64, block_k=256, num_stages=5, num_warps=4, programs_per_sm=0)
+    long = dict(block_n=64, block_k=256, num_stages=5, num_warps=4)
     assert tma.launch(8192) == dict(long, prefetch_stages=tma.PREFETCH_STAGES)  # wo_b: PREFETCH_MIN_K
     assert tma.launch(4096) == dict(long, prefetch_stages=0)
-    assert tma.launch(1280) == dict(block_n=128, block_k=128, num_stages=3, num_warps=4, programs_per_sm=0,
-                                    prefetch_stages=0)
+    assert tma.launch(1280) == dict(block_n=128, block_k=128, num_stages=3, num_warps=4, prefetch_stages=0)
     assert tma.launch(1280, num_stages=2)["num_stages"] == 2
-
-
-def test_k_splits_fill_the_slots():
-    """K splits until the output blocks' programs fill programs_per_sm an SM (132 SMs: 264 slots at 2), at
-    least 2 tiles a split; none at programs_per_sm 0; `splits` wins."""
-    two = dict(block_n=128, block_k=128, programs_per_sm=2)
-    assert tma.k_splits(8192, 4096, two, 132) == 4  # wo_a: 64 blocks x 4 = 256 programs of 8 tiles
-    assert tma.k_splits(5120, 8192, two, 132) == 6  # wo_b: 40 x 6 = 240
-    assert tma.k_splits(32768, 1280, two, 132) == 1  # wq_b: 256 blocks fill them alone
-    assert tma.k_splits(1024, 512, two, 132) == 2  # 4 tiles: 2 a split at least
-    assert tma.k_splits(8192, 4096, dict(two, programs_per_sm=0), 132) == 1
-    assert tma.k_splits(8192, 4096, dict(two, splits=3), 132) == 3
 
 
 def test_rejects_launches_it_cannot_run():
@@ -102,22 +85,18 @@ def test_rejects_launches_it_cannot_run():
         tma.bf16_linear_tma(x, w, 1, True, block_n=16, block_k=48)
 
 
-@pytest.mark.parametrize("quantize, prefetch_k, splits", [(True, 0, 1), (False, 0, 1), (True, 1280, 1),
-                                                          (True, 0, 4), (True, 1280, 6)])
-def test_compiles_for_hopper_with_tma_without_spills(quantize, prefetch_k, splits):
-    """The default launch on sm_90 (and split in K, at [128, 128] x 3: tma-split's): no spills, the weight's tiles
-    by TMA (cp.async.bulk.tensor); with PREFETCH_K the L2 prefetch of the weight comes before the PDL wait, every
-    other global access after it."""
-    launch = tma.launch(8192) if splits == 1 else dict(block_n=128, block_k=128, num_warps=4, num_stages=3)
+@pytest.mark.parametrize("quantize, prefetch_k", [(True, 0), (False, 0), (True, 1280)])
+def test_compiles_for_hopper_with_tma_without_spills(quantize, prefetch_k):
+    """The default launch on sm_90: no spills, the weight's tiles by TMA (cp.async.bulk.tensor); with PREFETCH_K
+    the L2 prefetch of the weight comes before the PDL wait, every other global access after it."""
+    launch = tma.launch(8192)
     args = dict(x_ptr="*bf16", w_ptr="*bf16", w_desc=f"tensordesc<bf16[{launch['block_n']},{launch['block_k']}]>",
-                out_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32", K="i32", n_per_group="i32",
-                tiles_per_split="i32")
+                out_ptr="*bf16", K="i32", n_per_group="i32")
     spec = ("_tma_gemv_kernel", args, dict(QUANT_X=quantize, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
-                                           SPLITS=splits, PREFETCH_K=prefetch_k, FP32_DOT=False),
-            launch["num_warps"], launch["num_stages"])
-    aligned = ("x_ptr", "w_ptr", "out_ptr", "partial_ptr", "counter_ptr", "K", "n_per_group")  # as launched
-    check_compiles_for_hopper(tma, spec, divisible_by_16=aligned)
-    ptx = compile_for_hopper(tma, spec, divisible_by_16=aligned).asm["ptx"]
+                                           PREFETCH_K=prefetch_k, FP32_DOT=False), launch["num_warps"],
+            launch["num_stages"])
+    check_compiles_for_hopper(tma, spec, divisible_by_16=("x_ptr", "w_ptr", "K"))
+    ptx = compile_for_hopper(tma, spec, divisible_by_16=("x_ptr", "w_ptr", "K")).asm["ptx"]
     assert re.search(r"cp\.async\.bulk\.tensor", ptx), "the weight's tiles do not arrive by TMA"
     wait = ptx.index("griddepcontrol.wait")
     assert ("cp.async.bulk.prefetch.L2" in ptx[:wait]) == (prefetch_k > 0)
@@ -138,11 +117,6 @@ def test_release_sizes_on_cuda(name):
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-2
     assert torch.equal(tma.bf16_linear_tma(x, w, groups, quantize), got)
     assert torch.equal(tma.bf16_linear_tma(x, w, groups, quantize, prefetch_stages=2), got)
-    # split in K (tma-split's launch; another summation order), twice: the counters were left at zero
-    split = dict(block_n=128, block_k=128, num_stages=3, num_warps=4, programs_per_sm=2)
-    once = tma.bf16_linear_tma(x, w, groups, quantize, **split)
-    assert ((once - want).abs().max() / want.abs().max()).item() <= 1e-2
-    assert torch.equal(tma.bf16_linear_tma(x, w, groups, quantize, **split), once)
     assert torch.equal(torch.ops.dsflash.bf16_linear(x, w, groups, quantize), got)
     assert torch.equal(torch.ops.dsflash.bf16_gemv(x, w, groups, quantize), got)
     graph = torch.cuda.CUDAGraph()
