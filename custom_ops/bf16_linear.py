@@ -98,6 +98,6 @@ if bf16_linear_triton is not None:
         check_rope(x, weight, groups, rot, head_dim)
         if not bf16_linear_triton.kernel_fits(x, weight, groups):
             return bf16_linear_reference(x, weight, groups, quantize_x, rot, head_dim)
-        if rot is None and bf16_linear_tma_triton.takes(x, weight, groups):  # one row of wq_b, wo_a, wo_b
-            return bf16_linear_tma_triton.bf16_linear_tma(x, weight, groups, quantize_x)
+        if bf16_linear_tma_triton.takes(x, weight, groups):  # one row of wq_b (its RoPE in the epilogue), wo_a, wo_b
+            return bf16_linear_tma_triton.bf16_linear_tma(x, weight, groups, quantize_x, rot, head_dim)
         return bf16_linear_triton.bf16_linear_triton(x, weight, groups, quantize_x, rot=rot, head_dim=head_dim)

@@ -11,7 +11,9 @@ row of 5 tiles) take smaller tiles at 3 stages (SHORT): more programs an SM.
 
 x is FP8-rounded per 32-column group as loaded (QUANT_X) and multiplied on tensor cores in a 16-row tile whose
 other rows are zeros; fp32 sums, one rounding to bf16 (bf16 products are exact in fp32: only the summation
-order differs from the reference's GEMM).
+order differs from the reference's GEMM). With `rot` (passes/linear_rope.py: wq_b and its query's RoPE) the
+epilogue rotates each head's tail as bf16_linear_triton.py's does, with the tile's (cos, sin) loaded after the
+wait but before the K loop.
 """
 
 import triton
@@ -19,6 +21,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .attention_triton import _dot
+from .bf16_linear_triton import _finish_tile, _rotation_tile
 from .pdl import launch_options, pdl_wait
 from .prefetch_l2 import prefetch_rows_l2
 from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
@@ -48,16 +51,21 @@ PREFETCH_MIN_K = 8192  # wo_b (the one-row projection right after another: wo_a)
 
 
 @triton.jit
-def _tma_gemv_kernel(x_ptr, w_ptr, w_desc, out_ptr, K, n_per_group, QUANT_X: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
+def _tma_gemv_kernel(x_ptr, w_ptr, w_desc, out_ptr, rot_ptr, K, n_per_group, head_dim, QUANT_X: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr, PREFETCH_K: tl.constexpr,
+                     FP32_DOT: tl.constexpr, PDL: tl.constexpr):
     """x [groups * K], out [N]; w_desc: the [N, K] weight (at w_ptr) in [BLOCK_N, BLOCK_K] tiles (columns past K
-    arrive as zeros); BLOCK_N divides n_per_group, so a program's outputs read one group's inputs. PREFETCH_K > 0:
-    the program's rows' first PREFETCH_K columns (at most K) asked of L2 before the wait."""
+    arrive as zeros); BLOCK_N divides n_per_group, so a program's outputs read one group's inputs. PAIRS > 0: rot
+    [PAIRS, 2]; each head_dim-wide head's trailing PAIRS pairs rotated in the epilogue (bf16_linear_triton's
+    _finish_tile), the tile's (cos, sin) loaded before the K loop. PREFETCH_K > 0: the program's rows' first
+    PREFETCH_K columns (at most K) asked of L2 before the wait."""
     pid = tl.program_id(0)
     if PREFETCH_K > 0:  # a weight: no kernel writes it
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         prefetch_rows_l2(w_ptr + rows.to(tl.int64) * K, tl.minimum(K, PREFETCH_K) * 2)
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
+    row = tl.zeros((1,), dtype=tl.int32)  # the one row, as bf16_linear_triton's row tiles index it
+    rotation = _rotation_tile(rot_ptr, row, row == 0, pid, head_dim, BLOCK_N, PAIRS) if PAIRS > 0 else None
     x_row = x_ptr + (pid * BLOCK_N // n_per_group) * K
     first = tl.arange(0, 16)[:, None] == 0  # the dot's tile: x in row 0, zeros below
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
@@ -68,7 +76,8 @@ def _tma_gemv_kernel(x_ptr, w_ptr, w_desc, out_ptr, K, n_per_group, QUANT_X: tl.
             x = _fp8_qdq_groups(x.to(tl.float32), 1, BLOCK_K)
         x = tl.where(first, x, 0.0).to(tl.bfloat16)
         acc += _dot(x, tl.trans(w_desc.load([pid * BLOCK_N, kb * BLOCK_K])), FP32_DOT)
-    tl.store(out_ptr + pid * BLOCK_N + tl.arange(0, BLOCK_N), _round_bf16(tl.sum(acc, 0)).to(tl.bfloat16))
+    y = _finish_tile(tl.sum(acc, 0)[None, :], rotation, 1, BLOCK_N, PAIRS)
+    tl.store(out_ptr + pid * BLOCK_N + tl.arange(0, BLOCK_N)[None, :], y)
 
 
 def launch(k: int, **overrides) -> dict:
@@ -87,8 +96,9 @@ def takes(x, weight, groups) -> bool:
             and weight.data_ptr() % 16 == 0)
 
 
-def bf16_linear_tma(x, weight, groups, quantize_x, **overrides):
-    """bf16 [..., N] as the reference for one row (any size; `takes`: where the op uses it); overrides: `launch`'s."""
+def bf16_linear_tma(x, weight, groups, quantize_x, rot=None, head_dim=0, **overrides):
+    """bf16 [..., N] as the reference for one row (any size; `takes`: where the op uses it); rot, head_dim: the op's
+    RoPE epilogue; overrides: `launch`'s."""
     n, k = weight.shape
     settings = launch(k, **overrides)
     block_n, block_k = settings["block_n"], settings["block_k"]
@@ -98,9 +108,11 @@ def bf16_linear_tma(x, weight, groups, quantize_x, **overrides):
     out = x.new_empty(n)
     options = launch_options(x.device)
     prefetch = settings["prefetch_stages"] * settings["num_stages"] * block_k if options["PDL"] else 0
+    pairs = 0 if rot is None else rot.shape[-2]
     _tma_gemv_kernel[(n // block_n,)](
-        x.contiguous(), weight, TensorDescriptor.from_tensor(weight, [block_n, block_k]), out, k, n // groups,
-        QUANT_X=quantize_x, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH_K=prefetch, FP32_DOT=x.device.type != "cuda",
+        x.contiguous(), weight, TensorDescriptor.from_tensor(weight, [block_n, block_k]), out,
+        out if rot is None else rot.contiguous(), k, n // groups, head_dim, QUANT_X=quantize_x, BLOCK_N=block_n,
+        BLOCK_K=block_k, PAIRS=pairs, PREFETCH_K=prefetch, FP32_DOT=x.device.type != "cuda",
         num_stages=settings["num_stages"], num_warps=settings["num_warps"], **options)
     return out.view(*x.shape[:-1], n)
 

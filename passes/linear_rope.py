@@ -2,7 +2,8 @@
 whose only reader is `dsflash::rope_` on its output viewed as heads (the attention's query: wq_b, then the RoPE of
 each head's tail) becomes the same op with the rotation in its epilogue (`rot`, `head_dim`), so the decode step
 loses the RoPE's launch (bf16_gemv's kernel takes weights of up to ~24 MB: wq_b's 84 MB runs bf16_linear's, whose
-epilogue rotates; a smaller weight would run the RoPE's kernel after the GEMV).
+kernels rotate in their epilogue, at one row the TMA kernel's; a smaller weight would run the RoPE's kernel after
+the GEMV).
 
 In the post-grad graph the in-place rope_ is functionalized: auto_functionalized_v2(rope_, rot=..., _x_base_index=0,
 _x_size=(..., heads, head_dim), _all_bases=[linear]) and its item 1 is the rotated base. The pass takes only the

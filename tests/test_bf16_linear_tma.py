@@ -85,18 +85,21 @@ def test_rejects_launches_it_cannot_run():
         tma.bf16_linear_tma(x, w, 1, True, block_n=16, block_k=48)
 
 
-@pytest.mark.parametrize("quantize, prefetch_k", [(True, 0), (False, 0), (True, 1280)])
-def test_compiles_for_hopper_with_tma_without_spills(quantize, prefetch_k):
-    """The default launch on sm_90: no spills, the weight's tiles by TMA (cp.async.bulk.tensor); with PREFETCH_K
-    the L2 prefetch of the weight comes before the PDL wait, every other global access after it."""
-    launch = tma.launch(8192)
+@pytest.mark.parametrize("k, quantize, prefetch_k, pairs", [(8192, True, 0, 0), (8192, False, 0, 0),
+                                                          (8192, True, 1280, 0), (1280, True, 0, 32)])
+def test_compiles_for_hopper_with_tma_without_spills(k, quantize, prefetch_k, pairs):
+    """The default launches on sm_90 (wq_b's with the release's 32 RoPE pairs of 512-wide heads in its epilogue):
+    no spills, the weight's tiles by TMA (cp.async.bulk.tensor); with PREFETCH_K the L2 prefetch of the weight
+    comes before the PDL wait, every other global access after it."""
+    launch = tma.launch(k)
     args = dict(x_ptr="*bf16", w_ptr="*bf16", w_desc=f"tensordesc<bf16[{launch['block_n']},{launch['block_k']}]>",
-                out_ptr="*bf16", K="i32", n_per_group="i32")
+                out_ptr="*bf16", rot_ptr="*fp32", K="i32", n_per_group="i32", head_dim="i32")
     spec = ("_tma_gemv_kernel", args, dict(QUANT_X=quantize, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
-                                           PREFETCH_K=prefetch_k, FP32_DOT=False), launch["num_warps"],
+                                           PAIRS=pairs, PREFETCH_K=prefetch_k, FP32_DOT=False), launch["num_warps"],
             launch["num_stages"])
-    check_compiles_for_hopper(tma, spec, divisible_by_16=("x_ptr", "w_ptr", "K"))
-    ptx = compile_for_hopper(tma, spec, divisible_by_16=("x_ptr", "w_ptr", "K")).asm["ptx"]
+    aligned = ("x_ptr", "w_ptr", "out_ptr", "rot_ptr", "K", "n_per_group", "head_dim")  # as launched
+    check_compiles_for_hopper(tma, spec, divisible_by_16=aligned)
+    ptx = compile_for_hopper(tma, spec, divisible_by_16=aligned).asm["ptx"]
     assert re.search(r"cp\.async\.bulk\.tensor", ptx), "the weight's tiles do not arrive by TMA"
     wait = ptx.index("griddepcontrol.wait")
     assert ("cp.async.bulk.prefetch.L2" in ptx[:wait]) == (prefetch_k > 0)

@@ -41,15 +41,28 @@ def rope_inputs(shape, k, heads, head_dim, pairs, seed=0, device="cpu"):
     return x, w, rot
 
 
+# the one-row TMA kernel's (bf16_linear_tma_triton.py: wq_b at decode batch 1): (K, heads, head_dim, pairs, launch)
+TMA_CASES = {
+    "tma_block_in_head": (256, 4, 64, 16, {"block_n": 32, "block_k": 64, "num_stages": 2}),  # the tail: one block
+    "tma_heads_in_block": (128, 8, 32, 8, {"block_n": 64, "block_k": 64, "num_stages": 2}),  # 2 heads a block
+}
+
+
 def interpreter_checks():
-    """Entry point of the subprocess: the kernel with its epilogue against the two kernels and the reference."""
+    """Entry point of the subprocess: the kernels with their epilogue against the linear then the RoPE's kernel and
+    against the reference."""
+    from dsflash_compile.custom_ops.bf16_linear_tma_triton import bf16_linear_tma
     from dsflash_compile.custom_ops.bf16_linear_triton import bf16_linear_triton
     from dsflash_compile.custom_ops.rope_tail_triton import rope_tail_triton_
 
-    for name, (shape, k, heads, head_dim, pairs, quantize, launch) in CASES.items():
+    cases = {**CASES, **{name: ((1,), k, heads, head_dim, pairs, True, dict(launch, tma=True))
+                         for name, (k, heads, head_dim, pairs, launch) in TMA_CASES.items()}}
+    for name, (shape, k, heads, head_dim, pairs, quantize, launch) in cases.items():
         x, w, rot = rope_inputs(shape, k, heads, head_dim, pairs)
-        got = bf16_linear_triton(x, w, 1, quantize, rot=rot, head_dim=head_dim, **launch)
-        apart = bf16_linear_triton(x, w, 1, quantize, **launch).unflatten(-1, (heads, head_dim)).contiguous()
+        launch = dict(launch)
+        linear = bf16_linear_tma if launch.pop("tma", False) else bf16_linear_triton
+        got = linear(x, w, 1, quantize, rot=rot, head_dim=head_dim, **launch)
+        apart = linear(x, w, 1, quantize, **launch).unflatten(-1, (heads, head_dim)).contiguous()
         rope_tail_triton_(apart, rot)
         want = bf16_linear_reference(x, w, 1, quantize, rot, head_dim)
         report(dict(name=name, same_as_apart=torch.equal(got, apart.flatten(-2)), shape=list(got.shape),
@@ -62,9 +75,10 @@ def interpreted():
 
 
 @requires_interpreter
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(CASES) + list(TMA_CASES))
 def test_kernel_equals_linear_then_rope(interpreted, name):
-    result, (shape, _, heads, head_dim, *_) = interpreted[name], CASES[name]
+    result = interpreted[name]
+    shape, (heads, head_dim) = (CASES[name][0], CASES[name][2:4]) if name in CASES else ((1,), TMA_CASES[name][1:3])
     assert result["shape"] == [*shape, heads * head_dim]
     assert result["same_as_apart"], result
     assert result["err"] <= 1e-2, result  # the reference: another summation order
