@@ -3,7 +3,8 @@ one row, on a kernel that loads each program's weight tile at once (bf16_linear_
 
 Its own op so that a compiled model chooses it per projection (QuantLinear.gemv, set by compile() from
 CompileOptions.linear_gemv) and a run can set it beside bf16_linear side by side. On CUDA, weights the kernel
-does not take (more than ~24 MB on the H200, outputs not in 16-wide blocks) run bf16_linear's kernel.
+does not take (more than ~24 MB on the H200, outputs not in 16-wide blocks) run bf16_linear's kernel; with a norm,
+one row of a projection bf16_linear's TMA kernel takes (wq_b) runs it with the norm in its prologue.
 """
 
 from typing import Optional
@@ -37,7 +38,7 @@ def bf16_gemv(x: Tensor, weight: Tensor, groups: int, quantize_x: bool, rot: Opt
               head_dim: int = 0, norm_weight: Optional[Tensor] = None, norm_eps: float = 0.0) -> Tensor:
     """x bf16 [..., groups * K] holding one row; weight bf16 [N, K]; rot, head_dim: bf16_linear's RoPE of the
     output's heads (passes/linear_rope.py); norm_weight bf16 [K], norm_eps: x's RMSNorm first (the mHC seam's,
-    passes/seam_norm_gemv.py). Returns bf16 [..., N]."""
+    passes/seam_norm_gemv.py; the query's, passes/linear_norm.py). Returns bf16 [..., N]."""
     check_one_row(x, weight, groups, quantize_x, norm_weight)
     return gemv_reference(x, weight, groups, quantize_x, rot, head_dim, norm_weight, norm_eps)
 
@@ -50,7 +51,7 @@ def _(x, weight, groups, quantize_x, rot=None, head_dim=0, norm_weight=None, nor
 
 
 try:  # Triton is optional on CPU machines
-    from . import bf16_linear_gemv_triton, rope_tail_triton
+    from . import bf16_linear_gemv_triton, bf16_linear_tma_triton, rope_tail_triton
 except ImportError:  # pragma: no cover - CPU machines without triton
     bf16_linear_gemv_triton = None
 
@@ -60,6 +61,9 @@ if bf16_linear_gemv_triton is not None:
         check_one_row(x, weight, groups, quantize_x, norm_weight)
         check_rope(x, weight, groups, rot, head_dim)
         (n, k), fits = weight.shape, bf16_linear_gemv_triton.fits(x, weight, groups)
+        if norm_weight is not None and not fits and bf16_linear_tma_triton.takes(x, weight, groups):  # (wq_b)
+            return bf16_linear_tma_triton.bf16_linear_tma(x, weight, groups, quantize_x, rot, head_dim, norm_weight,
+                                                          norm_eps)
         if norm_weight is not None and not (fits and bf16_linear_gemv_triton.takes_norm(
                 n, k, groups, bf16_linear_gemv_triton._num_sms(x.device))):
             x, norm_weight = rms_norm(x, norm_weight, norm_eps), None  # the norm apart, where no kernel takes it

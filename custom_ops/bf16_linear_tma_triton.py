@@ -13,7 +13,8 @@ x is FP8-rounded per 32-column group as loaded (QUANT_X) and multiplied on tenso
 other rows are zeros; fp32 sums, one rounding to bf16 (bf16 products are exact in fp32: only the summation
 order differs from the reference's GEMM). With `rot` (passes/linear_rope.py: wq_b and its query's RoPE) the
 epilogue rotates each head's tail as bf16_linear_triton.py's does, with the tile's (cos, sin) loaded after the
-wait but before the K loop.
+wait but before the K loop; with `norm_weight` (bf16_gemv's, passes/linear_norm.py: the query's RMSNorm before wq_b)
+each program first takes x's sum of squares and norms x as it loads it, bf16_gemv's kernel's arithmetic.
 """
 
 import triton
@@ -21,6 +22,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .attention_triton import _dot
+from .bf16_linear_gemv_triton import _input
 from .bf16_linear_triton import _finish_tile, _rotation_tile
 from .pdl import launch_options, pdl_wait
 from .prefetch_l2 import prefetch_rows_l2
@@ -51,14 +53,15 @@ PREFETCH_MIN_K = 8192  # wo_b (the one-row projection right after another: wo_a)
 
 
 @triton.jit
-def _tma_gemv_kernel(x_ptr, w_ptr, w_desc, out_ptr, rot_ptr, K, n_per_group, head_dim, QUANT_X: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr, PREFETCH_K: tl.constexpr,
-                     FP32_DOT: tl.constexpr, PDL: tl.constexpr):
+def _tma_gemv_kernel(x_ptr, w_ptr, w_desc, out_ptr, rot_ptr, norm_w_ptr, K, n_per_group, head_dim, eps,
+                     QUANT_X: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                     PAIRS: tl.constexpr, PREFETCH_K: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
     """x [groups * K], out [N]; w_desc: the [N, K] weight (at w_ptr) in [BLOCK_N, BLOCK_K] tiles (columns past K
-    arrive as zeros); BLOCK_N divides n_per_group, so a program's outputs read one group's inputs. PAIRS > 0: rot
-    [PAIRS, 2]; each head_dim-wide head's trailing PAIRS pairs rotated in the epilogue (bf16_linear_triton's
-    _finish_tile), the tile's (cos, sin) loaded before the K loop. PREFETCH_K > 0: the program's rows' first
-    PREFETCH_K columns (at most K) asked of L2 before the wait."""
+    arrive as zeros); BLOCK_N divides n_per_group, so a program's outputs read one group's inputs. NORM (one
+    group): x is first RMS-normed by norm_w (layers.RMSNorm, rounded to bf16), each program taking the row's sum
+    of squares itself. PAIRS > 0: rot [PAIRS, 2]; each head_dim-wide head's trailing PAIRS pairs rotated in the
+    epilogue (bf16_linear_triton's _finish_tile), the tile's (cos, sin) loaded before the K loop. PREFETCH_K > 0:
+    the program's rows' first PREFETCH_K columns (at most K) asked of L2 before the wait."""
     pid = tl.program_id(0)
     if PREFETCH_K > 0:  # a weight: no kernel writes it
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,13 +70,25 @@ def _tma_gemv_kernel(x_ptr, w_ptr, w_desc, out_ptr, rot_ptr, K, n_per_group, hea
     row = tl.zeros((1,), dtype=tl.int32)  # the one row, as bf16_linear_triton's row tiles index it
     rotation = _rotation_tile(rot_ptr, row, row == 0, pid, head_dim, BLOCK_N, PAIRS) if PAIRS > 0 else None
     x_row = x_ptr + (pid * BLOCK_N // n_per_group) * K
+    rstd = 0.0
+    if NORM:
+        ss = tl.zeros((), dtype=tl.float32)
+        for kb in range(tl.cdiv(K, BLOCK_K)):
+            k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            xs = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+            ss += tl.sum(xs * xs, 0)
+        rstd = tl.math.rsqrt(ss / K + eps)
     first = tl.arange(0, 16)[:, None] == 0  # the dot's tile: x in row 0, zeros below
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     for kb in range(tl.cdiv(K, BLOCK_K)):
         k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + k[None, :], mask=(k < K)[None, :], other=0.0)
-        if QUANT_X:  # E4M3 values times a power of two: exact in bf16
-            x = _fp8_qdq_groups(x.to(tl.float32), 1, BLOCK_K)
+        if NORM:  # normed, then FP8-rounded as bf16_gemv's kernel takes its input
+            x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+            x = _input(x, k, k < K, norm_w_ptr, rstd, QUANT_X, NORM, BLOCK_K)[None, :]
+        else:
+            x = tl.load(x_row + k[None, :], mask=(k < K)[None, :], other=0.0)
+            if QUANT_X:  # E4M3 values times a power of two: exact in bf16
+                x = _fp8_qdq_groups(x.to(tl.float32), 1, BLOCK_K)
         x = tl.where(first, x, 0.0).to(tl.bfloat16)
         acc += _dot(x, tl.trans(w_desc.load([pid * BLOCK_N, kb * BLOCK_K])), FP32_DOT)
     y = _finish_tile(tl.sum(acc, 0)[None, :], rotation, 1, BLOCK_N, PAIRS)
@@ -87,19 +102,26 @@ def launch(k: int, **overrides) -> dict:
             **overrides}
 
 
+def takes_shape(n: int, k: int, groups: int) -> bool:
+    """An [n, k] weight of at least MIN_K a group and MIN_BYTES, outputs in whole blocks of its launch a group, rows
+    of whole 16 bytes (what `takes` asks of the shape alone: passes/linear_norm.py)."""
+    return k >= MIN_K and n * k * 2 >= MIN_BYTES and (n // groups) % launch(k)["block_n"] == 0 and k % 8 == 0
+
+
 def takes(x, weight, groups) -> bool:
-    """One row of a projection of at least MIN_K a group and MIN_BYTES, outputs in whole blocks of its launch a
-    group, rows of whole 16 bytes at a 16-byte aligned address (TMA's rules)."""
-    n, k = weight.shape
-    return (x.numel() == x.shape[-1] and k >= MIN_K and n * k * 2 >= MIN_BYTES
-            and (n // groups) % launch(k)["block_n"] == 0 and k % 8 == 0 and weight.is_contiguous()
+    """One row of a projection `takes_shape` takes, its weight contiguous at a 16-byte aligned address (TMA's
+    rules)."""
+    return (x.numel() == x.shape[-1] and takes_shape(*weight.shape, groups) and weight.is_contiguous()
             and weight.data_ptr() % 16 == 0)
 
 
-def bf16_linear_tma(x, weight, groups, quantize_x, rot=None, head_dim=0, **overrides):
+def bf16_linear_tma(x, weight, groups, quantize_x, rot=None, head_dim=0, norm_weight=None, norm_eps=0.0,
+                    **overrides):
     """bf16 [..., N] as the reference for one row (any size; `takes`: where the op uses it); rot, head_dim: the op's
-    RoPE epilogue; overrides: `launch`'s."""
+    RoPE epilogue; norm_weight, norm_eps (one group): x's RMSNorm first (bf16_gemv's); overrides: `launch`'s."""
     n, k = weight.shape
+    if norm_weight is not None and groups != 1:
+        raise ValueError(f"bf16_linear TMA: the input's norm needs one group, got groups={groups}")
     settings = launch(k, **overrides)
     block_n, block_k = settings["block_n"], settings["block_k"]
     if (n // groups) % block_n or block_k < 32 or block_k & (block_k - 1):
@@ -111,8 +133,9 @@ def bf16_linear_tma(x, weight, groups, quantize_x, rot=None, head_dim=0, **overr
     pairs = 0 if rot is None else rot.shape[-2]
     _tma_gemv_kernel[(n // block_n,)](
         x.contiguous(), weight, TensorDescriptor.from_tensor(weight, [block_n, block_k]), out,
-        out if rot is None else rot.contiguous(), k, n // groups, head_dim, QUANT_X=quantize_x, BLOCK_N=block_n,
-        BLOCK_K=block_k, PAIRS=pairs, PREFETCH_K=prefetch, FP32_DOT=x.device.type != "cuda",
+        out if rot is None else rot.contiguous(), x if norm_weight is None else norm_weight.contiguous(), k,
+        n // groups, head_dim, norm_eps, QUANT_X=quantize_x, BLOCK_N=block_n, BLOCK_K=block_k,
+        NORM=norm_weight is not None, PAIRS=pairs, PREFETCH_K=prefetch, FP32_DOT=x.device.type != "cuda",
         num_stages=settings["num_stages"], num_warps=settings["num_warps"], **options)
     return out.view(*x.shape[:-1], n)
 

@@ -84,13 +84,15 @@ class CompileOptions:
     router_in_seam: bool = False
     # issue 5: the query's RoPE in wq_b's epilogue (passes/linear_rope.py, bf16_linear's `rot`) where wq_b runs
     # dsflash::bf16_linear or bf16_gemv (decode), instead of dsflash::rope_'s own launch (0.9 us of the B1 step's path
-    # a layer). Off: no clear gain. H200, B1 side by side (12-03 a3, compile_and_profile --variants
-    # passes,linear-rope): 10.498 ms with it against 10.513 without, rounds overlapping, logits not bit-equal (max
-    # 0.12 of 6.2, same argmax); wq_b's path grew by 0.6 us a layer (its tail blocks loaded cos / sin after the
-    # GEMV). With cos / sin loaded before the K loop (12-04 b1): 10.336 ms against 10.343, rounds overlapping, wq_b +
-    # RoPE 22.8 us of a layer's path against 23.4; logits 1.3 apart (of 6.3) and another argmax, where the op alone
-    # gives linear + rope_'s bits at one row (CUDA test): not understood, so still off
-    linear_rope: bool = False
+    # a layer). On the tiled kernel (12-03 a3, 12-04 b1) it did not pay: one row of wq_b moved off the TMA kernel.
+    # With the TMA kernel's epilogue, H200, B1 side by side (12-04 d4, compile_and_profile --variants
+    # passes,linear-rope, 7 rounds): 10.153 ms against 10.186 (6 of 7 rounds lower), logits bit-equal; wq_b + RoPE
+    # 22.0 us of a layer's path against 21.7 + 0.9
+    linear_rope: bool = True
+    # issue 5: the query's RMSNorm in wq_b's kernel (passes/linear_norm.py: bf16_gemv's norm, the TMA kernel's NORM
+    # prologue) where wq_b is its only reader, instead of Inductor's reduction kernel (1.2 us of the H200 B1 step's
+    # path a layer, 12-04 d4). Not yet measured on a GPU: off
+    linear_norm: bool = False
     # issue 5: with mhc_defer_mixes, a deferred seam whose normed row only the one-row GEMV of wq_a + wkv reads leaves
     # its RMSNorm to that GEMV's programs, which load the whole row anyway (passes/seam_norm_gemv.py): the seam then
     # takes no counter and no program finishes it (its path 7.3 us a layer at B1 on the H200, 12-03 a3). Off: no
@@ -341,7 +343,8 @@ class CompiledRunner:
         self.pass_manager = (passes.install(text, mhc_overlap_tokens=overlap, mhc_defer_tokens=defer,
                                             early_reads=options.early_reads,
                                             router_seam_experts=ROUTE_MAX_EXPERTS if options.router_in_seam else 0,
-                                            linear_rope=options.linear_rope, seam_norm_gemv=options.seam_norm_gemv)
+                                            linear_rope=options.linear_rope, seam_norm_gemv=options.seam_norm_gemv,
+                                            linear_norm=options.linear_norm)
                              if options.passes else None)
         if not options.passes:
             passes.use(None)  # a manager installed earlier would still run

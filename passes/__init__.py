@@ -3,6 +3,7 @@
 from torch._inductor import config as inductor_config
 
 from .early_reads import EarlyReadsPass
+from .linear_norm import LinearNormPass
 from .linear_rope import LinearRopePass
 from .manager import DsflashPassManager
 from .mhc_defer import MhcDeferPass
@@ -28,7 +29,7 @@ def use(manager: DsflashPassManager | None) -> None:
 
 def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0,
             early_reads: bool = False, router_seam_experts: int = 0, linear_rope: bool = False,
-            seam_norm_gemv: bool = False) -> DsflashPassManager:
+            seam_norm_gemv: bool = False, linear_norm: bool = False) -> DsflashPassManager:
     """Make Inductor run our passes (post-grad) for graphs compiled from now on; returns the manager,
     whose `matches` counts the rewrites. Patterns use the config's router and mHC constants.
     mhc_overlap_tokens > 0: fused seams of at most that many tokens are split so that their mixes run on a
@@ -38,7 +39,9 @@ def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0,
     (EarlyReadsPass). router_seam_experts > 0 (with the deferral): routers of at most that many experts reading a
     deferred seam's normed rows run inside that seam (RouterSeamPass). linear_rope: a bf16_linear whose only
     reader is the RoPE of its heads takes the rotation in its epilogue (LinearRopePass). seam_norm_gemv (with the
-    deferral): a deferred seam read by one bf16_gemv leaves its RMSNorm to it (SeamNormGemvPass)."""
+    deferral): a deferred seam read by one bf16_gemv leaves its RMSNorm to it (SeamNormGemvPass). linear_norm: an
+    RMSNorm read only by a one-row projection of a TMA-sized weight becomes its norm prologue (LinearNormPass, after
+    LinearRopePass)."""
     manager = DsflashPassManager([
         RouterFusionPass(text_config.num_experts_per_tok, text_config.norm_topk_prob,
                          text_config.routed_scaling_factor),
@@ -50,10 +53,12 @@ def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0,
         *([SeamNormGemvPass()] if mhc_defer_tokens > 0 and seam_norm_gemv else []),
         *([EarlyReadsPass()] if early_reads else []),
         *([LinearRopePass()] if linear_rope else []),
+        *([LinearNormPass()] if linear_norm else []),
     ])
     use(manager)
     return manager
 
 
-__all__ = ["DsflashPassManager", "EarlyReadsPass", "LinearRopePass", "MhcDeferPass", "MhcFusionPass", "MhcOverlapPass",
-           "RouterFusionPass", "RouterSeamPass", "SeamNormGemvPass", "install", "keep_model_rounding", "use"]
+__all__ = ["DsflashPassManager", "EarlyReadsPass", "LinearNormPass", "LinearRopePass", "MhcDeferPass", "MhcFusionPass",
+           "MhcOverlapPass", "RouterFusionPass", "RouterSeamPass", "SeamNormGemvPass", "install", "keep_model_rounding",
+           "use"]

@@ -58,7 +58,8 @@ VARIANTS = {
     "tiled-linear": {"linear_gemv": False},  # one-row projections on bf16_linear's kernel (before dsflash::bf16_gemv)
     "cublas-tall": {"linear_tall": False},  # 33-64 rows of wo_a / wo_b on cuBLAS (before QuantLinear.tall_rows)
     "router-in-seam": {"router_in_seam": True},  # the router inside the FFN's deferred seam (passes/router_seam.py)
-    "linear-rope": {"linear_rope": True},  # q's RoPE in wq_b's epilogue (passes/linear_rope.py; off: no clear gain)
+    "no-linear-rope": {"linear_rope": False},  # q's RoPE in its own launch after wq_b (before 12-04 d)
+    "linear-norm": {"linear_norm": True},  # q's RMSNorm in wq_b's kernel (passes/linear_norm.py)
     "seam-norm-gemv": {"seam_norm_gemv": True},  # the attention seam's norm in the wq_a+wkv GEMV (off: no clear gain)
     "gemv-at-once": {},  # bf16_gemv's tiles loaded at once (AT_ONCE: every weight load before the first barrier)
     # the mHC seam kernel's fn tile after its PDL wait and the row's loads after the mixes' barriers (before 12-04 d:
