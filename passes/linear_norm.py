@@ -10,6 +10,8 @@ B1 step's path a layer on the H200, 12-04 d4).
 
 Where the normed row has other readers (an index source's indexer reads the query's norm too) the norm stays.
 The row's sum of squares adds in another order than Inductor's, so the normed row may differ by a bf16 ulp.
+Off by default (CompileOptions.linear_norm): on the H200 the B1 step took 10.237 ms with it against 10.084 (12-04
+d5), wq_b 27.7 us of a layer's path against 22.7 for the norm's kernel and wq_b.
 """
 
 import torch
