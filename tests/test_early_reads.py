@@ -80,4 +80,4 @@ def test_compile_options_install_it(fresh_dynamo):  # noqa: F811
         return [type(p).__name__ for p in torch._inductor.config.post_grad_custom_post_pass.passes]
 
     assert "EarlyReadsPass" not in passes()  # off: it did not pay (12-03 y1)
-    assert passes(early_reads=True)[-1] == "EarlyReadsPass"
+    assert passes(early_reads=True)[-2:] == ["EarlyReadsPass", "LinearRopePass"]  # linear_rope: on by default
