@@ -61,7 +61,8 @@ if bf16_linear_gemv_triton is not None:
         check_one_row(x, weight, groups, quantize_x, norm_weight)
         check_rope(x, weight, groups, rot, head_dim)
         (n, k), fits = weight.shape, bf16_linear_gemv_triton.fits(x, weight, groups)
-        if norm_weight is not None and not fits and bf16_linear_tma_triton.takes(x, weight, groups):  # (wq_b)
+        if (norm_weight is not None and not fits and bf16_linear_tma_triton.takes(x, weight, groups)
+                and bf16_linear_tma_triton.takes_norm(k, groups)):  # (wq_b)
             return bf16_linear_tma_triton.bf16_linear_tma(x, weight, groups, quantize_x, rot, head_dim, norm_weight,
                                                           norm_eps)
         if norm_weight is not None and not (fits and bf16_linear_gemv_triton.takes_norm(

@@ -49,17 +49,18 @@ MIN_BYTES = 64 << 20
 # 10.624 (c3: wq_b 23.8 us against 22.0, wo_a 22.0 against 19.3, the prefetch beside the latency-bound kernels
 # before them; at 2 x 11.035)
 PREFETCH_STAGES = 1
+MAX_NORM_K = 8192  # the longest row the NORM prologue holds at once (64 fp32 values a thread at 4 warps)
 PREFETCH_MIN_K = 8192  # wo_b (the one-row projection right after another: wo_a)
 
 
 @triton.jit
 def _tma_gemv_kernel(x_ptr, w_ptr, w_desc, out_ptr, rot_ptr, norm_w_ptr, K, n_per_group, head_dim, eps,
-                     QUANT_X: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                     QUANT_X: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_ROW: tl.constexpr,
                      PAIRS: tl.constexpr, PREFETCH_K: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
     """x [groups * K], out [N]; w_desc: the [N, K] weight (at w_ptr) in [BLOCK_N, BLOCK_K] tiles (columns past K
-    arrive as zeros); BLOCK_N divides n_per_group, so a program's outputs read one group's inputs. NORM (one
-    group): x is first RMS-normed by norm_w (layers.RMSNorm, rounded to bf16), each program taking the row's sum
-    of squares itself. PAIRS > 0: rot [PAIRS, 2]; each head_dim-wide head's trailing PAIRS pairs rotated in the
+    arrive as zeros); BLOCK_N divides n_per_group, so a program's outputs read one group's inputs. NORM_ROW > 0
+    (one group; a power of two >= K): x is first RMS-normed by norm_w (layers.RMSNorm, rounded to bf16), each
+    program taking the row's sum of squares itself from one load of the whole row. PAIRS > 0: rot [PAIRS, 2]; each head_dim-wide head's trailing PAIRS pairs rotated in the
     epilogue (bf16_linear_triton's _finish_tile), the tile's (cos, sin) loaded before the K loop. PREFETCH_K > 0:
     the program's rows' first PREFETCH_K columns (at most K) asked of L2 before the wait."""
     pid = tl.program_id(0)
@@ -71,20 +72,17 @@ def _tma_gemv_kernel(x_ptr, w_ptr, w_desc, out_ptr, rot_ptr, norm_w_ptr, K, n_pe
     rotation = _rotation_tile(rot_ptr, row, row == 0, pid, head_dim, BLOCK_N, PAIRS) if PAIRS > 0 else None
     x_row = x_ptr + (pid * BLOCK_N // n_per_group) * K
     rstd = 0.0
-    if NORM:
-        ss = tl.zeros((), dtype=tl.float32)
-        for kb in range(tl.cdiv(K, BLOCK_K)):
-            k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-            xs = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-            ss += tl.sum(xs * xs, 0)
-        rstd = tl.math.rsqrt(ss / K + eps)
+    if NORM_ROW > 0:  # one round trip: a loop of tiles here cost 5 us of wq_b's path (12-04 d5)
+        cols = tl.arange(0, NORM_ROW)
+        xs = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(xs * xs, 0) / K + eps)
     first = tl.arange(0, 16)[:, None] == 0  # the dot's tile: x in row 0, zeros below
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     for kb in range(tl.cdiv(K, BLOCK_K)):
         k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        if NORM:  # normed, then FP8-rounded as bf16_gemv's kernel takes its input
+        if NORM_ROW > 0:  # normed, then FP8-rounded as bf16_gemv's kernel takes its input
             x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-            x = _input(x, k, k < K, norm_w_ptr, rstd, QUANT_X, NORM, BLOCK_K)[None, :]
+            x = _input(x, k, k < K, norm_w_ptr, rstd, QUANT_X, True, BLOCK_K)[None, :]
         else:
             x = tl.load(x_row + k[None, :], mask=(k < K)[None, :], other=0.0)
             if QUANT_X:  # E4M3 values times a power of two: exact in bf16
@@ -108,6 +106,11 @@ def takes_shape(n: int, k: int, groups: int) -> bool:
     return k >= MIN_K and n * k * 2 >= MIN_BYTES and (n // groups) % launch(k)["block_n"] == 0 and k % 8 == 0
 
 
+def takes_norm(k: int, groups: int) -> bool:
+    """Whether the kernel norms x itself (NORM_ROW): one group, the row's K in registers at once."""
+    return groups == 1 and k <= MAX_NORM_K
+
+
 def takes(x, weight, groups) -> bool:
     """One row of a projection `takes_shape` takes, its weight contiguous at a 16-byte aligned address (TMA's
     rules)."""
@@ -120,8 +123,9 @@ def bf16_linear_tma(x, weight, groups, quantize_x, rot=None, head_dim=0, norm_we
     """bf16 [..., N] as the reference for one row (any size; `takes`: where the op uses it); rot, head_dim: the op's
     RoPE epilogue; norm_weight, norm_eps (one group): x's RMSNorm first (bf16_gemv's); overrides: `launch`'s."""
     n, k = weight.shape
-    if norm_weight is not None and groups != 1:
-        raise ValueError(f"bf16_linear TMA: the input's norm needs one group, got groups={groups}")
+    if norm_weight is not None and not takes_norm(k, groups):
+        raise ValueError(f"bf16_linear TMA: the input's norm needs one group and K <= {MAX_NORM_K} (the row in "
+                         f"registers), got groups={groups}, K={k}")
     settings = launch(k, **overrides)
     block_n, block_k = settings["block_n"], settings["block_k"]
     if (n // groups) % block_n or block_k < 32 or block_k & (block_k - 1):
@@ -135,7 +139,7 @@ def bf16_linear_tma(x, weight, groups, quantize_x, rot=None, head_dim=0, norm_we
         x.contiguous(), weight, TensorDescriptor.from_tensor(weight, [block_n, block_k]), out,
         out if rot is None else rot.contiguous(), x if norm_weight is None else norm_weight.contiguous(), k,
         n // groups, head_dim, norm_eps, QUANT_X=quantize_x, BLOCK_N=block_n, BLOCK_K=block_k,
-        NORM=norm_weight is not None, PAIRS=pairs, PREFETCH_K=prefetch, FP32_DOT=x.device.type != "cuda",
+        NORM_ROW=0 if norm_weight is None else triton.next_power_of_2(k), PAIRS=pairs, PREFETCH_K=prefetch, FP32_DOT=x.device.type != "cuda",
         num_stages=settings["num_stages"], num_warps=settings["num_warps"], **options)
     return out.view(*x.shape[:-1], n)
 

@@ -92,8 +92,8 @@ class CompileOptions:
     # issue 5: the query's RMSNorm in wq_b's kernel (passes/linear_norm.py: bf16_gemv's norm, the TMA kernel's NORM
     # prologue) where wq_b is its only reader, instead of Inductor's reduction kernel (1.2 us of the H200 B1 step's
     # path a layer, 12-04 d4). Off: slower. H200, B1 side by side (12-04 d5, 5 rounds): 10.237 ms against 10.084
-    # (each round higher), logits bit-equal; wq_b 27.7 us of a layer's path against 1.2 + 21.5 (the sum of squares'
-    # loop and the norm weight's loads in the K loop come before and between the TMA tiles)
+    # (each round higher), logits bit-equal; wq_b 27.7 us of a layer's path against 1.2 + 21.5: the prologue's sum of
+    # squares then looped over 10 tiles, one round trip each. Since, one load of the whole row: not measured
     linear_norm: bool = False
     # issue 5: with mhc_defer_mixes, a deferred seam whose normed row only the one-row GEMV of wq_a + wkv reads leaves
     # its RMSNorm to that GEMV's programs, which load the whole row anyway (passes/seam_norm_gemv.py): the seam then

@@ -11,7 +11,8 @@ B1 step's path a layer on the H200, 12-04 d4).
 Where the normed row has other readers (an index source's indexer reads the query's norm too) the norm stays.
 The row's sum of squares adds in another order than Inductor's, so the normed row may differ by a bf16 ulp.
 Off by default (CompileOptions.linear_norm): on the H200 the B1 step took 10.237 ms with it against 10.084 (12-04
-d5), wq_b 27.7 us of a layer's path against 22.7 for the norm's kernel and wq_b.
+d5), wq_b 27.7 us of a layer's path against 22.7 for the norm's kernel and wq_b, when the prologue's sum of squares
+looped over the row's tiles (a round trip each); it loads the whole row at once since (NORM_ROW), not measured.
 """
 
 import torch
@@ -80,7 +81,8 @@ class LinearNormPass:
             if len(linear.args) > 6 or groups != 1 or len(normed.users) != 1:  # (a norm already given)
                 continue
             row, (n, k) = normed.meta["val"], weight.meta["val"].shape
-            if tma is None or row.numel() != row.shape[-1] or not tma.takes_shape(n, k, groups):
+            if (tma is None or row.numel() != row.shape[-1] or not tma.takes_shape(n, k, groups)
+                    or not tma.takes_norm(k, groups)):
                 continue
             norm = _rms_norm(normed)
             if norm is None:

@@ -93,10 +93,11 @@ def test_compiles_for_hopper_with_tma_without_spills(k, quantize, prefetch_k, pa
     comes before the PDL wait, every other global access after it."""
     launch = tma.launch(k)
     args = dict(x_ptr="*bf16", w_ptr="*bf16", w_desc=f"tensordesc<bf16[{launch['block_n']},{launch['block_k']}]>",
-                out_ptr="*bf16", rot_ptr="*fp32", K="i32", n_per_group="i32", head_dim="i32")
+                out_ptr="*bf16", rot_ptr="*fp32", norm_w_ptr="*bf16", K="i32", n_per_group="i32", head_dim="i32",
+                eps="fp32")
     spec = ("_tma_gemv_kernel", args, dict(QUANT_X=quantize, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
-                                           PAIRS=pairs, PREFETCH_K=prefetch_k, FP32_DOT=False), launch["num_warps"],
-            launch["num_stages"])
+                                           NORM_ROW=0, PAIRS=pairs, PREFETCH_K=prefetch_k, FP32_DOT=False),
+            launch["num_warps"], launch["num_stages"])
     aligned = ("x_ptr", "w_ptr", "out_ptr", "rot_ptr", "K", "n_per_group", "head_dim")  # as launched
     check_compiles_for_hopper(tma, spec, divisible_by_16=aligned)
     ptx = compile_for_hopper(tma, spec, divisible_by_16=aligned).asm["ptx"]
