@@ -60,9 +60,10 @@ def _tma_gemv_kernel(x_ptr, w_ptr, w_desc, out_ptr, rot_ptr, norm_w_ptr, K, n_pe
     """x [groups * K], out [N]; w_desc: the [N, K] weight (at w_ptr) in [BLOCK_N, BLOCK_K] tiles (columns past K
     arrive as zeros); BLOCK_N divides n_per_group, so a program's outputs read one group's inputs. NORM_ROW > 0
     (one group; a power of two >= K): x is first RMS-normed by norm_w (layers.RMSNorm, rounded to bf16), each
-    program taking the row's sum of squares itself from one load of the whole row. PAIRS > 0: rot [PAIRS, 2]; each head_dim-wide head's trailing PAIRS pairs rotated in the
-    epilogue (bf16_linear_triton's _finish_tile), the tile's (cos, sin) loaded before the K loop. PREFETCH_K > 0:
-    the program's rows' first PREFETCH_K columns (at most K) asked of L2 before the wait."""
+    program taking the row's sum of squares itself from one load of the whole row. PAIRS > 0: rot [PAIRS, 2];
+    each head_dim-wide head's trailing PAIRS pairs rotated in the epilogue (bf16_linear_triton's _finish_tile),
+    the tile's (cos, sin) loaded before the K loop. PREFETCH_K > 0: the program's rows' first PREFETCH_K columns
+    (at most K) asked of L2 before the wait."""
     pid = tl.program_id(0)
     if PREFETCH_K > 0:  # a weight: no kernel writes it
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -139,7 +140,7 @@ def bf16_linear_tma(x, weight, groups, quantize_x, rot=None, head_dim=0, norm_we
         x.contiguous(), weight, TensorDescriptor.from_tensor(weight, [block_n, block_k]), out,
         out if rot is None else rot.contiguous(), x if norm_weight is None else norm_weight.contiguous(), k,
         n // groups, head_dim, norm_eps, QUANT_X=quantize_x, BLOCK_N=block_n, BLOCK_K=block_k,
-        NORM_ROW=0 if norm_weight is None else triton.next_power_of_2(k), PAIRS=pairs, PREFETCH_K=prefetch, FP32_DOT=x.device.type != "cuda",
-        num_stages=settings["num_stages"], num_warps=settings["num_warps"], **options)
+        NORM_ROW=0 if norm_weight is None else triton.next_power_of_2(k), PAIRS=pairs, PREFETCH_K=prefetch,
+        FP32_DOT=x.device.type != "cuda", num_stages=settings["num_stages"], num_warps=settings["num_warps"], **options)
     return out.view(*x.shape[:-1], n)
 
