@@ -12,7 +12,9 @@ and with --preset the family's floor (bytes it must read, benchmarking.decode_tr
 against both; then the stream's busy and idle time (idle between
 the step's first and last kernel: launch gaps inside a CUDA graph, or host waits when the step is not
 one graph), the largest gaps, whether the step was a CUDA-graph replay (cudaGraphLaunch), and the
-slowest launch configurations (kernel + grid) of each family, which tell the GEMM shapes apart.
+slowest launch configurations (kernel + grid) of each family, which tell the GEMM shapes apart. --layer lists one
+layer's kernels in order (--median: over the layers launching the same ones); --layers every layer's path and what
+it launches beyond the common layer (the compressor, indexer and Engram layers' extra kernels).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import gzip
 import json
 import re
 import statistics
+from collections import Counter
 from pathlib import Path
 
 # first match wins; names are those of the kernels (Triton: the @triton.jit function's name)
@@ -161,6 +164,28 @@ def layer_medians(events: list[dict], marker: str = "_router_kernel", index: int
     return rows, len(alike)
 
 
+def layer_overview(events: list[dict], marker: str = "_router_kernel", extra: int = 4) -> list[dict]:
+    """Every layer's path and kernels against the common layer (the kernel sequence most layers launch): the path
+    of the kernels it launches beyond that layer's (by name, counted) and the `extra` largest of them, where the
+    compressor, indexer and Engram layers spend their time."""
+    layers, _ = all_layer_kernels(events, marker)
+    sequences = [tuple(r["name"] for r in rows) for rows in layers]
+    common = Counter(max(set(sequences), key=sequences.count)) if layers else Counter()
+    overview = []
+    for index, rows in enumerate(layers):
+        left, beyond = Counter(common), []
+        for row in rows:
+            if left[row["name"]] > 0:
+                left[row["name"]] -= 1
+            else:
+                beyond.append(row)
+        overview.append({"layer": index, "path_us": sum(r["path_us"] for r in rows), "kernels": len(rows),
+                         "extra_path_us": sum(r["path_us"] for r in beyond),
+                         "extra": [(r["name"], r["path_us"]) for r in sorted(beyond, key=lambda r: -r["path_us"])]
+                         [:extra]})
+    return overview
+
+
 def model_floor_bytes(preset: str, batch: int, context: int, weights: str) -> dict:
     """benchmarking.decode_traffic's bytes per family for a preset, its model built on the meta device."""
     import torch
@@ -215,6 +240,8 @@ def main(argv=None) -> None:
                              "inside the seam has no _router_kernel: _up_kernel)")
     parser.add_argument("--median", action="store_true",
                         help="--layer: each kernel's median over the layers launching the same kernels")
+    parser.add_argument("--layers", action="store_true",
+                        help="every layer's path, and the kernels it launches beyond the common layer's")
     args = parser.parse_args(argv)
     floor_bytes = model_floor_bytes(args.preset, args.batch, args.context, args.weights) if args.preset else None
     events = load_events(args.trace)
@@ -233,6 +260,12 @@ def main(argv=None) -> None:
         print(f"\n{which}: {sum(r['path_us'] for r in rows):.1f} us on the path, {len(rows)} kernels")
         print_table(rows, [("gap us", "gap_us", ".1f"), ("us", "us", ".1f"), ("path us", "path_us", ".1f"),
                            ("grid", "grid", ""), ("kernel", "name", "")])
+    if args.layers:
+        summary["layers"] = layer_overview(events, args.marker)
+        print("\nlayer  path us  kernels  beyond the common layer's: path us, the largest")
+        for row in summary["layers"]:
+            largest = ", ".join(f"{name[:40]} {us:.1f}" for name, us in row["extra"])
+            print(f"{row['layer']:5d} {row['path_us']:8.1f} {row['kernels']:8d} {row['extra_path_us']:8.1f}  {largest}")
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
         print("wrote", args.out)

@@ -101,6 +101,31 @@ def test_layer_medians_over_the_layers_launching_the_same_kernels(trace_summary)
     assert [r["gap_us"] for r in rows] == [0.0, 0.0, 3.0]
 
 
+def test_layer_overview_lists_what_a_layer_launches_beyond_the_common_one(trace_summary, tmp_path, capsys):
+    """Every layer's path and kernels; beyond the common sequence (router, up, seam: layers 0, 1, 3) layer 2's two
+    extra launches, the largest first, counted by name (a second _up_kernel is extra too)."""
+    events, ts = [], 0
+    for extra in ((), (), (("_other_kernel", 3), ("_up_kernel", 5)), ()):
+        events += [kernel("_router_kernel", ts, 7), kernel("_up_kernel", ts + 7, 80)]
+        at = ts + 87
+        for name, dur in extra:
+            events.append(kernel(name, at, dur))
+            at += dur
+        events.append(kernel("_seam_kernel", at, 10))
+        ts += 200
+    events.append(kernel("_router_kernel", ts, 7))
+    overview = trace_summary.layer_overview(events)
+    assert [(row["layer"], row["kernels"], row["extra_path_us"]) for row in overview] == [
+        (0, 3, 0.0), (1, 3, 0.0), (2, 5, 8.0), (3, 3, 0.0)]
+    assert overview[2]["extra"] == [("_up_kernel", 5.0), ("_other_kernel", 3.0)]
+    assert overview[1]["path_us"] == pytest.approx(200)  # from layer 0's last end (97) to its own (297)
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(events))
+    trace_summary.main([str(path), "--layers", "--out", str(tmp_path / "summary.json")])
+    assert "_other_kernel 3.0" in capsys.readouterr().out
+    assert len(json.loads((tmp_path / "summary.json").read_text())["layers"]) == 4
+
+
 def test_path_shares_add_up_to_the_span_when_kernels_overlap(trace_summary):
     """Programmatic dependent launch: a kernel starts while the one before it runs and waits, so durations overlap.
     Each kernel's path share is its end minus the latest end before it; a kernel ending inside another adds 0."""
