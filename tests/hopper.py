@@ -22,6 +22,9 @@ def compile_for_hopper(module, spec, divisible_by_16=()):
     fn = getattr(module, name)
     if "PDL" in fn.arg_names and "PDL" not in constexprs:  # as launched on the H200 (custom_ops/pdl.py)
         constexprs = dict(constexprs, PDL=True)
+    # a constexpr left out compiles as None, which an `if FLAG:` reads as off: another kernel than the one launched
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs and p.name not in args]
+    assert not missing, f"{name}: constexprs {missing} not given"
     signature = dict(args, **{arg: "constexpr" for arg in constexprs})
     attrs = {(fn.arg_names.index(arg),): [["tt.divisibility", 16]] for arg in divisible_by_16}
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),

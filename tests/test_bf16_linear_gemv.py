@@ -143,7 +143,7 @@ def test_compiles_for_hopper_without_spills(quantize, whole_rows, at_once):
                 K="i32", n_per_group="i32")
     head, tail = gemv.spans(launch["k_chunks"] * launch["block_k"]) if at_once else (0, 0)
     constexprs = dict(QUANT_X=quantize, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
-                      K_CHUNKS=launch["k_chunks"], HEAD=head, TAIL=tail)
+                      K_CHUNKS=launch["k_chunks"], NORM=False, HEAD=head, TAIL=tail)
     spec = ("_gemv_kernel", args, constexprs, launch["num_warps"])
     check_compiles_for_hopper(gemv, spec, divisible_by_16=("x_ptr", "w_ptr", "K"))
     ptx = compile_for_hopper(gemv, spec, divisible_by_16=("x_ptr", "w_ptr", "K")).asm["ptx"]

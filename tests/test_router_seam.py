@@ -96,7 +96,7 @@ def test_routing_seam_kernel_compiles_for_hopper():
 
     constexprs = dict(HC=4, D=5120, BLOCK_D=SEAM_BLOCK_D, BLOCK_T=1, PART=32, CHUNKS_PAD=128,
                       NORM_BLOCK=mhc_deferred.NORM_BLOCK, ROUTE_TOPK=6, ROUTE_K_PAD=8, ROUTE_E_PAD=ROUTE_MAX_EXPERTS,
-                      ROUTE_NORMALIZE=True)
+                      ROUTE_NORMALIZE=True, EARLY_FN=mhc_triton.EARLY_FN, ROW_LOADS_FIRST=mhc_triton.ROW_LOADS_FIRST)
     check_compiles_for_hopper(mhc_triton, ("_seam_kernel", KERNEL_ARGS, constexprs, 4))
 
 
