@@ -49,8 +49,8 @@ MIN_BYTES = 64 << 20
 # 10.624 (c3: wq_b 23.8 us against 22.0, wo_a 22.0 against 19.3, the prefetch beside the latency-bound kernels
 # before them; at 2 x 11.035)
 PREFETCH_STAGES = 1
-MAX_NORM_K = 8192  # the longest row the NORM prologue holds at once (64 fp32 values a thread at 4 warps)
 PREFETCH_MIN_K = 8192  # wo_b (the one-row projection right after another: wo_a)
+MAX_NORM_K = 8192  # the longest row the NORM prologue holds at once (64 fp32 values a thread at 4 warps)
 
 
 @triton.jit

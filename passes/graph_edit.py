@@ -49,6 +49,12 @@ def call(graph: torch.fx.Graph, op, args: tuple, outputs: int):
     return items
 
 
+def linear_calls(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The graph's dsflash::bf16_linear and dsflash::bf16_gemv calls (the projections a decode row runs)."""
+    return [node for op in (torch.ops.dsflash.bf16_linear.default, torch.ops.dsflash.bf16_gemv.default)
+            for node in graph.find_nodes(op="call_function", target=op)]
+
+
 def is_view(node: torch.fx.Node) -> bool:
     """A node that only reinterprets its input (no kernel reads data); post-grad graphs spell views reshape."""
     return node.op == "call_function" and (node.target is torch.ops.aten.reshape.default

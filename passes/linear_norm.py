@@ -17,7 +17,7 @@ looped over the row's tiles (a round trip each); it loads the whole row at once 
 
 import torch
 
-from .graph_edit import call
+from .graph_edit import call, linear_calls
 
 try:  # Triton is optional on CPU machines: there no projection takes the TMA kernel and nothing is folded
     from dsflash_compile.custom_ops import bf16_linear_tma_triton as tma
@@ -74,9 +74,7 @@ class LinearNormPass:
     def apply(self, graph: torch.fx.Graph) -> int:
         """Fold every RMSNorm read only by a one-row TMA-sized projection into it; returns how many."""
         folded = 0
-        linears = [node for op in (ops.bf16_linear.default, ops.bf16_gemv.default)
-                   for node in graph.find_nodes(op="call_function", target=op)]
-        for linear in linears:
+        for linear in linear_calls(graph):
             normed, weight, groups = linear.args[:3]
             if len(linear.args) > 6 or groups != 1 or len(normed.users) != 1:  # (a norm already given)
                 continue

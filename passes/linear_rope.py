@@ -20,7 +20,7 @@ import operator
 
 import torch
 
-from .graph_edit import call
+from .graph_edit import call, linear_calls
 
 ops = torch.ops.dsflash
 
@@ -55,9 +55,7 @@ class LinearRopePass:
     def apply(self, graph: torch.fx.Graph) -> int:
         """Fold every plain rope_ of a bf16_linear's heads into the linear; returns how many."""
         folded = 0
-        linears = [node for op in (ops.bf16_linear.default, ops.bf16_gemv.default)
-                   for node in graph.find_nodes(op="call_function", target=op)]
-        for linear in linears:
+        for linear in linear_calls(graph):
             af = _rotation_of(linear)
             if af is None or len(linear.args) > 4:  # (a linear with its epilogue already)
                 continue

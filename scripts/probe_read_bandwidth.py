@@ -6,8 +6,8 @@ cuBLAS's lm_head GEMV (TMA, 12 stages) streams 1.3 GB at ~4.4 (12-04 b1 trace). 
 shapes (the MoE's stacked w1 / w3 and w2 of 7 experts, wq_b, wo_b, wo_a, wq_a+wkv): the copy, cuBLAS,
 bf16_linear_triton.py's one-row kernel, bf16_gemv's whole-tile kernel where it fits, and bf16_linear_tma_triton.py's
 kernel (weight tiles by TMA, `num_stages` in flight a program) at TMA_GRID's launches, each checked against
-F.linear first. (The 12-04 b3 / b5 figures came from this script's own
-copy of that kernel, written before the op's: the same loads, x not FP8-rounded, as here.)
+F.linear first. (The 12-04 b3 / b5 figures came from this script's own copy of that kernel, written before the
+op's: the same loads, x not FP8-rounded, as here.)
 
     python scripts/probe_read_bandwidth.py --out benchmarks/results
 """
