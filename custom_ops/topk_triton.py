@@ -55,6 +55,13 @@ SEGMENT entries, one filter program per (row, segment) with its own threshold, w
 k best as (key, index) pairs in candidate order (equal keys in index order); the row-wise stages then rank
 the row's segments x k pairs. The row's top k holds only entries of their segments' top k, so nothing is
 lost; an overflowing segment flags its row for the radix fallback as above.
+
+Single path (few rows of at most SINGLE_WIDTH entries: decode's dense and candidate rows at short contexts,
+2060 / 4120 wide at 4K, and layer one's 515 blocks). The radix split path is 5 launches there (the counters'
+fill, 2 histogram passes, compaction, the finish's sort: ~14 us of a B1 step's path each on the H200, 9 a
+step). One program per row ranks the whole row in registers as a row-wise chunk does and writes the finished
+picks itself: they come out in index order, which every mapping keeps (picks past visible, -inf picks and
+-1 blocks fall at the end), so no sort; candidate_topk sorts only a row whose blocks are not ascending.
 """
 
 import torch
@@ -104,9 +111,17 @@ LINE = tl.constexpr(64)  # 128 bytes of bf16 scores
 FILTER_VARIANTS = [(GROUPS, SAMPLE, CAND, FILTER_BLOCK, FILTER_WARPS), (2048, 2, 4096, 4096, 8),
                    (2048, 1, 2048, 4096, 8), (2048, 2, 4096, 2048, 8), (2048, 4, 4096, 4096, 8),
                    (1024, 2, 4096, 2048, 8), (2048, 2, 4096, 2048, 4), (2048, 2, 4096, 4096, 16)]
+# single path (decode: one program per row of at most SINGLE_WIDTH entries, the finish in the same launch; see
+# the module docstring), its keys per thread (warps from the row's width), and whether the ops take it
+SINGLE_WIDTH = 8192
+SINGLE_KEYS_PER_THREAD = 16
+SINGLE_ON = True
 _KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 KEY_DTYPES = tuple(_KEY_BITS)  # score dtypes the kernels rank
 _BITS_VIEW = {16: torch.int16, 32: torch.int32}
+# -inf's bits, sign-extended as the kernels load them
+_NEG_INF_BITS = {dtype: torch.tensor(float("-inf"), dtype=dtype).view(_BITS_VIEW[bits]).item()
+                 for dtype, bits in _KEY_BITS.items()}
 # finishing modes: what a pick becomes (constexpr: the kernel reads them)
 VISIBLE, FINITE, CANDIDATE_ROWS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
@@ -403,6 +418,84 @@ def _finish_kernel(picks_ptr, values_ptr, visible_ptr, blocks_ptr, out_ptr, widt
     tl.store(out_ptr + row.to(tl.int64) * k + i, pick, mask=present)
 
 
+@triton.jit
+def _row_topk_kernel(bits_ptr, visible_ptr, blocks_ptr, out_ptr, width, k, NB, BS, NEG_INF, MODE: tl.constexpr,
+                     KEY_BITS: tl.constexpr, SIZE: tl.constexpr, K_P2: tl.constexpr, NB_P2: tl.constexpr,
+                     PDL: tl.constexpr):
+    """Single path, one row per program: the row's k best (_take) and _finish_kernel's mapping in one launch.
+    The picks come out in index order, so ascending where the mapping keeps the order (VISIBLE, FINITE, and
+    CANDIDATE_ROWS over ascending blocks, as candidate_blocks publishes them), with the -1 picks after the
+    kept ones. CANDIDATE_ROWS maps the stored picks read back; a row whose blocks are not ascending (or with
+    a finite score in a -1 block, whose -1 sorts first) is sorted then, as _finish_kernel sorts."""
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
+    row = tl.program_id(0)
+    pos = tl.arange(0, SIZE)
+    live = pos < width
+    bits = tl.load(bits_ptr + row.to(tl.int64) * width + pos, mask=live, other=0).to(tl.int32)
+    take = _take(_unsigned_key(bits, live, KEY_BITS), live, k, KEY_BITS)
+    out = out_ptr + row.to(tl.int64) * k
+    s = tl.arange(0, K_P2)
+    if MODE == VISIBLE:  # ascending: the picks past visible are the last ones
+        tl.store(out + tl.cumsum(take) - 1, tl.where(pos < tl.load(visible_ptr + row), pos, -1), mask=take > 0)
+    else:  # -inf picks dropped, the others compacted; -1 after them
+        kept = take & (bits != NEG_INF).to(tl.int32)
+        tl.store(out + tl.cumsum(kept) - 1, pos, mask=kept > 0)
+        n = tl.sum(kept)
+        if MODE == FINITE:
+            tl.store(out + s, tl.full((K_P2,), -1, tl.int32), mask=(s >= n) & (s < k))
+        else:  # the k picks (not the row) mapped to row ids: fewer registers than the row's SIZE
+            tl.debug_barrier()  # the picks were stored by other threads of this program
+            present = s < n
+            pick = tl.load(out + s, mask=present, other=0)
+            block = tl.load(blocks_ptr + row.to(tl.int64) * NB + pick // BS, mask=present, other=-1)
+            pick = tl.where(block >= 0, block * BS + pick % BS, -1)
+            j = tl.arange(0, NB_P2)
+            here = tl.load(blocks_ptr + row.to(tl.int64) * NB + j, mask=j < NB, other=-1)
+            after = tl.load(blocks_ptr + row.to(tl.int64) * NB + j + 1, mask=j + 1 < NB, other=-1)
+            unordered = (tl.sum(((after >= 0) & ((here < 0) | (after <= here))).to(tl.int32))
+                         + tl.sum((present & (block < 0)).to(tl.int32))) > 0
+            big = 2147483647  # dropped picks sort last
+            pick = tl.where(present, pick, big)
+            if unordered:
+                pick = tl.sort(pick)
+            tl.debug_barrier()  # every thread has read its picks back before any is overwritten
+            tl.store(out + s, tl.where(pick == big, -1, pick), mask=s < k)
+
+
+def single_fits(rows: int, width: int, k: int, device) -> bool:
+    """The single path's choice (shapes only; never while SINGLE_ON is off): rows of at most SINGLE_WIDTH
+    entries, too few to fill the GPU (where the radix split path would be chosen: decode); many rows keep
+    the paths the prefill sweeps timed."""
+    return (SINGLE_ON and 0 < k <= width <= SINGLE_WIDTH
+            and not rowwise_fits(rows, width, k, device) and not filter_fits(rows, width, k, device))
+
+
+def _single(split, block, chunk) -> bool:
+    """No path forced: the ops may take the single path."""
+    return split is None and block is None and chunk is None
+
+
+def row_topk(scores: torch.Tensor, k: int, mode: int, visible: torch.Tensor | None = None,
+             blocks: torch.Tensor | None = None, block_size: int = 1) -> torch.Tensor:
+    """The single path: scores [rows, width] (width <= SINGLE_WIDTH) -> the finished picks int32 [rows, k], as
+    select_topk then finish(mode) give them."""
+    rows, width = scores.shape
+    key_bits = _KEY_BITS[scores.dtype]
+    out = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
+    dummy = out  # an operand the mode never reads
+    visible = dummy if visible is None else visible.contiguous()
+    blocks = dummy if blocks is None else blocks.contiguous()
+    nb = blocks.shape[-1] if mode == CANDIDATE_ROWS else 0
+    size = max(16, triton.next_power_of_2(width))
+    _row_topk_kernel[(rows,)](scores.contiguous().view(_BITS_VIEW[key_bits]), visible, blocks, out, width, k, nb,
+                              block_size, _NEG_INF_BITS[scores.dtype], MODE=mode.value, KEY_BITS=key_bits,
+                              SIZE=size, K_P2=max(16, triton.next_power_of_2(k)),
+                              NB_P2=max(16, triton.next_power_of_2(nb)),
+                              num_warps=min(16, max(4, size // (32 * SINGLE_KEYS_PER_THREAD))),
+                              **launch_options(scores.device))
+    return out
+
+
 def rowwise_fits(rows: int, width: int, k: int, device) -> bool:
     """The row-wise path's choice (shapes only): each stage must shrink the row (2k <= CHUNK), and the
     rows fill the GPU at least once in FIT_CHUNK-wide pieces; fewer rows go to the radix split path (decode,
@@ -603,6 +696,8 @@ def topk_indices_triton(scores, k, visible, split=None, block=None, chunk=None):
     lead = scores.shape[:-1]
     if k == 0 or lead.numel() == 0:
         return torch.full((*lead, k), -1, dtype=torch.int32, device=scores.device)
+    if _single(split, block, chunk) and single_fits(lead.numel(), scores.shape[-1], k, scores.device):
+        return row_topk(_rows(scores), k, VISIBLE, visible=visible.reshape(-1)).view(*lead, k)
     picks = select_topk(_rows(scores), k, split, block, chunk)
     return finish(picks, VISIBLE, visible=visible.reshape(-1)).view(*lead, k)
 
@@ -613,6 +708,8 @@ def top_blocks_triton(block_scores, k, split=None, block=None, chunk=None):
     if k == 0 or lead.numel() == 0:
         return torch.full((*lead, k), -1, dtype=torch.int32, device=block_scores.device)
     values = _rows(block_scores).contiguous()
+    if _single(split, block, chunk) and single_fits(*values.shape, k, values.device):
+        return row_topk(values, k, FINITE).view(*lead, k)
     return finish(select_topk(values, k, split, block, chunk), FINITE, values=values).view(*lead, k)
 
 
@@ -623,5 +720,7 @@ def candidate_topk_triton(scores, blocks, block_size, k, split=None, block=None,
     if k == 0 or lead.numel() == 0:
         return torch.full((*lead, k), -1, dtype=torch.int32, device=scores.device)
     values = _rows(scores).contiguous()
+    if _single(split, block, chunk) and single_fits(*values.shape, k, values.device):
+        return row_topk(values, k, CANDIDATE_ROWS, blocks=_rows(blocks), block_size=block_size).view(*lead, k)
     picks = select_topk(values, k, split, block, chunk)
     return finish(picks, CANDIDATE_ROWS, values=values, blocks=_rows(blocks), block_size=block_size).view(*lead, k)

@@ -93,6 +93,7 @@ VARIANTS = {
     "finish-eager": {"compile_finish": False},  # the last collapse, norm and length update eager (before 12-03 z)
     "no-pdl": {"pdl": False, "inductor_pdl": False},  # no programmatic dependent launch (before 12-02 s)
     "no-inductor-pdl": {"inductor_pdl": False},  # the dsflash kernels with PDL, Inductor's without
+    "radix-topk": {},  # the decode top-k on the radix split path, then the finishing kernel (before 12-04 e)
     "passes": {},
     "warm": {},
 }
@@ -101,7 +102,7 @@ VARIANTS = {
 # then): launch rules measured side by side before they become defaults
 TMA, ROUTED = "dsflash_compile.custom_ops.bf16_linear_tma_triton", "dsflash_compile.custom_ops.routed_experts_triton"
 GEMV, MHC = "dsflash_compile.custom_ops.bf16_linear_gemv_triton", "dsflash_compile.custom_ops.mhc_triton"
-KV = "dsflash_compile.custom_ops.kv_norm_rope_triton"
+KV, TOPK = "dsflash_compile.custom_ops.kv_norm_rope_triton", "dsflash_compile.custom_ops.topk_triton"
 KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "shared-first": {ROUTED: {"SHARED_FIRST": True}},
                    "shared-first-128": {ROUTED: {"SHARED_FIRST": True, "UP_MAXNREG": 128}},
@@ -115,7 +116,8 @@ KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "seam-norm-at-once": {GEMV: {"AT_ONCE": True}},
                    "seam-late-loads": {MHC: {"EARLY_FN": False, "ROW_LOADS_FIRST": False}},
                    "kv-rot-first": {KV: {"ROT_FIRST": True}},
-                   "loads-first": {GEMV: {"AT_ONCE": True}, KV: {"ROT_FIRST": True}}}
+                   "loads-first": {GEMV: {"AT_ONCE": True}, KV: {"ROT_FIRST": True}},
+                   "radix-topk": {TOPK: {"SINGLE_ON": False}}}
 
 
 @contextmanager

@@ -50,6 +50,31 @@ SEGMENTED_CASES = {  # name: (rows, width, k, dtype, groups, sample, cand, block
     "segmented_overflow_fallback": (4, 3000, 40, torch.bfloat16, 128, 1, 256, 256, 3, (2, 3)),
 }
 
+SINGLE_CASES = {  # name: (rows, width, k, dtype): the single path through the three ops that finish with it
+    "single_bf16": (3, 700, 40, torch.bfloat16),
+    "single_fp32_k_equals_width": (3, 300, 300, torch.float32),
+    "single_fp16_k_one": (3, 300, 1, torch.float16),
+    "single_release_k": (4, 2060, 512, torch.bfloat16),
+}
+# candidate_topk on the single path, by how the blocks are laid out: candidate_blocks' layout (ascending, -1
+# last), reversed (unordered: the kernel sorts), a -1 block whose scores are finite (its -1 sorts first)
+CANDIDATE_LAYOUTS = ("ascending", "reversed", "finite_in_dropped")
+
+
+def make_candidates(rows, n_blocks, kept, block_size, layout, seed=0):
+    """(compact scores [rows, kept x block_size], blocks [rows, kept]) of one layout of CANDIDATE_LAYOUTS;
+    row 0 keeps fewer blocks (its last ones -1, their scores -inf)."""
+    g = torch.Generator().manual_seed(seed)
+    scores = make_scores(rows, kept * block_size, torch.bfloat16, seed=seed)
+    blocks = torch.stack([torch.randperm(n_blocks, generator=g)[:kept].sort().values for _ in range(rows)]).int()
+    blocks[0, -3:] = -1
+    scores[0, -3 * block_size:] = float("-inf")
+    if layout == "reversed":
+        blocks[-1] = blocks[-1].flip(-1)
+    if layout == "finite_in_dropped":
+        blocks[-1, 2] = -1
+    return scores, blocks
+
 
 def make_scores(rows, width, dtype, seed=0, device="cpu"):
     """Random scores with what the indexer produces: exact ties (a run of equal values across the cut,
@@ -117,6 +142,24 @@ def interpreter_checks():
         want = top_k_stable(scores, k)[1].sort(-1).values
         report(dict(name=name, same_picks=bool(torch.equal(picks.long().sort(-1).values, want)),
                     flagged=flags.nonzero().flatten().tolist()))
+    from dsflash_compile.custom_ops.indexer import candidate_blocks_reference, candidate_topk_reference
+    from dsflash_compile.custom_ops.indexer_triton import candidate_blocks_triton
+    for name, (rows, width, k, dtype) in SINGLE_CASES.items():
+        scores = make_scores(rows, width, dtype, seed=11).view(1, rows, width)
+        visible = make_visible(rows, width, k, seed=11).view(1, rows)
+        assert topk_triton.single_fits(rows, width, k, scores.device)
+        report(dict(name=name, same_picks=True, same_op=bool(torch.equal(
+            topk_indices_triton(scores, k, visible), topk_indices_reference(scores, k, visible)))))
+    for layout in CANDIDATE_LAYOUTS:
+        scores, blocks = make_candidates(3, 40, 20, 4, layout)
+        out = topk_triton.candidate_topk_triton(scores, blocks, 4, 30)
+        report(dict(name=f"single_candidates_{layout}", same_picks=True,
+                    same_op=bool(torch.equal(out, candidate_topk_reference(scores, blocks, 4, 30)))))
+    scores = make_scores(2, 515 * 8, torch.bfloat16, seed=4).view(1, 2, -1)  # fewer and more blocks than kept
+    visible = torch.tensor([[4000, 300]])
+    report(dict(name="single_candidate_blocks", same_picks=True, same_op=all(
+        torch.equal(candidate_blocks_triton(scores, visible, kept, 8),
+                    candidate_blocks_reference(scores, visible, kept, 8)) for kept in (2048, 100))))
     # tie-free random rows, the path chosen by shape (the interpreter's 8 "SMs"): row-wise for 16 rows of
     # one chunk, filter (FILTER_ON) for 16 rows wider than one (the default launch), segmented for 2 rows
     # (SEGMENTED_ON, segments of at least 2048 entries here)
@@ -136,14 +179,18 @@ def interpreted():
 
 @requires_interpreter
 @pytest.mark.parametrize("name", list(CASES) + list(ROWWISE_CASES) + list(FILTER_CASES) + list(SEGMENTED_CASES) +
-                         ["rowwise_auto_tie_free", "filter_auto_tie_free", "segmented_auto_tie_free"])
+                         list(SINGLE_CASES) + [f"single_candidates_{layout}" for layout in CANDIDATE_LAYOUTS] +
+                         ["single_candidate_blocks", "rowwise_auto_tie_free", "filter_auto_tie_free",
+                          "segmented_auto_tie_free"])
 def test_topk_kernel_matches_reference(interpreted, name):
     """The same k indices as top_k_stable (ties to the lower index, -0 == +0, all -inf rows), and the op's
     output (ascending, -1 for picks past visible) equal to the reference; radix, row-wise and filter paths
     (the row-wise one also returns its picks ascending; select_topk picks row-wise or filter for many
     rows). Filter cases: exactly the periodic rows overflow their candidates and take the radix fallback;
     ties at the cut, all -inf rows and -inf tails (fewer finite entries than k) do not. Segmented cases: the
-    same, with a short last segment, and enough segments for two row-wise stages after them."""
+    same, with a short last segment, and enough segments for two row-wise stages after them. Single cases: the
+    three ops that finish on the single path (topk_indices; candidate_topk over ascending, reversed and -1
+    blocks with finite scores; candidate_blocks with fewer and more blocks than it keeps) equal the reference."""
     result = interpreted[name]
     assert result["same_picks"] and result.get("same_op", True), result
     if name.endswith("_auto_tie_free"):  # the path the name says was the one chosen
@@ -186,6 +233,13 @@ TOPK_KERNELS = {  # name: (kernel, args, constexprs, num_warps), as select_topk 
         dict(FIRST=first, LAST=last, KEY_BITS=bits if first else 32, CHUNK=4096, K_P2=kp), 4)  # CHUNK, CHUNK_WARPS
     for bits, first, last in ((16, True, True), (16, True, False), (32, True, False), (32, False, True),
                               (32, False, False)) for kp in (512, 2048)
+} | {
+    f"row_topk_{bits}bit_mode{mode}_size{size}": (
+        "_row_topk_kernel", dict(bits_ptr=f"*i{bits}", visible_ptr="*i64", blocks_ptr="*i32", out_ptr="*i32",
+                                 width="i32", k="i32", NB="i32", BS="i32", NEG_INF="i32"),
+        dict(MODE=mode, KEY_BITS=bits, SIZE=size, K_P2=512 if mode != 1 else 1024, NB_P2=2048 if mode == 2 else 16),
+        min(16, max(4, size // (32 * 16))))  # as row_topk launches it (SINGLE_KEYS_PER_THREAD)
+    for bits in (16, 32) for mode in (0, 1, 2) for size in (1024, 4096, 8192)
 }
 
 
@@ -228,10 +282,22 @@ def test_topk_path_on_an_h200(monkeypatch, rows, width, path, segments):
     assert topk_triton.segment_plan(width, topk_triton.filter_segments(rows, width, 512, cuda))[0] == max(segments, 1)
 
 
+@pytest.mark.parametrize("rows,width,single", [(1, 515, True), (1, 2060, True), (1, 4120, True), (64, 8192, True),
+                                               (1, 8193, False), (256, 4120, False), (4096, 2060, False)])
+def test_single_path_on_an_h200(monkeypatch, rows, width, single):
+    """The ops finish on the single path where the radix split path would rank rows of at most SINGLE_WIDTH
+    (decode at 4K: 2060 / 4120 wide, 515 blocks); wider rows, and rows enough to fill the GPU, keep theirs."""
+    pytest.importorskip("triton")
+    from dsflash_compile.custom_ops import topk_triton
+
+    monkeypatch.setattr(topk_triton, "_num_sms", lambda device: 132)
+    assert topk_triton.single_fits(rows, width, min(512, width), torch.device("cuda")) == single
+
+
 # ----------------------------------------------------------------------------------------------- CUDA
 
-GPU_SHAPES = [(1, 16384), (64, 16384), (1, 1 << 20), (8, 1 << 20), (64, 131072), (4096, 8192), (4096, 16384),
-              (4096, 131072), (512, 524288)]
+GPU_SHAPES = [(1, 2060), (1, 4120), (8, 8192), (1, 16384), (64, 16384), (1, 1 << 20), (8, 1 << 20), (64, 131072),
+              (4096, 8192), (4096, 16384), (4096, 131072), (512, 524288)]
 
 
 @requires_cuda
@@ -249,6 +315,26 @@ def test_topk_indices_cuda_equals_reference(rows, width, dtype):
     bad = (out != ref).any(-1).sum().item()
     print(f"topk {rows}x{width} {dtype}: {'PASS' if bad == 0 else 'FAIL'} ({bad} rows differ)")
     assert bad == 0
+
+
+@requires_cuda
+@pytest.mark.parametrize("layout", CANDIDATE_LAYOUTS)
+@pytest.mark.parametrize("rows", [1, 8])
+def test_single_path_cuda_candidates_equal_reference(layout, rows):
+    """candidate_blocks (515 blocks of 8, topk_blocks 2048 and 256) and candidate_topk (k = 512 over 515 blocks)
+    at the decode shapes of a 4K context, on the single path: the reference's ids exactly, each block layout."""
+    from dsflash_compile.custom_ops import topk_triton
+    from dsflash_compile.custom_ops.indexer import candidate_blocks_reference, candidate_topk_reference
+
+    scores = make_scores(rows, 4120, torch.bfloat16, device="cuda").view(1, rows, -1)
+    visible = make_visible(rows, 4120, 512, device="cuda").view(1, rows)
+    for kept in (2048, 256):
+        assert torch.equal(ops.candidate_blocks(scores, visible, kept, 8),
+                           candidate_blocks_reference(scores, visible, kept, 8)), kept
+    compact, blocks = make_candidates(rows, 1000, 515, 8, layout)
+    compact, blocks = compact.cuda(), blocks.cuda()
+    assert topk_triton.single_fits(rows, compact.shape[-1], 512, compact.device)
+    assert torch.equal(ops.candidate_topk(compact, blocks, 8, 512), candidate_topk_reference(compact, blocks, 8, 512))
 
 
 @requires_cuda
