@@ -93,7 +93,7 @@ VARIANTS = {
     "finish-eager": {"compile_finish": False},  # the last collapse, norm and length update eager (before 12-03 z)
     "no-pdl": {"pdl": False, "inductor_pdl": False},  # no programmatic dependent launch (before 12-02 s)
     "no-inductor-pdl": {"inductor_pdl": False},  # the dsflash kernels with PDL, Inductor's without
-    "radix-topk": {},  # the decode top-k on the radix split path, then the finishing kernel (before 12-04 e)
+    "single-topk": {},  # the decode top-k and its finish in one launch per row (topk_triton's single path)
     "passes": {},
     "warm": {},
 }
@@ -117,7 +117,7 @@ KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "seam-late-loads": {MHC: {"EARLY_FN": False, "ROW_LOADS_FIRST": False}},
                    "kv-rot-first": {KV: {"ROT_FIRST": True}},
                    "loads-first": {GEMV: {"AT_ONCE": True}, KV: {"ROT_FIRST": True}},
-                   "radix-topk": {TOPK: {"SINGLE_ON": False}}}
+                   "single-topk": {TOPK: {"SINGLE_ON": True}}}
 
 
 @contextmanager

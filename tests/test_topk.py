@@ -144,6 +144,7 @@ def interpreter_checks():
                     flagged=flags.nonzero().flatten().tolist()))
     from dsflash_compile.custom_ops.indexer import candidate_blocks_reference, candidate_topk_reference
     from dsflash_compile.custom_ops.indexer_triton import candidate_blocks_triton
+    topk_triton.SINGLE_ON = True  # (off by default until timed on the H200)
     for name, (rows, width, k, dtype) in SINGLE_CASES.items():
         scores = make_scores(rows, width, dtype, seed=11).view(1, rows, width)
         visible = make_visible(rows, width, k, seed=11).view(1, rows)
@@ -291,7 +292,10 @@ def test_single_path_on_an_h200(monkeypatch, rows, width, single):
     from dsflash_compile.custom_ops import topk_triton
 
     monkeypatch.setattr(topk_triton, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(topk_triton, "SINGLE_ON", True)
     assert topk_triton.single_fits(rows, width, min(512, width), torch.device("cuda")) == single
+    monkeypatch.setattr(topk_triton, "SINGLE_ON", False)
+    assert not topk_triton.single_fits(rows, width, min(512, width), torch.device("cuda"))
 
 
 # ----------------------------------------------------------------------------------------------- CUDA
@@ -303,29 +307,34 @@ GPU_SHAPES = [(1, 2060), (1, 4120), (8, 8192), (1, 16384), (64, 16384), (1, 1 <<
 @requires_cuda
 @pytest.mark.parametrize("rows,width", GPU_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_topk_indices_cuda_equals_reference(rows, width, dtype):
+def test_topk_indices_cuda_equals_reference(monkeypatch, rows, width, dtype):
     """Release k = 512 on decode and prefill shapes: the registered CUDA op (Triton) picks exactly what
-    the reference picks; bf16 rows this long hold many exact ties at the cut."""
+    the reference picks, with the single path on and off (it takes the narrow decode rows); bf16 rows this
+    long hold many exact ties at the cut."""
     from dsflash_compile.custom_ops.topk import topk_indices_reference
+
+    from dsflash_compile.custom_ops import topk_triton
 
     scores = make_scores(rows, width, dtype, device="cuda").view(1, rows, width)
     visible = make_visible(rows, width, 512, device="cuda").view(1, rows)
-    out = ops.topk_indices(scores, 512, visible)
     ref = topk_indices_reference(scores, 512, visible)
-    bad = (out != ref).any(-1).sum().item()
-    print(f"topk {rows}x{width} {dtype}: {'PASS' if bad == 0 else 'FAIL'} ({bad} rows differ)")
-    assert bad == 0
+    for single in (False, True):  # the single path where it fits (decode's narrow rows), else the same path
+        monkeypatch.setattr(topk_triton, "SINGLE_ON", single)
+        bad = (ops.topk_indices(scores, 512, visible) != ref).any(-1).sum().item()
+        print(f"topk {rows}x{width} {dtype} single {single}: {'PASS' if bad == 0 else 'FAIL'} ({bad} rows differ)")
+        assert bad == 0
 
 
 @requires_cuda
 @pytest.mark.parametrize("layout", CANDIDATE_LAYOUTS)
 @pytest.mark.parametrize("rows", [1, 8])
-def test_single_path_cuda_candidates_equal_reference(layout, rows):
+def test_single_path_cuda_candidates_equal_reference(monkeypatch, layout, rows):
     """candidate_blocks (515 blocks of 8, topk_blocks 2048 and 256) and candidate_topk (k = 512 over 515 blocks)
     at the decode shapes of a 4K context, on the single path: the reference's ids exactly, each block layout."""
     from dsflash_compile.custom_ops import topk_triton
     from dsflash_compile.custom_ops.indexer import candidate_blocks_reference, candidate_topk_reference
 
+    monkeypatch.setattr(topk_triton, "SINGLE_ON", True)
     scores = make_scores(rows, 4120, torch.bfloat16, device="cuda").view(1, rows, -1)
     visible = make_visible(rows, 4120, 512, device="cuda").view(1, rows)
     for kept in (2048, 256):
