@@ -14,10 +14,10 @@ from torch import nn
 from . import custom_ops  # noqa: F401  (registers torch.ops.dsflash)
 from .cache import LayerCache
 from .configuration_deepseek_v41 import DeepseekV41TextConfig, LayerRole
-from .context import ForwardContext
+from .context import ForwardContext, GroupRows
 from .layers import Linear, RMSNorm, fuse_outputs, quant_linear, still_views, view_outputs
 from .quant import fp4_qdq_e4m3, fp4_qdq_ue8m0
-from .rope import apply_rope, rotation
+from .rope import apply_rope
 
 ops = torch.ops.dsflash
 
@@ -36,7 +36,7 @@ class Compressor(nn.Module):
 
     Ratio 1: c_t = rms(wkv(u_t)). Ratio r > 1: per channel, a softmax over the group's r tokens of
     wgate(u) weights wkv(u) (both fp32); a group still filling waits in the cache's pending state.
-    Returns the new rows (bf16, normalised, before RoPE) and their row ids (-1 = no row)."""
+    Returns the new rows (bf16, normalised, before RoPE) as `rows` (ctx.group_rows) lays them out."""
 
     def __init__(self, config: DeepseekV41TextConfig, ratio: int):
         super().__init__()
@@ -47,38 +47,33 @@ class Compressor(nn.Module):
             self.wgate = Linear(config.hidden_size, config.head_dim, dtype=torch.float32)
         self.norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, state: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, rows: GroupRows, state: LayerCache) -> torch.Tensor:
         if self.ratio == 1:
-            return self.norm(self.wkv(x)), ctx.positions
-        return self._pool(x, ctx, state.pending_kv, state.pending_score)
+            return self.norm(self.wkv(x))
+        return self._pool(x, rows, state.pending_kv, state.pending_score)
 
-    def _pool(self, x, ctx, pending_kv, pending_score):
-        r, (batch, seq) = self.ratio, ctx.positions.shape
+    def _pool(self, x, rows: GroupRows, pending_kv, pending_score):
+        r, batch = self.ratio, x.shape[0]
         kv, score = self.wkv(x.float()), self.wgate(x.float())
-        # Lay the row out from its first open group: slots [0, r) hold the pending group as cached, the
-        # chunk's token at position p goes to slot p - first_group * r.
-        first_group = ctx.lengths_before // r
-        width = r + seq + (-seq % r)
-        slot = torch.where(ctx.positions >= 0, ctx.positions - (first_group * r).unsqueeze(1), width)
+        # The row's buffer from its first open group (rows.slot): the pending group as cached in slots [0, r),
+        # the chunk's tokens after it, padding in the spare slot `width`.
+        width = rows.row_ids.shape[1] * r
         buf_kv = torch.zeros(batch, width + 1, kv.shape[-1], device=x.device)
         buf_score = torch.full_like(buf_kv, -torch.inf)
         buf_kv[:, :r], buf_score[:, :r] = pending_kv[:batch], pending_score[:batch]
-        rows = torch.arange(batch, device=x.device).unsqueeze(1)
-        buf_kv[rows, slot], buf_score[rows, slot] = kv, score  # padding lands in the spare slot `width`
+        index = torch.arange(batch, device=x.device).unsqueeze(1)
+        buf_kv[index, rows.slot], buf_score[index, rows.slot] = kv, score
         buf_kv, buf_score = buf_kv[:, :width].unflatten(1, (-1, r)), buf_score[:, :width].unflatten(1, (-1, r))
 
         pooled = (buf_kv * buf_score.softmax(dim=2)).sum(dim=2)  # [B, groups, d]
-        complete = (ctx.lengths_before + (ctx.positions >= 0).sum(1)) // r - first_group  # groups closed
-        group_ids = torch.arange(pooled.shape[1], device=x.device)
-        done = group_ids < complete.unsqueeze(1)
+        done = torch.arange(pooled.shape[1], device=x.device) < rows.complete.unsqueeze(1)
         pooled = torch.where(done.unsqueeze(-1), pooled, 0.0)
-        row_ids = torch.where(done, first_group.unsqueeze(1) + group_ids, -1)
 
         # The group left open becomes the new pending state (its empty slots 0 / -inf).
-        open_group = complete.view(batch, 1, 1, 1).expand(-1, 1, r, kv.shape[-1])
+        open_group = rows.complete.view(batch, 1, 1, 1).expand(-1, 1, r, kv.shape[-1])
         pending_kv[:batch] = buf_kv.gather(1, open_group).squeeze(1)
         pending_score[:batch] = buf_score.gather(1, open_group).squeeze(1)
-        return self.norm(pooled.to(x.dtype)), row_ids
+        return self.norm(pooled.to(x.dtype))
 
 
 class Indexer(nn.Module):
@@ -153,6 +148,7 @@ class Attention(nn.Module):
         self.wqkv_a = None  # wq_a and wkv as one projection (fuse_input_projections)
         self.rope_op = False  # q's RoPE as dsflash::rope_, in place (compile() sets it)
         self.norms_op = False  # q's norm in kv's launch, dsflash::qkv_norm_rope, where no query is trimmed (same)
+        self.ring_write_op = False  # one-token steps write the ring in kv's launch, dsflash::kv_norm_rope_write_ (same)
 
     def fuse_input_projections(self, fuse: bool = True) -> None:
         """wq_a and wkv read the same quantized input: hold them as one projection (their tensors become views of
@@ -185,20 +181,26 @@ class Attention(nn.Module):
         else:
             q_a, kv_a = self.wq_a(x), self.wkv(x)
         # kv_norm, RoPE of the tail, then (quantized) FP8 over all dims, RoPE tail included: the window's K = V
-        rot, qr = ctx.rotations[role.rope_kind], None
+        rot, qr, ring = ctx.rotations[role.rope_kind], None, state.window
+        # one token a row: the ring slot it goes to holds no key of the step (its window ends at the token itself,
+        # read from kv), so it is written in the norm's launch, before the attention
+        ring_first = self.ring_write_op and x.shape[1] == 1 and not (self.norms_op and queries is None)
         if self.norms_op and queries is None:
             qr, kv = ops.qkv_norm_rope(q_a, self.q_norm.weight, kv_a, self.kv_norm.weight, self.kv_norm.eps, rot,
                                        self.quantize)
+        elif ring_first:
+            kv = ops.kv_norm_rope_write_(ring, ctx.window_slots, cache.window_format, kv_a, self.kv_norm.weight,
+                                         self.kv_norm.eps, rot, self.quantize)
         else:
             kv = ops.kv_norm_rope(kv_a, self.kv_norm.weight, self.kv_norm.eps, rot, self.quantize)
-        ring = state.window
         keys = state.index_keys
         if role.ratio and self.compressor is not None:
             wrote = self._compress(x, ctx, state)
             if self.emulate_stale_keys:
                 keys = cache.index_keys[self._reference_key_layer(cache, wrote)]
         if queries == 0:
-            ops.record_write_(ring, kv, ctx.window_slots, cache.window_format)
+            if not ring_first:
+                ops.record_write_(ring, kv, ctx.window_slots, cache.window_format)
             return None, topk
 
         whole = ctx  # the chunk's context (the cache writes); ctx becomes the queries'
@@ -221,7 +223,8 @@ class Attention(nn.Module):
         ops.attention_(o, q, ring[:batch], kv, ctx.window_idx, compressed, cidx, self.attn_sink, ctx.positions,
                        ctx.inv_freq[role.rope_kind], self.head_dim ** -0.5, cache.window_format,
                        cache.compressed_format if role.ratio else cache.window_format)
-        ops.record_write_(ring, kv, whole.window_slots, cache.window_format)
+        if not ring_first:
+            ops.record_write_(ring, kv, whole.window_slots, cache.window_format)
 
         return self.wo_b(self.wo_a(o.flatten(2))), topk
 
@@ -238,16 +241,13 @@ class Attention(nn.Module):
     def _compress(self, x: torch.Tensor, ctx: ForwardContext, state: LayerCache) -> torch.Tensor:
         """New compressed rows: index keys from the unrotated latent, then RoPE at the group's first
         position, FP4 quantize-dequantize, and both written to the cache."""
-        ratio, cache = self.role.ratio, ctx.cache
-        latent, row_ids = self.compressor(x, ctx, state)
-        if ctx.write_floor is not None:  # rows of a restored prefix keep their cached values
-            row_ids = torch.where(row_ids < (ctx.write_floor // ratio).unsqueeze(1), -1, row_ids)
-        rot = rotation(row_ids.clamp_min(0) * ratio, ctx.inv_freq["compressed"])
+        cache, rows = ctx.cache, ctx.group_rows(self.role.ratio)
+        latent = self.compressor(x, rows, state)
         if self.indexer is not None:
-            keys = self.indexer.keys(latent, rot, cache.index_format)
-            ops.record_write_(state.index_keys, keys, row_ids, cache.index_format)
-        latent = apply_rope(latent, rot)
+            keys = self.indexer.keys(latent, rows.rot, cache.index_format)
+            ops.record_write_(state.index_keys, keys, rows.row_ids, cache.index_format)
+        latent = apply_rope(latent, rows.rot)
         if self.quantize and cache.compressed_format != "nvfp4":  # an nvfp4 record's encoding is this QDQ
             latent = fp4_qdq_e4m3(latent)
-        ops.record_write_(state.compressed, latent, row_ids, cache.compressed_format)
-        return row_ids >= 0
+        ops.record_write_(state.compressed, latent, rows.row_ids, cache.compressed_format)
+        return rows.row_ids >= 0

@@ -9,10 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from .cache import DeepseekV41Cache
+from .rope import rotation
+
+
+class GroupRows(NamedTuple):
+    """Where a chunk's tokens fall in the compressed rows of one ratio (MODEL.md 4.1). The context's alone, so
+    every KV source of the ratio shares it (ForwardContext.group_rows)."""
+    slot: torch.Tensor | None  # ratio > 1: [B, S] each token's slot in the pooling buffer (past its end: padding)
+    complete: torch.Tensor | None  # ratio > 1: [B] groups the chunk closes, from the row's first open group
+    row_ids: torch.Tensor  # [B, groups] the row each group writes: -1 for none (still open, or below write_floor)
+    rot: torch.Tensor  # fp32 (cos, sin) [B, groups, r/2, 2] at each written row's first position
 
 
 @dataclass
@@ -30,6 +41,7 @@ class ForwardContext:
     # [B] positions below which a row's compressed rows and index keys are already in the cache and stay
     # as they are (a prefix-cache hit replays tokens below it only to rebuild the window rings); None: all
     write_floor: torch.Tensor | None = None
+    shared_rows: dict = field(default_factory=dict)  # ratio -> GroupRows (group_rows: the first KV source's)
 
     @property
     def batch(self) -> int:
@@ -43,6 +55,30 @@ class ForwardContext:
         """Host-side width of the score rows for this ratio (>= every query's visible count)."""
         return self.columns_after // ratio
 
+    def group_rows(self, ratio: int) -> GroupRows:
+        """The chunk's compressed rows at `ratio`, computed by the ratio's first KV source of the forward and
+        read by the others (a decode step's 3 ratio-2 sources then lay out and rotate their rows once)."""
+        if ratio not in self.shared_rows:
+            self.shared_rows[ratio] = self._group_rows(ratio)
+        return self.shared_rows[ratio]
+
+    def _group_rows(self, ratio: int) -> GroupRows:
+        if ratio == 1:  # a row per token at its position: the queries' own rotation
+            slot = complete = None
+            row_ids, rot = self.positions, self.rotations["compressed"]
+        else:  # the buffer starts at the row's first open group: slots [0, ratio) hold it as cached
+            seq = self.positions.shape[1]
+            first_group = self.lengths_before // ratio
+            width = ratio + seq + (-seq % ratio)
+            slot = torch.where(self.positions >= 0, self.positions - (first_group * ratio).unsqueeze(1), width)
+            complete = (self.lengths_before + (self.positions >= 0).sum(1)) // ratio - first_group
+            group_ids = torch.arange(width // ratio, device=slot.device)
+            row_ids = torch.where(group_ids < complete.unsqueeze(1), first_group.unsqueeze(1) + group_ids, -1)
+            rot = rotation(row_ids.clamp_min(0) * ratio, self.inv_freq["compressed"])
+        if self.write_floor is not None:  # rows of a restored prefix keep their cached values
+            row_ids = torch.where(row_ids < (self.write_floor // ratio).unsqueeze(1), -1, row_ids)
+        return GroupRows(slot, complete, row_ids, rot)
+
     def last_columns(self, columns: int) -> ForwardContext:
         """The context of queries at this chunk's last `columns` columns only, with the keys, window lists and
         cache writes of the whole chunk (a window index past the ring still names a row of the whole chunk's
@@ -54,7 +90,8 @@ class ForwardContext:
             window_slots=self.window_slots[:, -columns:].contiguous(),
             rotations={kind: rot[:, -columns:].contiguous() for kind, rot in self.rotations.items()},
             topk={layer: topk[:, -columns:].contiguous() for layer, topk in self.topk.items()},
-            candidates=None if self.candidates is None else self.candidates[:, -columns:].contiguous())
+            candidates=None if self.candidates is None else self.candidates[:, -columns:].contiguous(),
+            shared_rows={})  # (the whole chunk's: no KV source runs on the last columns alone)
 
 
 def check_left_padding(attention_mask: torch.Tensor) -> None:
