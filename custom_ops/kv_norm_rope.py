@@ -1,4 +1,5 @@
 """`dsflash::kv_norm_rope`: the attention's key/value row from its projection, in one launch;
+`dsflash::kv_norm_rope_write_`: the same, its rows also written to the window ring (one-token steps);
 `dsflash::qkv_norm_rope`: the same with the query's RMSNorm in that launch (one program a row of each: at decode
 batch 1 the query's norm was an Inductor kernel of its own, 1.2 us of the H200 step's path a layer, 12-03 a1).
 
@@ -21,6 +22,7 @@ from torch import Tensor
 from dsflash_compile.quant import fp8_qdq
 from dsflash_compile.rope import apply_rope
 
+from . import records
 from .mhc import rms_norm
 
 
@@ -59,6 +61,25 @@ def kv_norm_rope_reference(kv, weight, eps, rot, quantize):
 @kv_norm_rope.register_fake
 def _(kv, weight, eps, rot, quantize, after=None, early=False):
     check_inputs(kv, weight, rot, quantize)
+    return kv.new_empty(kv.shape)
+
+
+@torch.library.custom_op("dsflash::kv_norm_rope_write_", mutates_args=("ring",))
+def kv_norm_rope_write_(ring: Tensor, slots: Tensor, fmt: str, kv: Tensor, weight: Tensor, eps: float, rot: Tensor,
+                        quantize: bool) -> Tensor:
+    """kv_norm_rope's rows, each also written to the window ring as record_write_(ring, rows, slots, fmt) writes it,
+    in the same launch: kv [B, T, D], slots [B, T], ring and fmt as record_write_'s. For one-token steps, where the
+    row's ring slot holds no key the step's attention reads (Attention.forward): the ring write's own launch,
+    1.0-1.1 us of every layer's path in the H200's B1 step (12-04 d5), goes."""
+    out = kv_norm_rope_reference(kv, weight, eps, rot, quantize)
+    records.record_write_reference(ring, out, slots, fmt)
+    return out
+
+
+@kv_norm_rope_write_.register_fake
+def _(ring, slots, fmt, kv, weight, eps, rot, quantize):
+    check_inputs(kv, weight, rot, quantize)
+    records._check_write(ring, kv, slots, fmt)
     return kv.new_empty(kv.shape)
 
 
@@ -105,6 +126,16 @@ if kv_norm_rope_triton is not None:
         if not kv_norm_rope_triton.kernel_fits(kv):
             return kv_norm_rope_reference(kv, weight, eps, rot, quantize)
         return kv_norm_rope_triton.kv_norm_rope_triton(kv, weight, eps, rot, quantize, early)
+
+    @kv_norm_rope_write_.register_kernel("cuda")
+    def _(ring, slots, fmt, kv, weight, eps, rot, quantize):
+        check_inputs(kv, weight, rot, quantize)
+        records._check_write(ring, kv, slots, fmt)
+        if not (kv_norm_rope_triton.kernel_fits(kv) and fmt in kv_norm_rope_triton.RING_FORMATS):
+            out = torch.ops.dsflash.kv_norm_rope(kv, weight, eps, rot, quantize)
+            torch.ops.dsflash.record_write_(ring, out, slots, fmt)
+            return out
+        return kv_norm_rope_triton.kv_norm_rope_triton(kv, weight, eps, rot, quantize, ring=ring, slots=slots, fmt=fmt)
 
     @qkv_norm_rope.register_kernel("cuda")
     def _(q, q_weight, kv, weight, eps, rot, quantize):

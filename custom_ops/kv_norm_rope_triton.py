@@ -17,6 +17,7 @@ import triton.language as tl
 
 from .mhc_finish_triton import _rms_norm_f32
 from .pdl import launch_options, pdl_release, pdl_wait, pdl_wait_only
+from .records import _FMT_ID, _fp8_record
 from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
 
 MAX_DIM = 4096  # a row in registers (the release's 512 at 4 warps: 4 values a thread)
@@ -28,9 +29,13 @@ ROT_FIRST = False
 
 
 @triton.jit
-def _kv_norm_rope_kernel(kv_ptr, w_ptr, rot_ptr, out_ptr, row_stride, eps, D: tl.constexpr, PAIRS: tl.constexpr,
-                         QUANT: tl.constexpr, EARLY: tl.constexpr, ROT_FIRST: tl.constexpr, PDL: tl.constexpr):
-    """kv rows [N, D] (stride row_stride, unit column stride), rot [N, PAIRS, 2] and out [N, D] contiguous."""
+def _kv_norm_rope_kernel(kv_ptr, w_ptr, rot_ptr, out_ptr, row_stride, eps, ring_ptr, slots_ptr, seq, ring_slots,
+                         ring_sb, ring_sn, slots_sb, slots_ss, D: tl.constexpr, PAIRS: tl.constexpr,
+                         QUANT: tl.constexpr, EARLY: tl.constexpr, ROT_FIRST: tl.constexpr, RING: tl.constexpr,
+                         PDL: tl.constexpr):
+    """kv rows [N, D] (stride row_stride, unit column stride), rot [N, PAIRS, 2] and out [N, D] contiguous.
+    RING (records' format id, -1: none): row b * seq + s also goes to ring[b, slots[b, s]] as a record of that
+    format ("bf16" or "fp8": a window ring's), where the slot is in [0, ring_slots)."""
     if EARLY:
         pdl_release(PDL)
     else:
@@ -40,6 +45,17 @@ def _kv_norm_rope_kernel(kv_ptr, w_ptr, rot_ptr, out_ptr, row_stride, eps, D: tl
     if EARLY:
         pdl_wait_only(PDL)
     tl.store(out_ptr + row * D + tl.reshape(tl.arange(0, D), (1, D)), y.to(tl.bfloat16))
+    if RING >= 0:
+        b = row // seq
+        slot = tl.load(slots_ptr + b * slots_sb + (row % seq) * slots_ss).to(tl.int64)
+        if (slot >= 0) & (slot < ring_slots):
+            dst = ring_ptr + b * ring_sb + slot * ring_sn
+            if RING == 0:  # bf16 values (exact: y is on bf16's grid)
+                tl.store(dst + tl.reshape(tl.arange(0, D), (1, D)), y.to(tl.bfloat16))
+            else:  # fp8: D E4M3 codes, then D / 32 UE8M0 scales
+                code, e = _fp8_record(tl.reshape(y, (D // 32, 32)))
+                tl.store(dst + tl.reshape(tl.arange(0, D), (D // 32, 32)), code.to(tl.uint8))
+                tl.store(dst + D + tl.arange(0, D // 32), e.to(tl.uint8))
 
 
 @triton.jit
@@ -104,19 +120,32 @@ def kernel_fits(kv) -> bool:
     return 64 <= dim <= MAX_DIM and dim & (dim - 1) == 0
 
 
-def kv_norm_rope_triton(kv, weight, eps, rot, quantize, early=False, rot_first=None):
+RING_FORMATS = ("bf16", "fp8")  # the ring records the kernel writes (a window ring's formats)
+
+
+def kv_norm_rope_triton(kv, weight, eps, rot, quantize, early=False, rot_first=None, ring=None, slots=None,
+                        fmt="bf16"):
     """bf16 [..., T, D] as the reference; early: the kernel's EARLY (module docstring); rot_first: its ROT_FIRST
-    (None: the module's)."""
+    (None: the module's). ring, slots, fmt: record_write_(ring, out, slots, fmt) in the same launch (kv [B, T, D],
+    slots [B, T], fmt in RING_FORMATS)."""
     dim, pairs = kv.shape[-1], rot.shape[-2]
     rows = kv.reshape(-1, dim)  # a view for a column slice of a wider projection (wq_a + wkv's kv part)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
+    if ring is None:
+        ring_args, ring_id = (rows, rows, 1, 0, 0, 0, 0, 0), -1  # (operands the kernel never reads)
+    else:
+        if fmt == "bf16" and ring.dtype == torch.uint8:
+            ring = ring.view(torch.bfloat16)  # same bytes (little-endian), 2 per value
+        ring_args, ring_id = (ring, slots, kv.shape[-2], ring.shape[1], ring.stride(0), ring.stride(1),
+                              slots.stride(0), slots.stride(1)), _FMT_ID[fmt]
     if rows.shape[0]:
         _kv_norm_rope_kernel[(rows.shape[0],)](rows, weight.contiguous(), rot.contiguous(), out, rows.stride(0),
-                                               eps, D=dim, PAIRS=pairs, QUANT=quantize, EARLY=early,
+                                               eps, *ring_args, D=dim, PAIRS=pairs, QUANT=quantize, EARLY=early,
                                                ROT_FIRST=ROT_FIRST if rot_first is None else rot_first,
-                                               num_warps=4 if dim <= 1024 else 8, **launch_options(rows.device))
+                                               RING=ring_id, num_warps=4 if dim <= 1024 else 8,
+                                               **launch_options(rows.device))
     return out
 
 

@@ -270,6 +270,26 @@ if triton is not None:  # defined only with triton (its annotations need tl)
                 + (a > 5.0).to(tl.int32))
 
     @triton.jit
+    def _fp8_record(x):
+        """An "fp8" record of rows of groups x fp32 [NG, 32]: (E4M3 codes int32 [NG, 32], UE8M0 scale bytes
+        int32 [NG])."""
+        ax = tl.abs(x)
+        # pow2_ceil_scale(max(amax, 1e-4), 1/448): exponent field of the fp32 product, +1 if inexact
+        pb = (tl.maximum(tl.max(ax, axis=1), _FP8_FLOOR) * _FP8_INV).to(tl.int32, bitcast=True)
+        e = ((pb >> 23) & 0xFF) + ((pb & 0x7FFFFF) != 0).to(tl.int32)
+        recip = ((254 - e) << 23).to(tl.float32, bitcast=True)  # exactly 1 / scale
+        y = tl.minimum(ax * recip[:, None], 448.0)  # |x / scale| (exact), clamped
+        # E4M3 round-to-nearest-even of y in [0, 448] from the fp32 bits (no fp8 cast, see module doc). Normal
+        # range: round the 23-bit mantissa to 3 bits (a carry moves into the exponent), rebias 127 -> 7. Below
+        # 2^-6 (subnormal codes k * 2^-9): y + 2^14 rounds y to a multiple of 2^-9 (RNE), and k is the ulp
+        # count above 2^14. x / scale has x's sign (scale > 0), -0.0 included.
+        yb = y.to(tl.int32, bitcast=True)
+        normal = ((yb + 0x7FFFF + ((yb >> 20) & 1)) >> 20) - (120 << 3)
+        sub = (y + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+        code = tl.where(y < 0.015625, sub, normal) | tl.where(x.to(tl.int32, bitcast=True) < 0, 0x80, 0)
+        return code, e
+
+    @triton.jit
     def _record_write_kernel(cache_ptr, rows_ptr, slots_ptr, S, N,
                              c_sb, c_sn, c_sd, r_sb, r_ss, r_sd, s_sb, s_ss,
                              DIM: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
@@ -304,19 +324,7 @@ if triton is not None:  # defined only with triton (its annotations need tl)
             amax = tl.max(ax, axis=1)
             sign = x.to(tl.int32, bitcast=True) < 0  # x / scale has x's sign (scale > 0), -0.0 included
             if FMT == 1:  # fp8: DIM E4M3 codes, then NG UE8M0 scales (G = 32)
-                # pow2_ceil_scale(max(amax, 1e-4), 1/448): exponent field of the fp32 product, +1 if inexact
-                pb = (tl.maximum(amax, _FP8_FLOOR) * _FP8_INV).to(tl.int32, bitcast=True)
-                e = ((pb >> 23) & 0xFF) + ((pb & 0x7FFFFF) != 0).to(tl.int32)
-                recip = ((254 - e) << 23).to(tl.float32, bitcast=True)  # exactly 1 / scale
-                y = tl.minimum(ax * recip[:, None], 448.0)  # |x / scale| (exact), clamped
-                # E4M3 round-to-nearest-even of y in [0, 448] from the fp32 bits (no fp8 cast, see module doc).
-                # Normal range: round the 23-bit mantissa to 3 bits (a carry moves into the exponent), rebias
-                # 127 -> 7. Below 2^-6 (subnormal codes k * 2^-9): y + 2^14 rounds y to a multiple of 2^-9
-                # (RNE), and k is the ulp count above 2^14.
-                yb = y.to(tl.int32, bitcast=True)
-                normal = ((yb + 0x7FFFF + ((yb >> 20) & 1)) >> 20) - (120 << 3)
-                sub = (y + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
-                code = tl.where(y < 0.015625, sub, normal) | tl.where(sign, 0x80, 0)
+                code, e = _fp8_record(x)
                 tl.store(dst + off * c_sd, code.to(tl.uint8), mask=m)
                 tl.store(dst + (DIM + gi) * c_sd, e.to(tl.uint8), mask=(gi < NG) & ok)
             else:  # nvfp4 (G = 16, E4M3 scales) / mxfp4 (G = 32, UE8M0 scales): DIM/2 packed bytes, NG scales

@@ -157,6 +157,11 @@ class CompileOptions:
     # 10.56 ms with it against 10.44 without, logits bit-equal; one kernel less a layer, but the attention merge's
     # path grew from 2.1 to 7.3 us a layer (the merge ran 7.3 us after the attention's end: not understood yet)
     qkv_norm_op: bool = False
+    # issue 5: one-token steps (decode) write each layer's window ring in kv_norm_rope's launch
+    # (dsflash::kv_norm_rope_write_, before the attention: the slot the token goes to holds no key of its window),
+    # where the ring write's own launch took 1.0-1.1 us of every layer's path in the H200's B1 step (12-04 d5).
+    # Off until timed on the H200 (compile_and_profile variant ring-write: written in a session without a GPU)
+    decode_ring_write_op: bool = False
     # issue 5: the indexer's query RoPE + FP4 QDQ as dsflash::rope_fp4_qdq_ and its keys' RoPE as dsflash::rope_, in
     # place: compiled functionally they were one Inductor persistent reduction whose launch the runtime autotuner
     # picks anew each compile, some picks serial (H200 traces, 12-02 s: the query 24 us at B1 in one compile, 6.2 in
@@ -364,6 +369,7 @@ class CompiledRunner:
             layer.attn.fuse_input_projections(options.fuse_input_projections)
             layer.attn.rope_op = options.q_rope_op
             layer.attn.norms_op = options.qkv_norm_op
+            layer.attn.ring_write_op = options.decode_ring_write_op
             if layer.attn.indexer is not None:
                 layer.attn.indexer.rope_op = options.index_rope_op
         for module in model.modules():  # after the fusion above, whose projections are new modules

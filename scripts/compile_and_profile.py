@@ -93,6 +93,7 @@ VARIANTS = {
     "finish-eager": {"compile_finish": False},  # the last collapse, norm and length update eager (before 12-03 z)
     "no-pdl": {"pdl": False, "inductor_pdl": False},  # no programmatic dependent launch (before 12-02 s)
     "no-inductor-pdl": {"inductor_pdl": False},  # the dsflash kernels with PDL, Inductor's without
+    "ring-write": {"decode_ring_write_op": True},  # decode writes the window ring in kv_norm_rope's launch
     "single-topk": {},  # the decode top-k and its finish in one launch per row (topk_triton's single path)
     "passes": {},
     "warm": {},

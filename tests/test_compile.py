@@ -403,3 +403,29 @@ def test_decode_graph_in_pieces_gives_the_blocks_bits(fresh_dynamo):
         logits[pieces, setup_piece] = steps
     for key in logits:
         assert all(torch.equal(a, b) for a, b in zip(logits[key], logits[0, False])), key
+
+
+@torch.no_grad()
+def test_decode_writes_the_window_ring_with_the_norm(fresh_dynamo):
+    """decode_ring_write_op: every layer of a one-token step runs dsflash::kv_norm_rope_write_ (the ring written
+    before the attention) and generate() gives the eager model's tokens; prompt chunks write it after."""
+    from dsflash_compile.custom_ops.kv_norm_rope import kv_norm_rope_reference
+    from dsflash_compile.custom_ops.records import record_write_reference
+
+    def write(ring, slots, fmt, kv, weight, eps, rot, quantize):
+        calls.append(kv.shape[1])
+        out = kv_norm_rope_reference(kv, weight, eps, rot, quantize)
+        record_write_reference(ring, out, slots, fmt)
+        return out
+
+    model = tiny_model()
+    ids = prompts(2, 12)
+    want = model.generate(ids, max_new_tokens=6, do_sample=False)
+    dsflash_compile.compile(model, max_batch=2, max_length=64, batch_buckets=(2,), prefill_buckets=(16,),
+                            backend="eager", passes=False, decode_ring_write_op=True)
+    calls = []
+    with torch.library._scoped_library("dsflash", "IMPL") as lib:
+        lib.impl("kv_norm_rope_write_", write, "CPU")
+        got = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+    assert calls == [1] * 5 * len(model.model.layers)  # the 5 steps after the prompt's

@@ -2,8 +2,9 @@
 
 The Triton kernel under the interpreter and on a GPU against the reference: the unquantized row within one bf16
 ulp (the norm's sum and the rotation's products round in another order than torch's), and the FP8 row equal to
-quant.fp8_qdq of the kernel's own unquantized row bit for bit (the FP8 step itself is exact); compiled for sm_90
-without spills; opcheck and errors."""
+quant.fp8_qdq of the kernel's own unquantized row bit for bit (the FP8 step itself is exact); with the ring write
+(kv_norm_rope_write_), the ring's bytes as record_write_ writes them; compiled for sm_90 without spills; opcheck and
+errors."""
 
 import functools
 
@@ -72,9 +73,51 @@ def compare_joint(run, alone, device="cpu") -> dict:
     return results
 
 
+def ring_case(fmt, lead=(2, 1), slots=(5, -1), device="cpu"):
+    """(ring, slots, kv, weight, rot) for kv_norm_rope_write_: a window ring of 8 slots a row (3 rows: more than the
+    batch) in `fmt` ("bf16" a bf16 ring, "bf16-u8" bf16 records in a uint8 ring, "fp8") holding random bytes, and
+    the slots the rows go to (-1: not written)."""
+    from dsflash_compile.custom_ops.records import record_bytes
+
+    kv, weight, rot = case_inputs(lead, 512, 32, True, device=device)
+    g = torch.Generator().manual_seed(3)
+    if fmt == "bf16":
+        ring = torch.randn(3, 8, 512, generator=g).bfloat16()
+    else:
+        ring = torch.randint(0, 256, (3, 8, record_bytes(fmt.split("-")[0], 512)), generator=g, dtype=torch.uint8)
+    return ring.to(device), torch.tensor(slots, device=device).view(lead), kv, weight, rot
+
+
+def ring_writes(write, plain, device="cpu") -> dict:
+    """{fmt-quantize-seq: `write` (a kv_norm_rope_write_) returns the rows `plain` (kv_norm_rope) returns, and the
+    ring holds what record_write_'s reference writes of them (the other slots' bytes kept)}."""
+    from dsflash_compile.custom_ops.records import record_write_reference
+
+    results = {}
+    for fmt in ("bf16", "bf16-u8", "fp8"):
+        for quantize in (False, True):
+            for lead, slots in (((2, 1), (5, -1)), ((1, 3), (0, 7, 2))):  # decode rows; one row's three tokens
+                ring, slots_, kv, weight, rot = ring_case(fmt, lead, slots, device)
+                want_ring = ring.clone()
+                got = write(ring, slots_, fmt.split("-")[0], kv, weight, EPS, rot, quantize)
+                record_write_reference(want_ring, got, slots_, fmt.split("-")[0])
+                results[f"{fmt}-{quantize}-{lead[1]}"] = bool(torch.equal(ring, want_ring) and torch.equal(
+                    got, plain(kv, weight, EPS, rot, quantize)))
+    return results
+
+
+def _triton_write(ring, slots, fmt, kv, weight, eps, rot, quantize):
+    from dsflash_compile.custom_ops.kv_norm_rope_triton import kv_norm_rope_triton
+
+    return kv_norm_rope_triton(kv, weight, eps, rot, quantize, ring=ring, slots=slots, fmt=fmt)
+
+
 def interpreter_checks():
     """Entry point of the subprocess."""
     from dsflash_compile.custom_ops.kv_norm_rope_triton import kv_norm_rope_triton, qkv_norm_rope_triton
+
+    for name, same in ring_writes(_triton_write, kv_norm_rope_triton).items():
+        report(dict(name=f"ring_{name}", same=same))
 
     for name, (ulps, same) in compare(kv_norm_rope_triton).items():
         report(dict(name=name, ulps=ulps, same=same))
@@ -114,6 +157,35 @@ def test_joint_kernel_adds_the_query_norm(interpreted, name):
     assert result["ulps"] <= 1 and result["same"], result
 
 
+RING_NAMES = [f"{fmt}-{quantize}-{seq}" for fmt in ("bf16", "bf16-u8", "fp8") for quantize in (False, True)
+              for seq in (1, 3)]
+
+
+@requires_interpreter
+@pytest.mark.parametrize("name", RING_NAMES)
+def test_kernel_writes_the_ring(interpreted, name):
+    """kv_norm_rope_write_'s kernel (RING): the rows of the kernel without the ring, and the ring's bytes as
+    record_write_'s reference writes those rows (slot -1 skipped, every other byte kept); bf16 rings (bf16 or uint8)
+    and fp8, decode rows and a row of three tokens."""
+    assert interpreted[f"ring_{name}"]["same"]
+
+
+def test_ring_write_op_reference_opcheck_and_errors():
+    ring, slots, kv, weight, rot = ring_case("fp8")
+    before = ring.clone()
+    out = torch.ops.dsflash.kv_norm_rope_write_(ring, slots, "fp8", kv, weight, EPS, rot, True)
+    assert torch.equal(out, torch.ops.dsflash.kv_norm_rope(kv, weight, EPS, rot, True))
+    written = before.clone()
+    torch.ops.dsflash.record_write_(written, out, slots, "fp8")
+    assert torch.equal(ring, written) and not torch.equal(ring, before)
+    torch.library.opcheck(torch.ops.dsflash.kv_norm_rope_write_.default, (ring, slots, "fp8", kv, weight, EPS, rot,
+                                                                          True))
+    with pytest.raises(ValueError, match="cache rows have 528"):
+        torch.ops.dsflash.kv_norm_rope_write_(ring, slots, "bf16", kv, weight, EPS, rot, True)
+    with pytest.raises(ValueError, match="slots"):
+        torch.ops.dsflash.kv_norm_rope_write_(ring, slots[:1], "fp8", kv, weight, EPS, rot, True)
+
+
 def test_joint_op_reference_opcheck_and_errors():
     kv, weight, rot = case_inputs(*CASES["chunk"])
     q, q_weight = query_inputs(CASES["chunk"][0])
@@ -148,15 +220,21 @@ def test_opcheck_and_errors():
 
 
 _KERNEL = dict(kv_ptr="*bf16", w_ptr="*bf16", rot_ptr="*fp32", out_ptr="*bf16", row_stride="i32", eps="fp32")
+_RING = dict(ring_ptr="*bf16", slots_ptr="*bf16", seq="i32", ring_slots="i32", ring_sb="i32", ring_sn="i32",
+             slots_sb="i32", slots_ss="i32")  # (no ring: the launch passes the rows)
 
 
-@pytest.mark.parametrize("early, rot_first", [(False, False), (True, False), (False, True)])
-def test_kernel_compiles_for_hopper_without_spills(early, rot_first):
+@pytest.mark.parametrize("early, rot_first, ring", [(False, False, -1), (True, False, -1), (False, True, -1),
+                                                    (False, False, 0), (False, False, 1)])
+def test_kernel_compiles_for_hopper_without_spills(early, rot_first, ring):
     """The release row (512 values, 32 rotated pairs, FP8) at its launch's 4 warps, waiting first or (EARLY)
-    working before its wait; with ROT_FIRST every load comes before the norm's first barrier."""
+    working before its wait; with ROT_FIRST every load comes before the norm's first barrier; writing a bf16 or an
+    fp8 ring (RING 0 / 1) as well."""
     from dsflash_compile.custom_ops import kv_norm_rope_triton as module
 
-    spec = ("_kv_norm_rope_kernel", _KERNEL, dict(D=512, PAIRS=32, QUANT=True, EARLY=early, ROT_FIRST=rot_first), 4)
+    args = {**_KERNEL, **_RING, **({} if ring < 0 else dict(ring_ptr=("*bf16", "*u8")[ring], slots_ptr="*i64"))}
+    spec = ("_kv_norm_rope_kernel", args, dict(D=512, PAIRS=32, QUANT=True, EARLY=early, ROT_FIRST=rot_first,
+                                               RING=ring), 4)
     aligned = ("kv_ptr", "w_ptr", "rot_ptr", "out_ptr", "row_stride")  # as the release's launch specializes them
     check_compiles_for_hopper(module, spec, divisible_by_16=aligned)
     ptx = compile_for_hopper(module, spec, divisible_by_16=aligned).asm["ptx"].splitlines()
@@ -174,6 +252,13 @@ def test_joint_kernel_compiles_for_hopper_without_spills():
                                  "row_stride", "q_row_stride", "eps")}
     check_compiles_for_hopper(module, ("_qkv_norm_rope_kernel", args,
                                        dict(D=512, PAIRS=32, QUANT=True, Q_D=1280, Q_PAD=2048), 4))
+
+
+@requires_cuda
+def test_ring_write_on_cuda():
+    """kv_norm_rope_write_ on the GPU: the ring's bytes and the rows as the reference's (module notes)."""
+    results = ring_writes(torch.ops.dsflash.kv_norm_rope_write_, torch.ops.dsflash.kv_norm_rope, device="cuda")
+    assert all(results.values()), results
 
 
 @requires_cuda
