@@ -41,7 +41,7 @@ class ForwardContext:
     # [B] positions below which a row's compressed rows and index keys are already in the cache and stay
     # as they are (a prefix-cache hit replays tokens below it only to rebuild the window rings); None: all
     write_floor: torch.Tensor | None = None
-    shared_rows: dict = field(default_factory=dict)  # ratio -> GroupRows (group_rows: the first KV source's)
+    shared_rows: dict = field(default_factory=dict)  # ratio -> GroupRows (group_rows)
 
     @property
     def batch(self) -> int:
@@ -56,8 +56,9 @@ class ForwardContext:
         return self.columns_after // ratio
 
     def group_rows(self, ratio: int) -> GroupRows:
-        """The chunk's compressed rows at `ratio`, computed by the ratio's first KV source of the forward and
-        read by the others (a decode step's 3 ratio-2 sources then lay out and rotate their rows once)."""
+        """The chunk's compressed rows at `ratio`, computed once a forward (DeepseekV41Model.begin, for every
+        ratio with a KV source) and read by each source (a decode step's 3 ratio-2 sources then lay out and
+        rotate their rows once)."""
         if ratio not in self.shared_rows:
             self.shared_rows[ratio] = self._group_rows(ratio)
         return self.shared_rows[ratio]

@@ -302,6 +302,9 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         ctx.inv_freq = {"window": self.window_inv_freq, "compressed": self.compressed_inv_freq}
         safe_pos = ctx.positions.clamp_min(0)
         ctx.rotations = {kind: rotation(safe_pos, f) for kind, f in ctx.inv_freq.items()}
+        # every KV source of a ratio lays its compressed rows out alike: here, so that each block finds them made
+        for ratio in sorted({role.ratio for role in self.text_config.layer_roles if role.is_kv_source}):
+            ctx.group_rows(ratio)
 
         hash_ids = {}
         if self.engram_params is not None:
