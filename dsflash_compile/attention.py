@@ -9,6 +9,7 @@ top-k are `dsflash` ops.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import custom_ops  # noqa: F401  (registers torch.ops.dsflash)
@@ -55,15 +56,16 @@ class Compressor(nn.Module):
     def _pool(self, x, rows: GroupRows, pending_kv, pending_score):
         r, batch = self.ratio, x.shape[0]
         kv, score = self.wkv(x.float()), self.wgate(x.float())
-        # The row's buffer from its first open group (rows.slot): the pending group as cached in slots [0, r),
-        # the chunk's tokens after it, padding in the spare slot `width`.
-        width = rows.row_ids.shape[1] * r
-        buf_kv = torch.zeros(batch, width + 1, kv.shape[-1], device=x.device)
-        buf_score = torch.full_like(buf_kv, -torch.inf)
-        buf_kv[:, :r], buf_score[:, :r] = pending_kv[:batch], pending_score[:batch]
-        index = torch.arange(batch, device=x.device).unsqueeze(1)
-        buf_kv[index, rows.slot], buf_score[index, rows.slot] = kv, score
-        buf_kv, buf_score = buf_kv[:, :width].unflatten(1, (-1, r)), buf_score[:, :width].unflatten(1, (-1, r))
+        # The row's buffer from its first open group: each slot the chunk's token rows.source names, else the
+        # pending group as cached (its empty slots 0 / -inf), past it empty. Gathered, not scattered: a compiled
+        # step reads the tokens where it pools them.
+        width = rows.source.shape[1]
+        taken = (rows.source >= 0).unsqueeze(-1)
+        column = rows.source.clamp_min(0).unsqueeze(-1).expand(-1, -1, kv.shape[-1])
+        buf_kv = torch.where(taken, kv.gather(1, column), F.pad(pending_kv[:batch], (0, 0, 0, width - r)))
+        buf_score = torch.where(taken, score.gather(1, column),
+                                F.pad(pending_score[:batch], (0, 0, 0, width - r), value=-torch.inf))
+        buf_kv, buf_score = buf_kv.unflatten(1, (-1, r)), buf_score.unflatten(1, (-1, r))
 
         pooled = (buf_kv * buf_score.softmax(dim=2)).sum(dim=2)  # [B, groups, d]
         done = torch.arange(pooled.shape[1], device=x.device) < rows.complete.unsqueeze(1)

@@ -20,7 +20,9 @@ from .rope import rotation
 class GroupRows(NamedTuple):
     """Where a chunk's tokens fall in the compressed rows of one ratio (MODEL.md 4.1). The context's alone, so
     every KV source of the ratio shares it (ForwardContext.group_rows)."""
-    slot: torch.Tensor | None  # ratio > 1: [B, S] each token's slot in the pooling buffer (past its end: padding)
+    # ratio > 1: [B, groups * ratio] the chunk column each slot of the pooling buffer takes (-1: none). The buffer
+    # starts at the row's first open group, whose first lengths_before % ratio slots are cached (pending)
+    source: torch.Tensor | None
     complete: torch.Tensor | None  # ratio > 1: [B] groups the chunk closes, from the row's first open group
     row_ids: torch.Tensor  # [B, groups] the row each group writes: -1 for none (still open, or below write_floor)
     rot: torch.Tensor  # fp32 (cos, sin) [B, groups, r/2, 2] at each written row's first position
@@ -65,20 +67,22 @@ class ForwardContext:
 
     def _group_rows(self, ratio: int) -> GroupRows:
         if ratio == 1:  # a row per token at its position: the queries' own rotation
-            slot = complete = None
+            source = complete = None
             row_ids, rot = self.positions, self.rotations["compressed"]
-        else:  # the buffer starts at the row's first open group: slots [0, ratio) hold it as cached
+        else:  # the real tokens (after the left padding) continue the open group's cached slots
             seq = self.positions.shape[1]
-            first_group = self.lengths_before // ratio
+            first_group, cached = self.lengths_before // ratio, self.lengths_before % ratio
+            real = (self.positions >= 0).sum(1)
             width = ratio + seq + (-seq % ratio)
-            slot = torch.where(self.positions >= 0, self.positions - (first_group * ratio).unsqueeze(1), width)
-            complete = (self.lengths_before + (self.positions >= 0).sum(1)) // ratio - first_group
-            group_ids = torch.arange(width // ratio, device=slot.device)
+            column = torch.arange(width, device=real.device) - (cached - (seq - real)).unsqueeze(1)
+            source = torch.where((column >= seq - real.unsqueeze(1)) & (column < seq), column, -1)
+            complete = (self.lengths_before + real) // ratio - first_group
+            group_ids = torch.arange(width // ratio, device=real.device)
             row_ids = torch.where(group_ids < complete.unsqueeze(1), first_group.unsqueeze(1) + group_ids, -1)
             rot = rotation(row_ids.clamp_min(0) * ratio, self.inv_freq["compressed"])
         if self.write_floor is not None:  # rows of a restored prefix keep their cached values
             row_ids = torch.where(row_ids < (self.write_floor // ratio).unsqueeze(1), -1, row_ids)
-        return GroupRows(slot, complete, row_ids, rot)
+        return GroupRows(source, complete, row_ids, rot)
 
     def last_columns(self, columns: int) -> ForwardContext:
         """The context of queries at this chunk's last `columns` columns only, with the keys, window lists and
