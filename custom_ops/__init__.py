@@ -10,6 +10,7 @@ from . import mhc_deferred  # noqa: F401  (registration side effects: the seam o
 from . import fp8_linear, mxfp4_experts  # noqa: F401  (registration side effects: native-weight projections)
 from . import routed_experts  # noqa: F401  (registration side effects: the few-token routed experts)
 from . import bf16_gemv, bf16_linear  # noqa: F401  (registration side effects: the few-row bf16 projections)
+from . import fp32_gemv  # noqa: F401  (registration side effects: one row of an fp32 projection)
 from . import kv_norm_rope  # noqa: F401  (registration side effects: the attention's key/value row)
 from . import expert_order  # noqa: F401  (registration side effects: the sorted MoE path's orders)
 from . import grouped_swiglu  # noqa: F401  (registration side effects: the sorted MoE path's gate/up/SwiGLU)

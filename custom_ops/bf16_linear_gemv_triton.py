@@ -76,7 +76,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, norm_w_ptr, N,
         acc = _split_by_tiles(x_ptr, w_ptr, norm_w_ptr, n, group, split, K, eps, QUANT_X, BLOCK_N, BLOCK_K, K_CHUNKS,
                               NORM)
     if splits == 1:
-        tl.store(out_ptr + n, _round_bf16(acc).to(tl.bfloat16))
+        tl.store(out_ptr + n, _output(acc, out_ptr))
     else:
         tl.store(partial_ptr + split * N + n, acc)
         tl.debug_barrier()  # every thread's stores are issued before the release below
@@ -84,8 +84,18 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, norm_w_ptr, N,
             total = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for s in range(splits):  # split order: deterministic
                 total += tl.load(partial_ptr + s * N + n, cache_modifier=".cg")
-            tl.store(out_ptr + n, _round_bf16(total).to(tl.bfloat16))
+            tl.store(out_ptr + n, _output(total, out_ptr))
             tl.atomic_xchg(counter_ptr + pid_n, 0)
+
+
+@triton.jit
+def _output(acc, out_ptr):
+    """The sums as out holds them: fp32 as they are (an fp32 projection, fp32_gemv.py), else rounded to bf16."""
+    FP32: tl.constexpr = out_ptr.dtype.element_ty == tl.float32
+    if FP32:
+        return acc
+    else:
+        return _round_bf16(acc).to(tl.bfloat16)
 
 
 @triton.jit
@@ -161,28 +171,32 @@ def spans(columns: int) -> tuple[int, int] | None:
     return (head, tail) if tail & (tail - 1) == 0 else None
 
 
-def takes(rows: int, n: int, k: int, groups: int, sms: int | None) -> bool:
+def takes(rows: int, n: int, k: int, groups: int, sms: int | None, itemsize: int = 2) -> bool:
     """Whether a projection of this shape takes this kernel: one row, outputs a 16-wide block divides per group,
-    a weight of at most MAX_BYTES_PER_SM on each of `sms` SMs (None: any size, the interpreter's tests)."""
+    a weight (itemsize bytes a value) of at most MAX_BYTES_PER_SM on each of `sms` SMs (None: any size, the
+    interpreter's tests)."""
     if rows != 1 or (n // groups) % BLOCK_N:
         return False
-    return sms is None or n * k * 2 <= MAX_BYTES_PER_SM * sms
+    return sms is None or n * k * itemsize <= MAX_BYTES_PER_SM * sms
 
 
 def fits(x, weight, groups) -> bool:
     """`takes` for the op's inputs."""
     n, k = weight.shape
-    return takes(x.numel() // (groups * k), n, k, groups, _num_sms(x.device) if x.device.type == "cuda" else None)
+    return takes(x.numel() // (groups * k), n, k, groups, _num_sms(x.device) if x.device.type == "cuda" else None,
+                 weight.element_size())
 
 
-def launch(n: int, k: int, groups: int, sms: int) -> dict:
+def launch(n: int, k: int, groups: int, sms: int, itemsize: int = 2) -> dict:
     """The default launch (block_n, block_k, num_warps, k_chunks) of an [n, k] weight: whole rows where the module's
-    WHOLE_ROW_* rule takes the shape, else [BLOCK_N, BLOCK_K] tiles, K split."""
-    tiles = triton.cdiv(k, BLOCK_K)
+    WHOLE_ROW_* rule takes the shape, else [BLOCK_N, BLOCK_K] tiles, K split. A tile holds BLOCK_K bf16 columns'
+    bytes (fp32 weights: half the columns; twice would spill)."""
+    block_k = BLOCK_K * 2 // itemsize
+    tiles = triton.cdiv(k, block_k)
     if (WHOLE_ROW_MIN_TILES <= tiles <= WHOLE_ROW_MAX_TILES and (n // groups) % WHOLE_ROW_BLOCK_N == 0
             and n // WHOLE_ROW_BLOCK_N >= 2 * sms):
-        return dict(block_n=WHOLE_ROW_BLOCK_N, block_k=BLOCK_K, num_warps=WHOLE_ROW_WARPS, k_chunks=tiles)
-    return dict(block_n=BLOCK_N, block_k=BLOCK_K, num_warps=NUM_WARPS, k_chunks=K_CHUNKS)
+        return dict(block_n=WHOLE_ROW_BLOCK_N, block_k=block_k, num_warps=WHOLE_ROW_WARPS, k_chunks=tiles)
+    return dict(block_n=BLOCK_N, block_k=block_k, num_warps=NUM_WARPS, k_chunks=K_CHUNKS)
 
 
 def takes_norm(n: int, k: int, groups: int, sms: int) -> bool:
@@ -193,12 +207,13 @@ def takes_norm(n: int, k: int, groups: int, sms: int) -> bool:
 
 def bf16_linear_gemv(x, weight, groups, quantize_x, block_n=None, block_k=None, num_warps=None, k_chunks=None,
                      norm_weight=None, eps=0.0, at_once=None):
-    """bf16 [..., N] as the reference, for one row (`fits`); block_n, block_k (powers of two, block_n dividing a
-    group's outputs), num_warps and k_chunks (tiles a program) override `launch`'s (scripts/sweep_linear.py).
+    """bf16 [..., N] as the reference, for one row (`fits`; an fp32 weight: its fp32 sums, fp32_gemv.py); block_n,
+    block_k (powers of two, block_n dividing a group's outputs), num_warps and k_chunks (tiles a program) override
+    `launch`'s (scripts/sweep_linear.py).
     norm_weight (one group, whole rows a program): x RMS-normed by it first (the kernel's NORM). at_once: the
     tiles loaded at once (None: AT_ONCE)."""
     n, k = weight.shape
-    default = launch(n, k, groups, _num_sms(x.device))
+    default = launch(n, k, groups, _num_sms(x.device), weight.element_size())
     block_n, block_k = block_n or default["block_n"], block_k or default["block_k"]
     num_warps, k_chunks = num_warps or default["num_warps"], k_chunks or default["k_chunks"]
     if (n // groups) % block_n or block_k < 32 or block_k & (block_k - 1):
@@ -211,7 +226,7 @@ def bf16_linear_gemv(x, weight, groups, quantize_x, block_n=None, block_k=None, 
     if norm_weight is not None and (groups != 1 or splits != 1):
         raise ValueError(f"bf16_gemv: the input's norm needs one group and whole rows a program, got groups={groups} "
                          f"and {splits} splits of K")
-    out = x.new_empty(n)
+    out = x.new_empty(n, dtype=torch.float32 if weight.dtype == torch.float32 else torch.bfloat16)
     partial = x.new_empty(splits * n if splits > 1 else 1, dtype=torch.float32)
     counters = block_counters(x.device, n // block_n) if splits > 1 else partial
     _gemv_kernel[(n // block_n, splits)](

@@ -16,7 +16,7 @@ from . import custom_ops  # noqa: F401  (registers torch.ops.dsflash)
 from .cache import LayerCache
 from .configuration_deepseek_v41 import DeepseekV41TextConfig, LayerRole
 from .context import ForwardContext, GroupRows
-from .layers import Linear, RMSNorm, fuse_outputs, quant_linear, still_views, view_outputs
+from .layers import Linear, RMSNorm, keep_fused, quant_linear, view_outputs
 from .quant import fp4_qdq_e4m3, fp4_qdq_ue8m0
 from .rope import apply_rope
 
@@ -47,6 +47,19 @@ class Compressor(nn.Module):
         if ratio > 1:
             self.wgate = Linear(config.hidden_size, config.head_dim, dtype=torch.float32)
         self.norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.wkv_gate = None  # wkv and wgate as one projection (fuse_projections)
+
+    def fuse_projections(self, fuse: bool = True) -> None:
+        """Ratio > 1: wkv and wgate read the same input: one fp32 projection for both, their tensors its views (as
+        Attention.fuse_input_projections)."""
+        if self.ratio > 1:
+            self.wkv_gate = keep_fused(self.wkv_gate, (self.wkv, self.wgate), fuse)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)  # converts wkv's, wgate's and the fused tensors separately: views again
+        if self.wkv_gate is not None:
+            view_outputs(self.wkv_gate, (self.wkv, self.wgate))
+        return self
 
     def forward(self, x: torch.Tensor, rows: GroupRows, state: LayerCache) -> torch.Tensor:
         if self.ratio == 1:
@@ -55,7 +68,10 @@ class Compressor(nn.Module):
 
     def _pool(self, x, rows: GroupRows, pending_kv, pending_score):
         r, batch = self.ratio, x.shape[0]
-        kv, score = self.wkv(x.float()), self.wgate(x.float())
+        if self.wkv_gate is not None:
+            kv, score = self.wkv_gate(x).split(self.wkv.out_features, dim=-1)
+        else:
+            kv, score = self.wkv(x), self.wgate(x)
         # The row's buffer from its first open group: each slot the chunk's token rows.source names, else the
         # pending group as cached (its empty slots 0 / -inf), past it empty. Gathered, not scattered: a compiled
         # step reads the tokens where it pools them.
@@ -158,9 +174,7 @@ class Attention(nn.Module):
         views keep exactly the fused tensors' bytes alive). Fusing a fused layer again keeps its tensors while
         wq_a's and wkv's are still their views: decode graphs captured by an earlier compile() read them (a
         load that replaced wq_a or wkv fuses anew; so does fusing after fuse=False)."""
-        if fuse and self.wqkv_a is not None and still_views(self.wqkv_a, (self.wq_a, self.wkv)):
-            return
-        self.wqkv_a = fuse_outputs(self.wq_a, self.wkv) if fuse else None
+        self.wqkv_a = keep_fused(self.wqkv_a, (self.wq_a, self.wkv), fuse)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)  # converts wq_a's, wkv's and the fused tensors separately: views again

@@ -192,6 +192,11 @@ class CompileOptions:
     # the H200 B1 step's trace (12-03 y1) weights_proj (32 x 5120) took 4.7 + 1.4 us of the path at each of the 8
     # index sources
     plain_linear_gemv: bool = True
+    # issue 5: the ratio > 1 compressors' fp32 wkv and wgate as one projection (Compressor.fuse_projections), one row
+    # on dsflash::fp32_gemv (bf16_gemv's kernel, fp32 sums out), where cuBLAS ran two fp32 GEMVs of 6.4 us after an
+    # Inductor kernel widening x in each ratio-2 source of the H200's B1 step (12-04 d5 trace; 16.8 MB: 4.0 us at the
+    # floor). Off until timed on the H200 (compile_and_profile variant compressor-gemv: written without a GPU)
+    compressor_gemv: bool = False
     # issue 5: bf16 inputs of 33-64 rows (decode batch 64) of the long-K projections (groups x K >= 8192: wo_a, wo_b)
     # run dsflash::fp8_qdq then dsflash::bf16_linear (QuantLinear.tall_rows), where cuBLAS took wo_a at 24.5 us
     # and wo_b at 29.3 with a split-K reduce kernel after it (H200 sweep at 64 rows, 12-02 q: 23.0 / 28.7 us). B64
@@ -370,6 +375,8 @@ class CompiledRunner:
             layer.attn.rope_op = options.q_rope_op
             layer.attn.norms_op = options.qkv_norm_op
             layer.attn.ring_write_op = options.decode_ring_write_op
+            if layer.attn.compressor is not None:
+                layer.attn.compressor.fuse_projections(options.compressor_gemv)
             if layer.attn.indexer is not None:
                 layer.attn.indexer.rope_op = options.index_rope_op
         for module in model.modules():  # after the fusion above, whose projections are new modules
@@ -380,7 +387,8 @@ class CompiledRunner:
                 module.tall_rows = (LINEAR_TALL_MIN_ROWS, LINEAR_MAX_ROWS) if options.linear_tall and long_k else None
                 module.qdq_op_rows = options.qdq_op_rows
             elif type(module) is Linear:
-                module.gemv = options.plain_linear_gemv
+                fp32 = module.weight.dtype == torch.float32
+                module.gemv = options.compressor_gemv if fp32 else options.plain_linear_gemv
         if options.swa_bounded_replay is not None:
             text.swa_bounded_replay = options.swa_bounded_replay
         self.cache = model.new_cache(options.max_batch, options.max_length)

@@ -131,22 +131,34 @@ def quant_linear(config, in_features: int, out_features: int, quantize_input: bo
     return cls(in_features, out_features, quantize_input, storage, groups)
 
 
-def fuse_outputs(*linears: QuantLinear) -> QuantLinear:
-    """One projection computing `linears` (same input and input quantization, no groups) concatenated along their
-    outputs: one GEMM where there were several. Its tensors are buffers outside the checkpoint, and the linears'
-    become views of their slices (no extra memory; names and checkpoints unchanged; see view_outputs)."""
-    first = linears[0]
-    layouts = {(type(m), m.in_features, m.quantize_input, m.storage, m.groups) for m in linears}
-    if len(layouts) > 1 or first.groups != 1 or any(m.out_features % _rows_per_scale(m, "scale") for m in linears):
+def fuse_outputs(*linears: "QuantLinear | Linear") -> "QuantLinear | Linear":
+    """One projection computing `linears` (same input and input quantization or dtype, no groups) concatenated along
+    their outputs: one GEMM where there were several. Its tensors are buffers outside the checkpoint, and the
+    linears' become views of their slices (no extra memory; names and checkpoints unchanged; see view_outputs)."""
+    first, outputs = linears[0], sum(m.out_features for m in linears)
+    layouts = {(type(m), m.in_features, m.weight.dtype, getattr(m, "quantize_input", None), getattr(m, "storage", None),
+                getattr(m, "groups", 1)) for m in linears}
+    if (len(layouts) > 1 or getattr(first, "groups", 1) != 1
+            or any(m.out_features % _rows_per_scale(m, "scale") for m in linears)):
         raise ValueError(f"fuse_outputs: these projections do not share an input layout: {linears}")
     with torch.device("meta"):
-        fused = type(first)(first.in_features, sum(m.out_features for m in linears), first.quantize_input,
-                            first.storage)
+        if isinstance(first, Linear):
+            fused = Linear(first.in_features, outputs, first.weight.dtype)
+        else:
+            fused = type(first)(first.in_features, outputs, first.quantize_input, first.storage)
     for leaf in _leaves(first):
         delattr(fused, leaf)
         fused.register_buffer(leaf, torch.cat([getattr(m, leaf).detach() for m in linears]), persistent=False)
     view_outputs(fused, linears)
     return fused
+
+
+def keep_fused(fused: "QuantLinear | Linear | None", linears, fuse: bool) -> "QuantLinear | Linear | None":
+    """The projection fusing `linears` to hold (fuse_outputs; None with fuse off): `fused` itself while the linears'
+    tensors are still its views (graphs captured before read them), a new one after a load replaced one of them."""
+    if fuse and fused is not None and still_views(fused, linears):
+        return fused
+    return fuse_outputs(*linears) if fuse else None
 
 
 def view_outputs(fused: QuantLinear, linears) -> None:
@@ -189,9 +201,12 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.bfloat16):
         super().__init__(in_features, out_features, bias=False, dtype=dtype)
-        self.gemv = False  # one bf16 row runs dsflash::bf16_gemv (compile() sets it)
+        self.gemv = False  # one row runs dsflash::bf16_gemv, or for fp32 weights dsflash::fp32_gemv (compile() sets it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv and x.numel() == x.shape[-1] and x.dtype == self.weight.dtype == torch.bfloat16:
-            return torch.ops.dsflash.bf16_gemv(x, self.weight, 1, False)
+        if self.gemv and x.numel() == x.shape[-1]:
+            if self.weight.dtype == torch.float32:  # x widened as it is read
+                return torch.ops.dsflash.fp32_gemv(x, self.weight)
+            if x.dtype == self.weight.dtype == torch.bfloat16:
+                return torch.ops.dsflash.bf16_gemv(x, self.weight, 1, False)
         return F.linear(x.to(self.weight.dtype), self.weight)

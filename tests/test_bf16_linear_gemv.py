@@ -116,8 +116,8 @@ def test_quantlinear_takes_it_for_one_row_when_set():
 @torch.no_grad()
 def test_plain_linear_takes_it_for_one_row_when_set():
     """layers.Linear with gemv set (compile() sets it): one bf16 row runs bf16_gemv without the FP8 of the input,
-    more rows and fp32 weights (the ratio > 1 compressor) F.linear; the same bits as F.linear (CPU: the
-    reference)."""
+    more rows F.linear, fp32 weights (the ratio > 1 compressor) not bf16_gemv (test_fp32_gemv.py: fp32_gemv); the
+    same bits as F.linear (CPU: the reference)."""
     torch.manual_seed(0)
     linear, fp32 = Linear(64, 32), Linear(64, 32, dtype=torch.float32)
     xs = {rows: torch.randn(rows, 64).bfloat16() for rows in (1, 2)}

@@ -406,26 +406,49 @@ def test_decode_graph_in_pieces_gives_the_blocks_bits(fresh_dynamo):
 
 
 @torch.no_grad()
+def generate_with_op_counted(op: str, run, batch: int, **options):
+    """The tiny model's greedy 6 tokens after a batch x 12 prompt, eager and through compile(**options) (eager
+    backend) with dsflash::`op` running `run(calls, *args)` on the CPU: (model, eager tokens, compiled, calls)."""
+    model = tiny_model()
+    ids = prompts(batch, 12)
+    want = model.generate(ids, max_new_tokens=6, do_sample=False)
+    dsflash_compile.compile(model, max_batch=batch, max_length=64, batch_buckets=(batch,), prefill_buckets=(16,),
+                            backend="eager", passes=False, **options)
+    calls = []
+    with torch.library._scoped_library("dsflash", "IMPL") as lib:
+        lib.impl(op, lambda *args: run(calls, *args), "CPU")
+        got = model.generate(ids, max_new_tokens=6, do_sample=False)
+    return model, want, got, calls
+
+
 def test_decode_writes_the_window_ring_with_the_norm(fresh_dynamo):
     """decode_ring_write_op: every layer of a one-token step runs dsflash::kv_norm_rope_write_ (the ring written
     before the attention) and generate() gives the eager model's tokens; prompt chunks write it after."""
     from dsflash_compile.custom_ops.kv_norm_rope import kv_norm_rope_reference
     from dsflash_compile.custom_ops.records import record_write_reference
 
-    def write(ring, slots, fmt, kv, weight, eps, rot, quantize):
+    def write(calls, ring, slots, fmt, kv, weight, eps, rot, quantize):
         calls.append(kv.shape[1])
         out = kv_norm_rope_reference(kv, weight, eps, rot, quantize)
         record_write_reference(ring, out, slots, fmt)
         return out
 
-    model = tiny_model()
-    ids = prompts(2, 12)
-    want = model.generate(ids, max_new_tokens=6, do_sample=False)
-    dsflash_compile.compile(model, max_batch=2, max_length=64, batch_buckets=(2,), prefill_buckets=(16,),
-                            backend="eager", passes=False, decode_ring_write_op=True)
-    calls = []
-    with torch.library._scoped_library("dsflash", "IMPL") as lib:
-        lib.impl("kv_norm_rope_write_", write, "CPU")
-        got = model.generate(ids, max_new_tokens=6, do_sample=False)
+    model, want, got, calls = generate_with_op_counted("kv_norm_rope_write_", write, 2, decode_ring_write_op=True)
     assert torch.equal(got, want)
     assert calls == [1] * 5 * len(model.model.layers)  # the 5 steps after the prompt's
+
+
+def test_compressor_gemv_fuses_wkv_and_wgate(fresh_dynamo):
+    """compressor_gemv: each ratio > 1 KV source's wkv and wgate run as one dsflash::fp32_gemv a decode step (their
+    fused weight; prompts through F.linear), and generate() gives the eager model's tokens."""
+    from dsflash_compile.custom_ops.fp32_gemv import fp32_gemv_reference
+
+    def gemv(calls, x, weight):
+        calls.append(tuple(weight.shape))
+        return fp32_gemv_reference(x, weight)
+
+    model, want, got, calls = generate_with_op_counted("fp32_gemv", gemv, 1, compressor_gemv=True)
+    assert torch.equal(got, want)
+    config = model.model.text_config
+    pooled = sum(role.is_kv_source and role.ratio > 1 for role in config.layer_roles)
+    assert pooled and calls == [(2 * config.head_dim, config.hidden_size)] * 5 * pooled
