@@ -18,3 +18,4 @@ from . import rope_tail  # noqa: F401  (registration side effects: RoPE of the q
 from . import fp8_qdq  # noqa: F401  (registration side effects: the activations' FP8 before cuBLAS projections)
 from . import rope_fp4_qdq  # noqa: F401  (registration side effects: the indexer query's RoPE and FP4 in place)
 from . import token_sum  # noqa: F401  (registration side effects: MoE's sorted rows summed back per token)
+from . import engram_lookup  # noqa: F401  (registration side effects: Engram table rows gathered and dequantized)

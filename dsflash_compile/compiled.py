@@ -212,6 +212,11 @@ class CompileOptions:
     # B1 1924 kernels against 2018, 12.34 ms of kernel time against 12.48; a 1K prefill's kernel time 60.9 ms
     # against 62.3 with bounded replay, 92.4 against 94.3 without (prefill-1k-engram-2026-12-01-h.json)
     compile_engram: bool = True
+    # issue 5: the Engram table's rows gathered and dequantized by dsflash::engram_lookup (one launch), where the
+    # compiled Engram ran its UE8M0 scales' gather and widening as eager aten kernels (no Inductor code for
+    # float8_e8m0fnu: an index of 3.5 us after an 8 us gap and a copy of 1.9 us at each Engram layer of the H200's
+    # B1 step, 12-04 d5). Same bits. Off until timed on the H200 (variant engram-op: written without a GPU)
+    engram_lookup_op: bool = False
     # the per-forward set-up (DeepseekV41Model.begin: positions, window lists, RoPE, Engram hashes, embedding)
     # compiled too: eager it is ~360 host-launched ops before a prefill's first block, with the GPU waiting
     compile_setup: bool = True
@@ -377,6 +382,8 @@ class CompiledRunner:
             layer.attn.ring_write_op = options.decode_ring_write_op
             if layer.attn.compressor is not None:
                 layer.attn.compressor.fuse_projections(options.compressor_gemv)
+            if layer.engram is not None:
+                layer.engram.embed.lookup_op = options.engram_lookup_op
             if layer.attn.indexer is not None:
                 layer.attn.indexer.rope_op = options.index_rope_op
         for module in model.modules():  # after the fusion above, whose projections are new modules

@@ -18,8 +18,11 @@ class EngramTable(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(rows, dim, dtype=torch.float8_e4m3fn), requires_grad=False)
         self.scale = nn.Parameter(torch.ones(rows, dim // 32, dtype=torch.float8_e8m0fnu), requires_grad=False)
+        self.lookup_op = False  # the rows as dsflash::engram_lookup (compile() sets it)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.lookup_op:
+            return torch.ops.dsflash.engram_lookup(self.weight, self.scale, ids)
         values = self.weight[ids].float().unflatten(-1, (-1, 32)) * self.scale[ids].float().unsqueeze(-1)
         return values.flatten(-2).to(torch.bfloat16)
 

@@ -95,6 +95,7 @@ VARIANTS = {
     "no-inductor-pdl": {"inductor_pdl": False},  # the dsflash kernels with PDL, Inductor's without
     "ring-write": {"decode_ring_write_op": True},  # decode writes the window ring in kv_norm_rope's launch
     "compressor-gemv": {"compressor_gemv": True},  # the compressors' fp32 wkv + wgate as one dsflash::fp32_gemv
+    "engram-op": {"engram_lookup_op": True},  # the Engram table's rows by dsflash::engram_lookup
     "single-topk": {},  # the decode top-k and its finish in one launch per row (topk_triton's single path)
     "passes": {},
     "warm": {},

@@ -452,3 +452,18 @@ def test_compressor_gemv_fuses_wkv_and_wgate(fresh_dynamo):
     config = model.model.text_config
     pooled = sum(role.is_kv_source and role.ratio > 1 for role in config.layer_roles)
     assert pooled and calls == [(2 * config.head_dim, config.hidden_size)] * 5 * pooled
+
+
+def test_engram_lookup_op_reads_the_table(fresh_dynamo):
+    """engram_lookup_op: every Engram layer reads its table rows through dsflash::engram_lookup, prompt and decode
+    steps alike, and generate() gives the eager model's tokens."""
+    from dsflash_compile.custom_ops.engram_lookup import engram_lookup_reference
+
+    def lookup(calls, weight, scale, ids):
+        calls.append(ids.shape[1])
+        return engram_lookup_reference(weight, scale, ids)
+
+    model, want, got, calls = generate_with_op_counted("engram_lookup", lookup, 1, engram_lookup_op=True)
+    assert torch.equal(got, want)
+    engrams = sum(block.engram is not None for block in model.model.layers)
+    assert engrams and calls == [16] * engrams + [1] * 5 * engrams  # the prompt padded to its bucket, 5 steps
