@@ -96,9 +96,9 @@ VARIANTS = {
     "ring-write": {"decode_ring_write_op": True},  # decode writes the window ring in kv_norm_rope's launch
     "compressor-gemv": {"compressor_gemv": True},  # the compressors' fp32 wkv + wgate as one dsflash::fp32_gemv
     "engram-op": {"engram_lookup_op": True},  # the Engram table's rows by dsflash::engram_lookup
-    "single-topk": {},
-    # the four options of 12-04 e (written without a GPU) together; its group rows and gathered pool are in every build
-    "e-all": {"decode_ring_write_op": True, "compressor_gemv": True, "engram_lookup_op": True},  # the decode top-k and its finish in one launch per row (topk_triton's single path)
+    "single-topk": {},  # the decode top-k and its finish in one launch per row (topk_triton's single path)
+    # the four options of 12-04 e (written without a GPU) together; its group rows and gathered pool: every build
+    "e-all": {"decode_ring_write_op": True, "compressor_gemv": True, "engram_lookup_op": True},
     "passes": {},
     "warm": {},
 }
