@@ -288,11 +288,11 @@ def engram_hash_ids(
     ext = torch.cat([history[:, -k:].to(torch.int64), compressed_ids.to(torch.int64)], dim=1)
     mult, primes, offsets = _layer_constants(params, layer_index, dev)
 
-    h = ext[:, k:] * mult[0]  # look-back 0 = the token itself
-    per_ngram = []
+    # every n-gram's hash at once, look-back i XORed into the n-grams that reach it (XOR with 0 keeps a hash): one
+    # broadcast expression, which a compiled set-up runs as one kernel (a stack of the running hashes was one each)
+    reach = torch.arange(2, params.max_ngram_size + 1, device=dev)  # [n_ngrams]: the n-grams' lengths
+    hashes = (ext[:, k:] * mult[0]).unsqueeze(-1).expand(-1, -1, reach.numel())  # look-back 0 = the token itself
     for i in range(1, params.max_ngram_size):  # loop over look-backs (3), not tokens
-        h = h ^ (ext[:, k - i : k - i + t] * mult[i])
-        per_ngram.append(h)
-    hashes = torch.stack(per_ngram, dim=-1)  # [B, T, n_ngrams]
+        hashes = hashes ^ torch.where(reach > i, (ext[:, k - i : k - i + t] * mult[i]).unsqueeze(-1), 0)
     hashes = hashes.repeat_interleave(params.n_heads, dim=-1)  # [B, T, n_ngrams * n_heads]
     return torch.remainder(hashes, primes) + offsets
