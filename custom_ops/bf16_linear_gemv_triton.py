@@ -15,6 +15,9 @@ last program of an output block adds them in split order (same bits whichever ar
 and resets the block's counter (block_counters.py). The products are exact in fp32, so only the summation
 order differs from the reference's GEMM.
 
+An fp32 weight (dsflash::fp32_gemv: the compressors' fused wkv + wgate) takes the same kernel: tiles of half the
+columns (the same bytes), products and sums in fp32 as ever, the sums stored as they are (no bf16 rounding).
+
 Loading the tile before the PDL wait (while the seam runs) was measured and dropped: the seam, a chain of
 dependent memory accesses, slowed by what the projection gained (12-03 u: seam 10.3 us against 8.4 on the
 decode step's path; after a seam 10.7 us against 9.9 for the projection with its tile loaded after the wait).
