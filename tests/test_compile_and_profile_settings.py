@@ -26,3 +26,12 @@ def test_every_kernel_setting_names_a_variant_and_existing_constants():
         for module_name, values in settings.items():
             module = __import__(module_name, fromlist=["_"])
             assert all(hasattr(module, constant) for constant in values), (variant, module_name)
+
+
+def test_every_variant_sets_compile_options_fields():
+    """A variant's options are CompileOptions fields with valid values (a typo would fail only on the device)."""
+    from dsflash_compile.compiled import CompileOptions
+
+    script = load_script("compile_and_profile")
+    for variant, options in script.VARIANTS.items():
+        CompileOptions(**options)  # raises on an unknown field or a refused value
