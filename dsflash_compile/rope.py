@@ -26,11 +26,23 @@ def inverse_frequencies(rope_dim: int, theta: float, yarn: dict | None = None) -
     return freqs
 
 
+# rotation's cos / sin by torch.cos / torch.sin instead of torch.polar: Inductor has no code for complex tensors, so
+# a compiled decode step runs each polar as an eager aten kernel (three in the set-up, ~2 us each with its launch
+# gap on the H200); cos / sin fuse into the angles' kernel. Off until a B1 step on the H200 shows the same logits
+# (the GPU's polar takes cosf / sinf; whether Inductor's cos / sin give the same bits there is not known) and less
+# time (compile_and_profile variant rope-cos-sin; written in a session without a GPU). On the CPU they may differ
+# in the last bit (vectorized against scalar code)
+COS_SIN = False
+
+
 def rotation(positions: torch.Tensor, inverse_freq: torch.Tensor) -> torch.Tensor:
     """fp32 [..., rope_dim / 2, 2]: (cos, sin) of position * f, taken from `torch.polar` (the reference's
-    values, to the bit). Real pairs rather than a complex tensor, so compiled graphs stay real-valued
-    (Inductor does not generate code for complex arithmetic). Negative positions (padding) give any value."""
+    values, to the bit; COS_SIN: torch.cos / torch.sin). Real pairs rather than a complex tensor, so compiled
+    graphs stay real-valued (Inductor does not generate code for complex arithmetic). Negative positions
+    (padding) give any value."""
     angles = positions.float().unsqueeze(-1) * inverse_freq
+    if COS_SIN:
+        return torch.stack([angles.cos(), angles.sin()], dim=-1)
     return torch.view_as_real(torch.polar(torch.ones_like(angles), angles))
 
 

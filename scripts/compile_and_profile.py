@@ -96,6 +96,7 @@ VARIANTS = {
     "ring-write": {"decode_ring_write_op": True},  # decode writes the window ring in kv_norm_rope's launch
     "compressor-gemv": {"compressor_gemv": True},  # the compressors' fp32 wkv + wgate as one dsflash::fp32_gemv
     "engram-op": {"engram_lookup_op": True},  # the Engram table's rows by dsflash::engram_lookup
+    "rope-cos-sin": {},  # RoPE rotations by cos / sin in the compiled set-up, not eager torch.polar kernels
     "single-topk": {},  # the decode top-k and its finish in one launch per row (topk_triton's single path)
     # the four options of 12-04 e (written without a GPU) together; its group rows and gathered pool: every build
     "e-all": {"decode_ring_write_op": True, "compressor_gemv": True, "engram_lookup_op": True},
@@ -123,7 +124,8 @@ KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "kv-rot-first": {KV: {"ROT_FIRST": True}},
                    "loads-first": {GEMV: {"AT_ONCE": True}, KV: {"ROT_FIRST": True}},
                    "single-topk": {TOPK: {"SINGLE_ON": True}},
-                   "e-all": {TOPK: {"SINGLE_ON": True}}}
+                   "e-all": {TOPK: {"SINGLE_ON": True}},
+                   "rope-cos-sin": {"dsflash_compile.rope": {"COS_SIN": True}}}
 
 
 @contextmanager
