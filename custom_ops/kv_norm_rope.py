@@ -1,7 +1,8 @@
 """`dsflash::kv_norm_rope`: the attention's key/value row from its projection, in one launch;
 `dsflash::kv_norm_rope_write_`: the same, its rows also written to the window ring (one-token steps);
-`dsflash::qkv_norm_rope`: the same with the query's RMSNorm in that launch (one program a row of each: at decode
-batch 1 the query's norm was an Inductor kernel of its own, 1.2 us of the H200 step's path a layer, 12-03 a1).
+`dsflash::qkv_norm_rope` (`qkv_norm_rope_write_`: and the ring write): the same with the query's RMSNorm in that
+launch (one program a row of each: at decode batch 1 the query's norm was an Inductor kernel of its own, 1.2 us of
+the H200 step's path a layer, 12-03 a1).
 
     kv = RMSNorm(kv_a) with weight w                     (fp32, rounded to bf16: layers.RMSNorm)
     kv = RoPE of kv's trailing 2 * r/2 dims by rot       (fp32, rounded to bf16: rope.apply_rope)
@@ -114,6 +115,24 @@ def _(q, q_weight, kv, weight, eps, rot, quantize):
     return q.new_empty(q.shape), kv.new_empty(kv.shape)
 
 
+@torch.library.custom_op("dsflash::qkv_norm_rope_write_", mutates_args=("ring",))
+def qkv_norm_rope_write_(ring: Tensor, slots: Tensor, fmt: str, q: Tensor, q_weight: Tensor, kv: Tensor,
+                         weight: Tensor, eps: float, rot: Tensor, quantize: bool) -> tuple[Tensor, Tensor]:
+    """qkv_norm_rope, with kv's rows also written to the window ring as kv_norm_rope_write_ writes them (both
+    options on: CompileOptions.qkv_norm_op and decode_ring_write_op)."""
+    qr, out = qkv_norm_rope_reference(q, q_weight, kv, weight, eps, rot, quantize)
+    records.record_write_reference(ring, out, slots, fmt)
+    return qr, out
+
+
+@qkv_norm_rope_write_.register_fake
+def _(ring, slots, fmt, q, q_weight, kv, weight, eps, rot, quantize):
+    check_query(q, q_weight, kv)
+    check_inputs(kv, weight, rot, quantize)
+    records._check_write(ring, kv, slots, fmt)
+    return q.new_empty(q.shape), kv.new_empty(kv.shape)
+
+
 try:  # Triton is optional on CPU machines
     from . import kv_norm_rope_triton
 except ImportError:  # pragma: no cover - CPU machines without triton
@@ -137,10 +156,24 @@ if kv_norm_rope_triton is not None:
             return out
         return kv_norm_rope_triton.kv_norm_rope_triton(kv, weight, eps, rot, quantize, ring=ring, slots=slots, fmt=fmt)
 
+    def _joint_fits(q, kv) -> bool:
+        return kv_norm_rope_triton.kernel_fits(kv) and q.shape[-1] <= kv_norm_rope_triton.MAX_DIM
+
     @qkv_norm_rope.register_kernel("cuda")
     def _(q, q_weight, kv, weight, eps, rot, quantize):
         check_query(q, q_weight, kv)
         check_inputs(kv, weight, rot, quantize)
-        if not kv_norm_rope_triton.kernel_fits(kv) or q.shape[-1] > kv_norm_rope_triton.MAX_DIM:
+        if not _joint_fits(q, kv):
             return qkv_norm_rope_reference(q, q_weight, kv, weight, eps, rot, quantize)
         return kv_norm_rope_triton.qkv_norm_rope_triton(q, q_weight, kv, weight, eps, rot, quantize)
+
+    @qkv_norm_rope_write_.register_kernel("cuda")
+    def _(ring, slots, fmt, q, q_weight, kv, weight, eps, rot, quantize):
+        check_query(q, q_weight, kv)
+        check_inputs(kv, weight, rot, quantize)
+        records._check_write(ring, kv, slots, fmt)
+        if not (_joint_fits(q, kv) and fmt in kv_norm_rope_triton.RING_FORMATS):
+            qr, out = torch.ops.dsflash.qkv_norm_rope(q, q_weight, kv, weight, eps, rot, quantize)
+            torch.ops.dsflash.record_write_(ring, out, slots, fmt)
+            return qr, out
+        return kv_norm_rope_triton.qkv_norm_rope_triton(q, q_weight, kv, weight, eps, rot, quantize, ring, slots, fmt)

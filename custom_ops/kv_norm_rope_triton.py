@@ -46,16 +46,24 @@ def _kv_norm_rope_kernel(kv_ptr, w_ptr, rot_ptr, out_ptr, row_stride, eps, ring_
         pdl_wait_only(PDL)
     tl.store(out_ptr + row * D + tl.reshape(tl.arange(0, D), (1, D)), y.to(tl.bfloat16))
     if RING >= 0:
-        b = row // seq
-        slot = tl.load(slots_ptr + b * slots_sb + (row % seq) * slots_ss).to(tl.int64)
-        if (slot >= 0) & (slot < ring_slots):
-            dst = ring_ptr + b * ring_sb + slot * ring_sn
-            if RING == 0:  # bf16 values (exact: y is on bf16's grid)
-                tl.store(dst + tl.reshape(tl.arange(0, D), (1, D)), y.to(tl.bfloat16))
-            else:  # fp8: D E4M3 codes, then D / 32 UE8M0 scales
-                code, e = _fp8_record(tl.reshape(y, (D // 32, 32)))
-                tl.store(dst + tl.reshape(tl.arange(0, D), (D // 32, 32)), code.to(tl.uint8))
-                tl.store(dst + D + tl.arange(0, D // 32), e.to(tl.uint8))
+        _ring_write(y, row, ring_ptr, slots_ptr, seq, ring_slots, ring_sb, ring_sn, slots_sb, slots_ss, D, RING)
+
+
+@triton.jit
+def _ring_write(y, row, ring_ptr, slots_ptr, seq, ring_slots, ring_sb, ring_sn, slots_sb, slots_ss, D: tl.constexpr,
+                RING: tl.constexpr):
+    """Row b * seq + s (y: fp32 [1, D], on bf16's grid) to ring[b, slots[b, s]] as a record of format RING (records'
+    id: 0 bf16, 1 fp8), where the slot is in [0, ring_slots)."""
+    b = row // seq
+    slot = tl.load(slots_ptr + b * slots_sb + (row % seq) * slots_ss).to(tl.int64)
+    if (slot >= 0) & (slot < ring_slots):
+        dst = ring_ptr + b * ring_sb + slot * ring_sn
+        if RING == 0:  # bf16 values (exact: y is on bf16's grid)
+            tl.store(dst + tl.reshape(tl.arange(0, D), (1, D)), y.to(tl.bfloat16))
+        else:  # fp8: D E4M3 codes, then D / 32 UE8M0 scales
+            code, e = _fp8_record(tl.reshape(y, (D // 32, 32)))
+            tl.store(dst + tl.reshape(tl.arange(0, D), (D // 32, 32)), code.to(tl.uint8))
+            tl.store(dst + D + tl.arange(0, D // 32), e.to(tl.uint8))
 
 
 @triton.jit
@@ -93,16 +101,19 @@ def _rotation(rot_ptr, row, j, tail, PAIRS: tl.constexpr):
 
 @triton.jit
 def _qkv_norm_rope_kernel(kv_ptr, w_ptr, rot_ptr, out_ptr, q_ptr, q_w_ptr, q_out_ptr, kv_rows, row_stride,
-                          q_row_stride, eps, D: tl.constexpr, PAIRS: tl.constexpr, QUANT: tl.constexpr,
-                          Q_D: tl.constexpr, Q_PAD: tl.constexpr, PDL: tl.constexpr):
-    """`dsflash::qkv_norm_rope`: programs [0, kv_rows) take kv's rows as _kv_norm_rope_kernel does, the rest the
-    query's rows [rows, Q_D] (stride q_row_stride): its RMSNorm by q_w, rounded to bf16 (layers.RMSNorm)."""
+                          q_row_stride, eps, ring_ptr, slots_ptr, seq, ring_slots, ring_sb, ring_sn, slots_sb,
+                          slots_ss, D: tl.constexpr, PAIRS: tl.constexpr, QUANT: tl.constexpr, Q_D: tl.constexpr,
+                          Q_PAD: tl.constexpr, RING: tl.constexpr, PDL: tl.constexpr):
+    """`dsflash::qkv_norm_rope`: programs [0, kv_rows) take kv's rows as _kv_norm_rope_kernel does (RING too), the
+    rest the query's rows [rows, Q_D] (stride q_row_stride): its RMSNorm by q_w, rounded to bf16 (layers.RMSNorm)."""
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     pid = tl.program_id(0)
     if pid < kv_rows:
         row = pid.to(tl.int64)
         y = _kv_row(kv_ptr, w_ptr, rot_ptr, row, row_stride, eps, D, PAIRS, QUANT, False)
         tl.store(out_ptr + row * D + tl.reshape(tl.arange(0, D), (1, D)), y.to(tl.bfloat16))
+        if RING >= 0:
+            _ring_write(y, row, ring_ptr, slots_ptr, seq, ring_slots, ring_sb, ring_sn, slots_sb, slots_ss, D, RING)
     else:
         row = (pid - kv_rows).to(tl.int64)
         c = tl.arange(0, Q_PAD)
@@ -133,13 +144,7 @@ def kv_norm_rope_triton(kv, weight, eps, rot, quantize, early=False, rot_first=N
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
-    if ring is None:
-        ring_args, ring_id = (rows, rows, 1, 0, 0, 0, 0, 0), -1  # (operands the kernel never reads)
-    else:
-        if fmt == "bf16" and ring.dtype == torch.uint8:
-            ring = ring.view(torch.bfloat16)  # same bytes (little-endian), 2 per value
-        ring_args, ring_id = (ring, slots, kv.shape[-2], ring.shape[1], ring.stride(0), ring.stride(1),
-                              slots.stride(0), slots.stride(1)), _FMT_ID[fmt]
+    ring_args, ring_id = _ring_arguments(rows, kv, ring, slots, fmt)
     if rows.shape[0]:
         _kv_norm_rope_kernel[(rows.shape[0],)](rows, weight.contiguous(), rot.contiguous(), out, rows.stride(0),
                                                eps, *ring_args, D=dim, PAIRS=pairs, QUANT=quantize, EARLY=early,
@@ -149,18 +154,31 @@ def kv_norm_rope_triton(kv, weight, eps, rot, quantize, early=False, rot_first=N
     return out
 
 
-def qkv_norm_rope_triton(q, q_weight, kv, weight, eps, rot, quantize):
-    """(qr, kv) bf16 as `dsflash::qkv_norm_rope`'s reference: one launch, a program a row of each."""
+def _ring_arguments(rows, kv, ring, slots, fmt) -> tuple[tuple, int]:
+    """The kernels' ring operands and RING id for record_write_(ring, out, slots, fmt) (ring None: -1, operands the
+    kernel never reads)."""
+    if ring is None:
+        return (rows, rows, 1, 0, 0, 0, 0, 0), -1
+    if fmt == "bf16" and ring.dtype == torch.uint8:
+        ring = ring.view(torch.bfloat16)  # same bytes (little-endian), 2 per value
+    return (ring, slots, kv.shape[-2], ring.shape[1], ring.stride(0), ring.stride(1), slots.stride(0),
+            slots.stride(1)), _FMT_ID[fmt]
+
+
+def qkv_norm_rope_triton(q, q_weight, kv, weight, eps, rot, quantize, ring=None, slots=None, fmt="bf16"):
+    """(qr, kv) bf16 as `dsflash::qkv_norm_rope`'s reference: one launch, a program a row of each. ring, slots, fmt:
+    kv's rows also written to the ring, as kv_norm_rope_triton's."""
     dim, pairs, q_dim = kv.shape[-1], rot.shape[-2], q.shape[-1]
     rows, q_rows = kv.reshape(-1, dim), q.reshape(-1, q_dim)
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     q_rows = q_rows if q_rows.stride(-1) == 1 else q_rows.contiguous()
     out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ring_args, ring_id = _ring_arguments(rows, kv, ring, slots, fmt)
     if rows.shape[0] + q_rows.shape[0]:
         _qkv_norm_rope_kernel[(rows.shape[0] + q_rows.shape[0],)](
             rows, weight.contiguous(), rot.contiguous(), out, q_rows, q_weight.contiguous(), q_out, rows.shape[0],
-            rows.stride(0), q_rows.stride(0), eps, D=dim, PAIRS=pairs, QUANT=quantize, Q_D=q_dim,
-            Q_PAD=triton.next_power_of_2(q_dim), num_warps=4 if max(dim, q_dim) <= 2048 else 8,
+            rows.stride(0), q_rows.stride(0), eps, *ring_args, D=dim, PAIRS=pairs, QUANT=quantize, Q_D=q_dim,
+            Q_PAD=triton.next_power_of_2(q_dim), RING=ring_id, num_warps=4 if max(dim, q_dim) <= 2048 else 8,
             **launch_options(rows.device))
     return q_out, out

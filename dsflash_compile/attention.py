@@ -200,8 +200,11 @@ class Attention(nn.Module):
         rot, qr, ring = ctx.rotations[role.rope_kind], None, state.window
         # one token a row: the ring slot it goes to holds no key of the step (its window ends at the token itself,
         # read from kv), so it is written in the norm's launch, before the attention
-        ring_first = self.ring_write_op and x.shape[1] == 1 and not (self.norms_op and queries is None)
-        if self.norms_op and queries is None:
+        ring_first = self.ring_write_op and x.shape[1] == 1
+        if self.norms_op and queries is None and ring_first:
+            qr, kv = ops.qkv_norm_rope_write_(ring, ctx.window_slots, cache.window_format, q_a, self.q_norm.weight,
+                                              kv_a, self.kv_norm.weight, self.kv_norm.eps, rot, self.quantize)
+        elif self.norms_op and queries is None:
             qr, kv = ops.qkv_norm_rope(q_a, self.q_norm.weight, kv_a, self.kv_norm.weight, self.kv_norm.eps, rot,
                                        self.quantize)
         elif ring_first:

@@ -159,7 +159,8 @@ class CompileOptions:
     qkv_norm_op: bool = False
     # issue 5: one-token steps (decode) write each layer's window ring in kv_norm_rope's launch
     # (dsflash::kv_norm_rope_write_, before the attention: the slot the token goes to holds no key of its window),
-    # where the ring write's own launch took 1.0-1.1 us of every layer's path in the H200's B1 step (12-04 d5).
+    # where the ring write's own launch took 1.0-1.1 us of every layer's path in the H200's B1 step (12-04 d5); with
+    # qkv_norm_op, in qkv_norm_rope's launch (dsflash::qkv_norm_rope_write_).
     # Off until timed on the H200 (compile_and_profile variant ring-write: written in a session without a GPU)
     decode_ring_write_op: bool = False
     # issue 5: the indexer's query RoPE + FP4 QDQ as dsflash::rope_fp4_qdq_ and its keys' RoPE as dsflash::rope_, in

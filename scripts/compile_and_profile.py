@@ -94,6 +94,7 @@ VARIANTS = {
     "no-pdl": {"pdl": False, "inductor_pdl": False},  # no programmatic dependent launch (before 12-02 s)
     "no-inductor-pdl": {"inductor_pdl": False},  # the dsflash kernels with PDL, Inductor's without
     "ring-write": {"decode_ring_write_op": True},  # decode writes the window ring in kv_norm_rope's launch
+    "joint-ring": {"decode_ring_write_op": True, "qkv_norm_op": True},  # ... with the query's norm in it too
     "compressor-gemv": {"compressor_gemv": True},  # the compressors' fp32 wkv + wgate as one dsflash::fp32_gemv
     "engram-op": {"engram_lookup_op": True},  # the Engram table's rows by dsflash::engram_lookup
     "rope-cos-sin": {},  # RoPE rotations by cos / sin in the compiled set-up, not eager torch.polar kernels

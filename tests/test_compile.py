@@ -421,19 +421,22 @@ def generate_with_op_counted(op: str, run, batch: int, **options):
     return model, want, got, calls
 
 
-def test_decode_writes_the_window_ring_with_the_norm(fresh_dynamo):
-    """decode_ring_write_op: every layer of a one-token step runs dsflash::kv_norm_rope_write_ (the ring written
-    before the attention) and generate() gives the eager model's tokens; prompt chunks write it after."""
-    from dsflash_compile.custom_ops.kv_norm_rope import kv_norm_rope_reference
+@pytest.mark.parametrize("joint", [False, True])
+def test_decode_writes_the_window_ring_with_the_norm(fresh_dynamo, joint):
+    """decode_ring_write_op: every layer of a one-token step runs dsflash::kv_norm_rope_write_ (with qkv_norm_op
+    qkv_norm_rope_write_: the query's norm in that launch too), the ring written before the attention, and
+    generate() gives the eager model's tokens; prompt chunks write it after."""
+    from dsflash_compile.custom_ops.kv_norm_rope import kv_norm_rope_reference, qkv_norm_rope_reference
     from dsflash_compile.custom_ops.records import record_write_reference
 
-    def write(calls, ring, slots, fmt, kv, weight, eps, rot, quantize):
-        calls.append(kv.shape[1])
-        out = kv_norm_rope_reference(kv, weight, eps, rot, quantize)
-        record_write_reference(ring, out, slots, fmt)
+    def write(calls, ring, slots, fmt, *args):
+        calls.append(args[-5].shape[1])  # kv's columns
+        out = qkv_norm_rope_reference(*args) if joint else kv_norm_rope_reference(*args)
+        record_write_reference(ring, out[1] if joint else out, slots, fmt)
         return out
 
-    model, want, got, calls = generate_with_op_counted("kv_norm_rope_write_", write, 2, decode_ring_write_op=True)
+    op = "qkv_norm_rope_write_" if joint else "kv_norm_rope_write_"
+    model, want, got, calls = generate_with_op_counted(op, write, 2, decode_ring_write_op=True, qkv_norm_op=joint)
     assert torch.equal(got, want)
     assert calls == [1] * 5 * len(model.model.layers)  # the 5 steps after the prompt's
 

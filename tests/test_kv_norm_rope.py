@@ -112,12 +112,38 @@ def _triton_write(ring, slots, fmt, kv, weight, eps, rot, quantize):
     return kv_norm_rope_triton(kv, weight, eps, rot, quantize, ring=ring, slots=slots, fmt=fmt)
 
 
+def joint_writes(write, joint, device="cpu") -> dict:
+    """ring_writes for a qkv_norm_rope_write_ implementation `write` (kv's rows against `joint`, qkv_norm_rope's):
+    and the query's rows equal too."""
+    results = {}
+
+    def kv_side(ring, slots, fmt, kv, weight, eps, rot, quantize):
+        q, q_weight = query_inputs(kv.shape[:-1], device=device)
+        qr, out = write(ring, slots, fmt, q, q_weight, kv, weight, eps, rot, quantize)
+        results[len(results)] = torch.equal(qr, joint(q, q_weight, kv, weight, eps, rot, quantize)[0])
+        return out
+
+    def plain(kv, weight, eps, rot, quantize):
+        return joint(*query_inputs(kv.shape[:-1], device=device), kv, weight, eps, rot, quantize)[1]
+
+    rings = ring_writes(kv_side, plain, device)
+    return {name: same and all(results.values()) for name, same in rings.items()}
+
+
+def _triton_joint_write(ring, slots, fmt, q, q_weight, kv, weight, eps, rot, quantize):
+    from dsflash_compile.custom_ops.kv_norm_rope_triton import qkv_norm_rope_triton
+
+    return qkv_norm_rope_triton(q, q_weight, kv, weight, eps, rot, quantize, ring, slots, fmt)
+
+
 def interpreter_checks():
     """Entry point of the subprocess."""
     from dsflash_compile.custom_ops.kv_norm_rope_triton import kv_norm_rope_triton, qkv_norm_rope_triton
 
     for name, same in ring_writes(_triton_write, kv_norm_rope_triton).items():
         report(dict(name=f"ring_{name}", same=same))
+    for name, same in joint_writes(_triton_joint_write, qkv_norm_rope_triton).items():
+        report(dict(name=f"joint_ring_{name}", same=same))
 
     for name, (ulps, same) in compare(kv_norm_rope_triton).items():
         report(dict(name=name, ulps=ulps, same=same))
@@ -166,8 +192,8 @@ RING_NAMES = [f"{fmt}-{quantize}-{seq}" for fmt in ("bf16", "bf16-u8", "fp8") fo
 def test_kernel_writes_the_ring(interpreted, name):
     """kv_norm_rope_write_'s kernel (RING): the rows of the kernel without the ring, and the ring's bytes as
     record_write_'s reference writes those rows (slot -1 skipped, every other byte kept); bf16 rings (bf16 or uint8)
-    and fp8, decode rows and a row of three tokens."""
-    assert interpreted[f"ring_{name}"]["same"]
+    and fp8, decode rows and a row of three tokens. qkv_norm_rope_write_'s the same, its query rows as without."""
+    assert interpreted[f"ring_{name}"]["same"] and interpreted[f"joint_ring_{name}"]["same"]
 
 
 def test_ring_write_op_reference_opcheck_and_errors():
@@ -184,6 +210,18 @@ def test_ring_write_op_reference_opcheck_and_errors():
         torch.ops.dsflash.kv_norm_rope_write_(ring, slots, "bf16", kv, weight, EPS, rot, True)
     with pytest.raises(ValueError, match="slots"):
         torch.ops.dsflash.kv_norm_rope_write_(ring, slots[:1], "fp8", kv, weight, EPS, rot, True)
+
+
+def test_joint_ring_write_op_reference_and_opcheck():
+    ring, slots, kv, weight, rot = ring_case("fp8")
+    q, q_weight = query_inputs(kv.shape[:-1])
+    written = ring.clone()
+    qr, out = torch.ops.dsflash.qkv_norm_rope_write_(ring, slots, "fp8", q, q_weight, kv, weight, EPS, rot, True)
+    want_qr, want = torch.ops.dsflash.qkv_norm_rope(q, q_weight, kv, weight, EPS, rot, True)
+    torch.ops.dsflash.record_write_(written, want, slots, "fp8")
+    assert torch.equal(qr, want_qr) and torch.equal(out, want) and torch.equal(ring, written)
+    torch.library.opcheck(torch.ops.dsflash.qkv_norm_rope_write_.default,
+                          (ring, slots, "fp8", q, q_weight, kv, weight, EPS, rot, True))
 
 
 def test_joint_op_reference_opcheck_and_errors():
@@ -244,20 +282,26 @@ def test_kernel_compiles_for_hopper_without_spills(early, rot_first, ring):
 
 
 def test_joint_kernel_compiles_for_hopper_without_spills():
-    """The release's rows (kv 512 values with 32 rotated pairs and FP8, the query's 1280) at the launch's 4 warps."""
+    """The release's rows (kv 512 values with 32 rotated pairs and FP8, the query's 1280) at the launch's 4 warps,
+    with and without an fp8 ring to write."""
     from dsflash_compile.custom_ops import kv_norm_rope_triton as module
 
     args = dict(_KERNEL, q_ptr="*bf16", q_w_ptr="*bf16", q_out_ptr="*bf16", kv_rows="i32", q_row_stride="i32")
     args = {k: args[k] for k in ("kv_ptr", "w_ptr", "rot_ptr", "out_ptr", "q_ptr", "q_w_ptr", "q_out_ptr", "kv_rows",
                                  "row_stride", "q_row_stride", "eps")}
-    check_compiles_for_hopper(module, ("_qkv_norm_rope_kernel", args,
-                                       dict(D=512, PAIRS=32, QUANT=True, Q_D=1280, Q_PAD=2048), 4))
+    for ring in (-1, 1):  # without the ring, and writing an fp8 one
+        ring_args = {**_RING, **({} if ring < 0 else dict(ring_ptr="*u8", slots_ptr="*i64"))}
+        check_compiles_for_hopper(module, ("_qkv_norm_rope_kernel", {**args, **ring_args},
+                                           dict(D=512, PAIRS=32, QUANT=True, Q_D=1280, Q_PAD=2048, RING=ring), 4))
 
 
 @requires_cuda
 def test_ring_write_on_cuda():
-    """kv_norm_rope_write_ on the GPU: the ring's bytes and the rows as the reference's (module notes)."""
+    """kv_norm_rope_write_ and qkv_norm_rope_write_ on the GPU: the ring's bytes and the rows as the reference's
+    (module notes)."""
     results = ring_writes(torch.ops.dsflash.kv_norm_rope_write_, torch.ops.dsflash.kv_norm_rope, device="cuda")
+    assert all(results.values()), results
+    results = joint_writes(torch.ops.dsflash.qkv_norm_rope_write_, torch.ops.dsflash.qkv_norm_rope, device="cuda")
     assert all(results.values()), results
 
 
