@@ -320,16 +320,16 @@ if triton is not None:  # defined only with triton (its annotations need tl)
                 x = _bf16_as_f32(x)
             else:
                 x = x.to(tl.float32)
-            ax = tl.abs(x)
-            amax = tl.max(ax, axis=1)
-            sign = x.to(tl.int32, bitcast=True) < 0  # x / scale has x's sign (scale > 0), -0.0 included
             if FMT == 1:  # fp8: DIM E4M3 codes, then NG UE8M0 scales (G = 32)
                 code, e = _fp8_record(x)
                 tl.store(dst + off * c_sd, code.to(tl.uint8), mask=m)
                 tl.store(dst + (DIM + gi) * c_sd, e.to(tl.uint8), mask=(gi < NG) & ok)
             else:  # nvfp4 (G = 16, E4M3 scales) / mxfp4 (G = 32, UE8M0 scales): DIM/2 packed bytes, NG scales
+                ax = tl.abs(x)
+                amax = tl.max(ax, axis=1)
+                sign = x.to(tl.int32, bitcast=True) < 0  # x / scale has x's sign (scale > 0), -0.0 included
                 if FMT == 2:
-                    # scale = e4m3(min(max(amax, 6 * 2^-9) / 6, 448)) (>= 2^-9), E4M3 RNE as in the fp8 branch
+                    # scale = e4m3(min(max(amax, 6 * 2^-9) / 6, 448)) (>= 2^-9), E4M3 RNE as _fp8_record rounds
                     y = tl.minimum(tl.math.div_rn(tl.maximum(amax, _NVFP4_FLOOR), 6.0), 448.0)
                     yb = y.to(tl.int32, bitcast=True)
                     rn = (yb + 0x7FFFF + ((yb >> 20) & 1)) >> 20
