@@ -1,5 +1,5 @@
 """`dsflash::engram_lookup`: rows of the Engram table (FP8 E4M3, one UE8M0 scale per 32 values) gathered and
-dequantized to bf16 in one launch: engram.EngramTable's math.
+dequantized to bf16 in one launch: formats.lookup_fp8_rows, engram.EngramTable's math.
 
 Why an op: compiled, the table's float8_e8m0fnu scales have no Inductor code (neither their `.float()` nor a view
 as bytes), so their gather and widening ran as eager aten kernels before Inductor's dequantization: on the H200's
@@ -10,6 +10,8 @@ the reference.
 
 import torch
 from torch import Tensor
+
+from dsflash_compile.formats import lookup_fp8_rows
 
 
 def check_inputs(weight: Tensor, scale: Tensor, ids: Tensor) -> None:
@@ -26,8 +28,7 @@ def check_inputs(weight: Tensor, scale: Tensor, ids: Tensor) -> None:
 
 def engram_lookup_reference(weight: Tensor, scale: Tensor, ids: Tensor) -> Tensor:
     check_inputs(weight, scale, ids)
-    values = weight[ids].float().unflatten(-1, (-1, 32)) * scale[ids].float().unsqueeze(-1)
-    return values.flatten(-2).to(torch.bfloat16)
+    return lookup_fp8_rows(weight, scale, ids)
 
 
 @torch.library.custom_op("dsflash::engram_lookup", mutates_args=())

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .configuration_deepseek_v41 import DeepseekV41TextConfig
+from .formats import lookup_fp8_rows
 from .layers import quant_linear
 from .mhc import PendingPost, expanded
 
@@ -23,8 +24,7 @@ class EngramTable(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.lookup_op:
             return torch.ops.dsflash.engram_lookup(self.weight, self.scale, ids)
-        values = self.weight[ids].float().unflatten(-1, (-1, 32)) * self.scale[ids].float().unsqueeze(-1)
-        return values.flatten(-2).to(torch.bfloat16)
+        return lookup_fp8_rows(self.weight, self.scale, ids)
 
 
 class Engram(nn.Module):

@@ -259,6 +259,14 @@ def dequant_fp8_rows(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     return _dequant(lambda w: w.to(dtype), weight, scale, weight.shape[1], 1, dtype)
 
 
+def lookup_fp8_rows(weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [...] of an fp8-rows table (the Engram table), dequantized to bf16 [..., d]: each code times its
+    group's scale in fp32, rounded once (exact for the release's scales). Gathers first, so a lookup of a few rows
+    reads only those (traceable: no chunk loop, unlike dequant_fp8_rows)."""
+    values = weight[ids].float().unflatten(-1, (-1, BLOCK)) * scale[ids].float().unsqueeze(-1)
+    return values.flatten(-2).to(torch.bfloat16)
+
+
 def quant_fp8_rows(weight: torch.Tensor, scale: torch.Tensor | None = None):
     """Float [rows, d] -> (e4m3 [rows, d], ue8m0 [rows, ceil(d/32)]); scale rule as quant_fp8_block."""
     _expect_2d(weight, "fp8 rows weight")
