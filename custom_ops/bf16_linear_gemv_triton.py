@@ -21,6 +21,13 @@ columns (the same bytes), products and sums in fp32 as ever, the sums stored as 
 Loading the tile before the PDL wait (while the seam runs) was measured and dropped: the seam, a chain of
 dependent memory accesses, slowed by what the projection gained (12-03 u: seam 10.3 us against 8.4 on the
 decode step's path; after a seam 10.7 us against 9.9 for the projection with its tile loaded after the wait).
+
+EARLY (the op's `early`, set by passes/early_reads.py where a kernel computed from x's producer runs between it and
+this one, so x is final once this kernel is scheduled: pdl.py) reads x and the weight and takes the sums before the
+wait, which then comes before the first store: the projection works beside the kernel before it. Meant for a
+projection after one that streams a large weight (the indexer's wq_b after the attention's), whose programs hold
+most of each SM: an early launch (`early_launch`) keeps to one program an SM with no shared memory, the K loop
+not unrolled where the default launch has more programs.
 """
 
 import torch
@@ -56,18 +63,26 @@ MAX_BYTES_PER_SM = 192 * 1024
 # against 7.95 (probe_read_bandwidth.py), but on the B1 step's path 7.3 against 7.2 and the step 10.237 ms against
 # 10.263 (2 of 5 rounds lower: noise); with the seams' early loads 10.160 against 10.168: off
 AT_ONCE = False
+# An early launch's tile (values) and most tiles a program in its K loop (`early_launch`): the indexer's wq_b
+# (4096 x 1280) as 128 programs of [32, 256] x 5 tiles, where the default launch has 512 programs of [16, 1024]
+# (two splits). Not measured yet (12-05 f: no GPU): `early-gemv` in scripts/compile_and_profile.py
+EARLY_TILE = 8192
+EARLY_MAX_TILES = 8
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, norm_w_ptr, N, K, n_per_group, eps,
                  QUANT_X: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr,
-                 NORM: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr):
+                 NORM: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, EARLY: tl.constexpr,
+                 LOOP: tl.constexpr, PDL: tl.constexpr):
     """x [groups * K] and out [N]; weight [N, K]; BLOCK_N divides n_per_group. A program's split is K_CHUNKS
-    tiles of BLOCK_K columns, unrolled (their loads in flight one tile after another: AT_ONCE). NORM (one group,
-    one split: the program holds the whole row): x is first RMS-normed by norm_w (layers.RMSNorm, rounded to
-    bf16), each program taking the row's sum of squares itself (the mHC seam before it then has no norm to
-    finish). HEAD > 0 (AT_ONCE): the split's tiles loaded at once, as [BLOCK_N, HEAD] and [BLOCK_N, TAIL] tiles."""
-    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
+    tiles of BLOCK_K columns, unrolled (their loads in flight one tile after another: AT_ONCE) unless LOOP. NORM
+    (one group, one split: the program holds the whole row): x is first RMS-normed by norm_w (layers.RMSNorm,
+    rounded to bf16), each program taking the row's sum of squares itself (the mHC seam before it then has no norm
+    to finish). HEAD > 0 (AT_ONCE): the split's tiles loaded at once, as [BLOCK_N, HEAD] and [BLOCK_N, TAIL] tiles.
+    EARLY: every load and sum before the PDL wait (module notes)."""
+    if not EARLY:
+        pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     pid_n, split = tl.program_id(0), tl.program_id(1)
     splits = tl.num_programs(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -77,7 +92,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, norm_w_ptr, N,
                              HEAD, TAIL)
     else:
         acc = _split_by_tiles(x_ptr, w_ptr, norm_w_ptr, n, group, split, K, eps, QUANT_X, BLOCK_N, BLOCK_K, K_CHUNKS,
-                              NORM)
+                              NORM, LOOP)
+    if EARLY:  # x's producer has finished (the op's `after`); the kernel before may still read what this one writes
+        pdl_wait(PDL)
     if splits == 1:
         tl.store(out_ptr + n, _output(acc, out_ptr))
     else:
@@ -103,8 +120,8 @@ def _output(acc, out_ptr):
 
 @triton.jit
 def _split_by_tiles(x_ptr, w_ptr, norm_w_ptr, n, group, split, K, eps, QUANT_X: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, NORM: tl.constexpr):
-    """The split's fp32 sums of products, tile by tile."""
+                    BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, NORM: tl.constexpr, LOOP: tl.constexpr):
+    """The split's fp32 sums of products, tile by tile (LOOP: in a loop not unrolled, one tile's registers)."""
     rstd = 0.0
     if NORM:
         ss = tl.zeros((), dtype=tl.float32)
@@ -114,13 +131,26 @@ def _split_by_tiles(x_ptr, w_ptr, norm_w_ptr, n, group, split, K, eps, QUANT_X: 
             ss += tl.sum(xs * xs, 0)
         rstd = tl.math.rsqrt(ss / K + eps)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for c in tl.static_range(K_CHUNKS):
-        k = (split * K_CHUNKS + c) * BLOCK_K + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=(k < K)[None, :], other=0.0)
-        x = tl.load(x_ptr + group * K + k, mask=k < K, other=0.0).to(tl.float32)
-        x = _input(x, k, k < K, norm_w_ptr, rstd, QUANT_X, NORM, BLOCK_K)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    if LOOP:
+        for c in range(K_CHUNKS):
+            acc += _tile_sums(x_ptr, w_ptr, norm_w_ptr, n, group, split * K_CHUNKS + c, K, rstd, QUANT_X, BLOCK_K,
+                              NORM)
+    else:
+        for c in tl.static_range(K_CHUNKS):
+            acc += _tile_sums(x_ptr, w_ptr, norm_w_ptr, n, group, split * K_CHUNKS + c, K, rstd, QUANT_X, BLOCK_K,
+                              NORM)
     return acc
+
+
+@triton.jit
+def _tile_sums(x_ptr, w_ptr, norm_w_ptr, n, group, tile, K, rstd, QUANT_X: tl.constexpr, BLOCK_K: tl.constexpr,
+               NORM: tl.constexpr):
+    """Each of the rows n's fp32 sum of products over K's tile `tile`."""
+    k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=(k < K)[None, :], other=0.0)
+    x = tl.load(x_ptr + group * K + k, mask=k < K, other=0.0).to(tl.float32)
+    x = _input(x, k, k < K, norm_w_ptr, rstd, QUANT_X, NORM, BLOCK_K)
+    return tl.sum(w.to(tl.float32) * x[None, :], axis=1)
 
 
 @triton.jit
@@ -202,6 +232,20 @@ def launch(n: int, k: int, groups: int, sms: int, itemsize: int = 2) -> dict:
     return dict(block_n=BLOCK_N, block_k=block_k, num_warps=NUM_WARPS, k_chunks=K_CHUNKS)
 
 
+def early_launch(n: int, k: int, groups: int, sms: int, itemsize: int = 2) -> dict:
+    """The launch of an early GEMV (the op's `early`): the default launch where its programs are no more than SMs,
+    else whole rows in a K loop (`loop`) of [block_n, EARLY_TILE / block_n] tiles, block_n the least power of two
+    (>= BLOCK_N) giving one program an SM, where that takes at most EARLY_MAX_TILES tiles a program."""
+    chosen = dict(launch(n, k, groups, sms, itemsize), loop=False)
+    splits = triton.cdiv(k, chosen["block_k"] * chosen["k_chunks"])
+    block_n = max(BLOCK_N, triton.next_power_of_2(triton.cdiv(n, sms)))
+    block_k = max(32, EARLY_TILE * 2 // itemsize // block_n)
+    tiles = triton.cdiv(k, block_k)
+    if n // chosen["block_n"] * splits <= sms or (n // groups) % block_n or tiles > EARLY_MAX_TILES:
+        return chosen
+    return dict(block_n=block_n, block_k=block_k, num_warps=NUM_WARPS, k_chunks=tiles, loop=True)
+
+
 def takes_norm(n: int, k: int, groups: int, sms: int) -> bool:
     """Whether the default launch of an [n, k] weight holds whole rows, which the NORM prologue needs."""
     chosen = launch(n, k, groups, sms)
@@ -209,23 +253,27 @@ def takes_norm(n: int, k: int, groups: int, sms: int) -> bool:
 
 
 def bf16_linear_gemv(x, weight, groups, quantize_x, block_n=None, block_k=None, num_warps=None, k_chunks=None,
-                     norm_weight=None, eps=0.0, at_once=None):
+                     norm_weight=None, eps=0.0, at_once=None, early=False, loop=None):
     """bf16 [..., N] as the reference, for one row (`fits`; an fp32 weight: its fp32 sums, fp32_gemv.py); block_n,
-    block_k (powers of two, block_n dividing a group's outputs), num_warps and k_chunks (tiles a program) override
-    `launch`'s (scripts/sweep_linear.py).
+    block_k (powers of two, block_n dividing a group's outputs), num_warps, k_chunks (tiles a program) and loop
+    (the K loop not unrolled) override `launch`'s (`early_launch`'s with early) (scripts/sweep_linear.py).
     norm_weight (one group, whole rows a program): x RMS-normed by it first (the kernel's NORM). at_once: the
-    tiles loaded at once (None: AT_ONCE)."""
+    tiles loaded at once (None: AT_ONCE; not in a loop). early: the kernel's EARLY (module notes): the caller
+    vouches that x's producer has finished once the kernel before this one is past its wait."""
     n, k = weight.shape
-    default = launch(n, k, groups, _num_sms(x.device), weight.element_size())
+    early = early and x.is_contiguous() and weight.is_contiguous()  # a copy's kernel would be the one just before
+    default = (early_launch if early else launch)(n, k, groups, _num_sms(x.device), weight.element_size())
     block_n, block_k = block_n or default["block_n"], block_k or default["block_k"]
     num_warps, k_chunks = num_warps or default["num_warps"], k_chunks or default["k_chunks"]
+    loop = default.get("loop", False) if loop is None else loop
     if (n // groups) % block_n or block_k < 32 or block_k & (block_k - 1):
         raise ValueError(f"bf16_gemv: block_n={block_n} must divide a group's {n // groups} outputs and "
                          f"block_k={block_k} be a power of two >= 32 (whole FP8 groups)")
     block_k = min(block_k, triton.next_power_of_2(k))
     k_chunks = min(k_chunks, triton.cdiv(k, block_k))
     splits = triton.cdiv(k, block_k * k_chunks)
-    head, tail = (spans(k_chunks * block_k) if (AT_ONCE if at_once is None else at_once) else None) or (0, 0)
+    at_once = not loop and (AT_ONCE if at_once is None else at_once)
+    head, tail = (spans(k_chunks * block_k) if at_once else None) or (0, 0)
     if norm_weight is not None and (groups != 1 or splits != 1):
         raise ValueError(f"bf16_gemv: the input's norm needs one group and whole rows a program, got groups={groups} "
                          f"and {splits} splits of K")
@@ -236,5 +284,6 @@ def bf16_linear_gemv(x, weight, groups, quantize_x, block_n=None, block_k=None, 
         x.contiguous(), weight.contiguous(), out, partial, counters,
         x if norm_weight is None else norm_weight.contiguous(), n, k, n // groups, eps, QUANT_X=quantize_x,
         BLOCK_N=block_n, BLOCK_K=block_k, K_CHUNKS=k_chunks, NORM=norm_weight is not None,
-        HEAD=head, TAIL=tail, num_warps=num_warps, **launch_options(x.device))
+        HEAD=head, TAIL=tail, EARLY=early, LOOP=loop, num_warps=num_warps,
+        **({"num_stages": 1} if loop else {}), **launch_options(x.device))  # a loop's tiles: registers, no stages
     return out.view(*x.shape[:-1], n)

@@ -8,6 +8,8 @@ x as it loads it, sums in fp32 and stores the sums unrounded for an fp32 weight:
 the sums within fp32 rounding of the reference's (another order). CPU: the reference.
 """
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -29,13 +31,14 @@ def fp32_gemv_reference(x: Tensor, weight: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("dsflash::fp32_gemv", mutates_args=())
-def fp32_gemv(x: Tensor, weight: Tensor) -> Tensor:
-    """x bf16 or fp32 [..., K] holding one row; weight fp32 [N, K]. Returns fp32 [..., N]."""
+def fp32_gemv(x: Tensor, weight: Tensor, after: Optional[Tensor] = None, early: bool = False) -> Tensor:
+    """x bf16 or fp32 [..., K] holding one row; weight fp32 [N, K]; after, early: dsflash::bf16_gemv's (its reads
+    before the PDL wait, set by passes/early_reads.py). Returns fp32 [..., N]."""
     return fp32_gemv_reference(x, weight)
 
 
 @fp32_gemv.register_fake
-def _(x, weight):
+def _(x, weight, after=None, early=False):
     check_inputs(x, weight)
     return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
 
@@ -47,8 +50,8 @@ except ImportError:  # pragma: no cover - CPU machines without triton
 
 if bf16_linear_gemv_triton is not None:
     @fp32_gemv.register_kernel("cuda")
-    def _(x, weight):
+    def _(x, weight, after=None, early=False):
         check_inputs(x, weight)
         if not bf16_linear_gemv_triton.fits(x, weight, 1):  # (outputs not in 16-wide blocks, too large a weight)
             return fp32_gemv_reference(x, weight)
-        return bf16_linear_gemv_triton.bf16_linear_gemv(x, weight, 1, False)
+        return bf16_linear_gemv_triton.bf16_linear_gemv(x, weight, 1, False, early=early)

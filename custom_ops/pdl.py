@@ -13,7 +13,10 @@ launched without PDL (Inductor's, cuBLAS's) in between as well.
 
 One kind of kernel works before its wait (mhc_mixes_finish_triton.py): `pdl_release` at its top lets the next
 kernel be scheduled at once, it reads only what a kernel at least two launches back wrote (finished: the kernel
-just before it has passed its own wait), and `pdl_wait_only` comes before its first store.
+just before it has passed its own wait), and `pdl_wait_only` comes before its first store. Early ops
+(passes/early_reads.py: kv_norm_rope, the one-row GEMVs) read before their wait what was written before a kernel
+that waits before it lets the next be scheduled (their `after`'s: every launch after that kernel's needs it past
+its wait); a GEMV's `pdl_wait` then comes before its first store, so the kernels after it keep the rule.
 
 `launch_options(device)` gives a kernel launch its keyword arguments: PDL on sm_90+ CUDA devices unless turned off
 (`DSFLASH_PDL=0`, or `launches(False)` around the calls, as CompileOptions.pdl does around a runner's graphs).

@@ -106,6 +106,11 @@ class CompileOptions:
     # (12-03 y1, compile_and_profile --variants passes,early-reads): 10.53 ms against 10.50 without, logits
     # bit-equal; the row's kernel 1.5 us of the path a layer either way
     early_reads: bool = False
+    # issue 5: one-row projections (dsflash::bf16_gemv, fp32_gemv) read x and their weight and take their sums before
+    # their PDL wait, beside the projection before them that streams a weight (passes/early_reads.py): the indexer's
+    # wq_b beside the attention's (7.6 us of an index layer's path after it, 12-04 d5 trace), its weights_proj and
+    # the compressors' projections beside wq_a + wkv. Off: not measured yet (12-05 f: no GPU)
+    early_gemv: bool = False
     # issue 5: grouped GEMMs of the bf16 routed experts with at most this many (token, slot) rows run
     # dsflash::grouped_mm (each picked expert's weight streamed about once, its row tiles as tall as the rows per
     # expert: mxfp4_experts_triton.bf16_launch) instead of torch._grouped_mm, whose CUTLASS grouped GEMM took 63
@@ -359,7 +364,7 @@ class CompiledRunner:
         overlap = options.mhc_overlap_max_tokens if options.mhc_overlap else 0
         defer = DEFER_MAX_TOKENS if options.mhc_defer_mixes else 0
         self.pass_manager = (passes.install(text, mhc_overlap_tokens=overlap, mhc_defer_tokens=defer,
-                                            early_reads=options.early_reads,
+                                            early_reads=options.early_reads, early_gemv=options.early_gemv,
                                             router_seam_experts=ROUTE_MAX_EXPERTS if options.router_in_seam else 0,
                                             linear_rope=options.linear_rope, seam_norm_gemv=options.seam_norm_gemv,
                                             linear_norm=options.linear_norm)

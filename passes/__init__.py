@@ -29,15 +29,16 @@ def use(manager: DsflashPassManager | None) -> None:
 
 def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0,
             early_reads: bool = False, router_seam_experts: int = 0, linear_rope: bool = False,
-            seam_norm_gemv: bool = False, linear_norm: bool = False) -> DsflashPassManager:
+            seam_norm_gemv: bool = False, linear_norm: bool = False, early_gemv: bool = False) -> DsflashPassManager:
     """Make Inductor run our passes (post-grad) for graphs compiled from now on; returns the manager,
     whose `matches` counts the rewrites. Patterns use the config's router and mHC constants.
     mhc_overlap_tokens > 0: fused seams of at most that many tokens are split so that their mixes run on a
     side CUDA stream (MhcOverlapPass); 0 keeps every seam one launch. mhc_defer_tokens > 0: fused seams of at
     most that many tokens leave their mixes to a finishing op before the mixes' first reader (MhcDeferPass).
-    early_reads: ops that can read before their PDL wait do where a kernel runs between them and their inputs
-    (EarlyReadsPass). router_seam_experts > 0 (with the deferral): routers of at most that many experts reading a
-    deferred seam's normed rows run inside that seam (RouterSeamPass). linear_rope: a bf16_linear whose only
+    early_reads: kv_norm_rope reads before its PDL wait where a kernel runs between it and its inputs
+    (EarlyReadsPass); early_gemv: one-row projections do, after a projection streaming a weight.
+    router_seam_experts > 0 (with the deferral): routers of at most that many experts reading a deferred seam's
+    normed rows run inside that seam (RouterSeamPass). linear_rope: a bf16_linear whose only
     reader is the RoPE of its heads takes the rotation in its epilogue (LinearRopePass). seam_norm_gemv (with the
     deferral): a deferred seam read by one bf16_gemv leaves its RMSNorm to it (SeamNormGemvPass). linear_norm: an
     RMSNorm read only by a one-row projection of a TMA-sized weight becomes its norm prologue (LinearNormPass, after
@@ -51,7 +52,7 @@ def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0,
         *([MhcDeferPass(mhc_defer_tokens)] if mhc_defer_tokens > 0 else []),
         *([RouterSeamPass(router_seam_experts)] if mhc_defer_tokens > 0 and router_seam_experts > 0 else []),
         *([SeamNormGemvPass()] if mhc_defer_tokens > 0 and seam_norm_gemv else []),
-        *([EarlyReadsPass()] if early_reads else []),
+        *([EarlyReadsPass(early_reads, early_gemv)] if early_reads or early_gemv else []),
         *([LinearRopePass()] if linear_rope else []),
         *([LinearNormPass()] if linear_norm else []),
     ])

@@ -80,6 +80,7 @@ VARIANTS = {
     "prefetch-wo-b-2": {},  # wo_b's L2 prefetch for twice its num_stages tiles
     "fused-mixes": {"mhc_defer_mixes": False},  # each seam finishes its own mixes (before passes/mhc_defer.py)
     "early-reads": {"early_reads": True},  # kv_norm_rope reading before its PDL wait (passes/early_reads.py)
+    "early-gemv": {"early_gemv": True},  # one-row projections reading before their PDL wait (the indexer's wq_b...)
     "one-graph": {"decode_graph_pieces": 1},  # the decode step as one CUDA graph (before piecewise_graph.py)
     "even-pieces": {"decode_graph_pieces": 4, "decode_graph_growth": 1.0},  # 4 even pieces (before 12-02 s)
     "setup-piece": {"decode_graph_setup_piece": True},  # the set-up in a graph piece of its own

@@ -38,6 +38,12 @@ CASES = {
     "five_tiles_at_once": (5120, 16, 1, True, True, dict(block_n=4, k_chunks=5, at_once=True)),
     "splits_at_once": (1280, 16, 1, True, True, dict(block_k=512, k_chunks=2, at_once=True)),
     "random_at_once": (3072, 32, 1, True, False, dict(block_n=4, k_chunks=3, at_once=True)),
+    # reads and sums before the PDL wait (EARLY): at the interpreter's 8 SMs the early launch of 64 outputs is the
+    # default one (8 programs); of 256 x 1280 (the indexer's wq_b's K) a K loop of 5 [32, 256] tiles, 8 programs
+    "early_default": (1280, 64, 1, True, True, dict(early=True)),
+    "early_loop": (1280, 256, 1, True, True, dict(early=True)),
+    "early_loop_random": (1280, 256, 1, True, False, dict(early=True)),
+    "early_loop_grouped": (512, 256, 2, False, True, dict(early=True, block_k=128)),
 }
 
 
@@ -88,6 +94,10 @@ def test_opcheck_and_one_row_only():
     x, w = case_inputs((1, 1), 64, 32, 2, True)
     for quantize in (True, False):
         torch.library.opcheck(torch.ops.dsflash.bf16_gemv.default, (x, w, 2, quantize))
+    after = torch.zeros(3)  # passes/early_reads.py's: an ordering input, never read
+    torch.library.opcheck(torch.ops.dsflash.bf16_gemv.default, (x, w, 2, True), dict(after=after, early=True))
+    assert torch.equal(torch.ops.dsflash.bf16_gemv(x, w, 2, True, after=after, early=True),
+                       torch.ops.dsflash.bf16_gemv(x, w, 2, True))
     with pytest.raises(ValueError, match="one row only"):
         torch.ops.dsflash.bf16_gemv(torch.cat([x, x]), w, 2, True)
     with pytest.raises(TypeError, match="must be bf16"):  # bf16_linear's checks
@@ -138,18 +148,50 @@ def test_compiles_for_hopper_without_spills(quantize, whole_rows, at_once):
     """Both default launches (wq_a+wkv's whole rows of 5 tiles, K split in tiles) without spills on sm_90, tile by
     tile and loaded at once (AT_ONCE: then every weight load comes before the first barrier)."""
     launch = gemv.launch(1792, 5120, 1, 132) if whole_rows else gemv.launch(32, 5120, 1, 132)
-    assert launch["k_chunks"] == (5 if whole_rows else 1)
+    assert launch["k_chunks"] == (5 if whole_rows else 1) and not gemv.early_launch(1792, 5120, 1, 132)["loop"]
     args = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32", N="i32",
                 K="i32", n_per_group="i32")
     head, tail = gemv.spans(launch["k_chunks"] * launch["block_k"]) if at_once else (0, 0)
     constexprs = dict(QUANT_X=quantize, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
-                      K_CHUNKS=launch["k_chunks"], NORM=False, HEAD=head, TAIL=tail)
+                      K_CHUNKS=launch["k_chunks"], NORM=False, HEAD=head, TAIL=tail, EARLY=False, LOOP=False)
     spec = ("_gemv_kernel", args, constexprs, launch["num_warps"])
     check_compiles_for_hopper(gemv, spec, divisible_by_16=("x_ptr", "w_ptr", "K"))
     ptx = compile_for_hopper(gemv, spec, divisible_by_16=("x_ptr", "w_ptr", "K")).asm["ptx"]
     weight_loads = [i for i, line in enumerate(ptx.splitlines()) if "ld.global.v4" in line]
     first_barrier = next(i for i, line in enumerate(ptx.splitlines()) if "bar.sync" in line)
     assert (max(weight_loads) < first_barrier) == (at_once and whole_rows or launch["k_chunks"] == 1), at_once
+
+
+def test_early_launch_keeps_to_one_program_an_sm():
+    """An early launch (beside the kernel before it) is the default one where that has no more programs than SMs
+    (weights_proj's 32 outputs: 2 x 5 splits), else whole rows in a K loop of at most EARLY_MAX_TILES tiles (the
+    indexer's wq_b: 128 programs of 32 outputs, 5 tiles of 256), else the default (wq_a+wkv: 10 tiles a row)."""
+    assert gemv.early_launch(32, 5120, 1, 132) == dict(gemv.launch(32, 5120, 1, 132), loop=False)
+    assert gemv.early_launch(4096, 1280, 1, 132) == dict(block_n=32, block_k=256, num_warps=4, k_chunks=5, loop=True)
+    assert gemv.early_launch(1792, 5120, 1, 132) == dict(gemv.launch(1792, 5120, 1, 132), loop=False)
+    assert gemv.early_launch(256, 1280, 1, 8)["loop"]  # the interpreter's cases
+    assert not gemv.early_launch(48, 1280, 2, 8)["loop"]  # 24 outputs a group: no 32-row block divides them
+
+
+@pytest.mark.parametrize("quantize", [True, False])
+def test_early_loop_compiles_for_hopper_without_spills(quantize):
+    """The indexer's wq_b's early launch (a K loop of [32, 256] tiles, one stage: no shared memory) without spills
+    on sm_90; in its PTX every load of x and the weight comes before the PDL wait (griddepcontrol.wait; after it
+    only a split finish's reads of the partials, ld.global.cg), every store and atomic after it, and the next kernel
+    is let in (launch_dependents) only after the wait."""
+    launch = gemv.early_launch(4096, 1280, 1, 132)
+    args = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32", N="i32",
+                K="i32", n_per_group="i32")
+    constexprs = dict(QUANT_X=quantize, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
+                      K_CHUNKS=launch["k_chunks"], NORM=False, HEAD=0, TAIL=0, EARLY=True, LOOP=True)
+    spec = ("_gemv_kernel", args, constexprs, launch["num_warps"], 1)
+    check_compiles_for_hopper(gemv, spec, divisible_by_16=("x_ptr", "w_ptr", "K"))
+    lines = compile_for_hopper(gemv, spec, divisible_by_16=("x_ptr", "w_ptr", "K")).asm["ptx"].splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    release = next(i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line)
+    loads = [i for i, line in enumerate(lines) if "ld.global" in line and "ld.global.cg" not in line]
+    stores = [i for i, line in enumerate(lines) if "st.global" in line or "atom.global" in line]
+    assert loads and stores and max(loads) < wait < release < min(stores), (max(loads), wait, release, min(stores))
 
 
 def test_default_launch_takes_whole_rows_for_long_rows_only():
@@ -188,3 +230,30 @@ def test_release_sizes_on_cuda(name):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, gemv.bf16_linear_gemv(x, w, groups, quantize))
+
+
+@requires_cuda
+def test_early_after_the_attentions_wq_b_on_cuda():
+    """The indexer's wq_b with early=True after the attention's wq_b on the same row, as passes/early_reads.py sets
+    it up (the row written two kernels before it), eager and replayed in a CUDA graph on a new row: the same values
+    as early=False (its own launch, summed in another order: within a bf16 ulp)."""
+    k, n, groups, quantize = RELEASE["indexer_wq_b"]
+    x, w = case_inputs((1,), k, n, groups, False, device="cuda")
+    big = case_inputs((1,), *RELEASE["wq_b"][:3], False, seed=2, device="cuda")[1]
+
+    def chain(early):
+        row = x * 1  # the row's producer
+        q = torch.ops.dsflash.bf16_gemv(row, big, 1, quantize)  # the anchor: TMA-sized, it streams 84 MB
+        return q, torch.ops.dsflash.bf16_gemv(row, w, groups, quantize, after=q, early=early)
+
+    want = chain(False)[1]
+    got = chain(True)[1]
+    assert ((got.float() - want.float()).abs() <= want.float().abs() / 128 + 1e-30).all()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain(True)[1]
+    x.copy_(case_inputs((1,), k, n, groups, False, seed=1, device="cuda")[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, chain(True)[1])
+    assert not torch.equal(captured, got)  # the replay read the new row

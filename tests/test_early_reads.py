@@ -1,11 +1,13 @@
 """Early reads (passes/early_reads.py): dsflash::kv_norm_rope gets early=True, moved after an anchor computed from
-its row's producer, where such an anchor precedes the row's first reader; left alone otherwise."""
+its row's producer, where such an anchor precedes the row's first reader; left alone otherwise. With the gemv option
+the one-row projections (dsflash::bf16_gemv, fp32_gemv) get it after the latest projection before them computed from
+their input that no other early projection follows, moved up to it and never later."""
 
-import pytest
 import torch
 
 import dsflash_compile
 from dsflash_compile.passes import EarlyReadsPass
+from graph_caches import graph_caches_off
 from test_compile import fresh_dynamo, tiny_model  # noqa: F401  (fresh_dynamo: a fixture)
 from test_kv_norm_rope import CASES, EPS, case_inputs
 from test_mhc_fusion import compiling  # noqa: F401  (a fixture)
@@ -81,3 +83,110 @@ def test_compile_options_install_it(fresh_dynamo):  # noqa: F811
 
     assert "EarlyReadsPass" not in passes()  # off: it did not pay (12-03 y1)
     assert passes(early_reads=True)[-2:] == ["EarlyReadsPass", "LinearRopePass"]  # linear_rope: on by default
+
+
+class RecordedGemv:
+    """Post-grad pass: EarlyReadsPass with the one-row projections only; its count and, per projection in graph
+    order, (early, its anchor's weight's rows or None, whether it comes right after its anchor)."""
+
+    def __init__(self):
+        self.early, self.counts, self.gemvs = EarlyReadsPass(kv_rows=False, gemv=True), [], []
+
+    def __call__(self, graph):
+        self.counts.append(self.early.apply(graph))
+        for node in graph.nodes:
+            if node.target in (ops.bf16_gemv.default, ops.fp32_gemv.default):
+                after = node.kwargs.get("after")
+                rows = None if after is None else after.args[1].meta["val"].shape[0]
+                self.gemvs.append((node.kwargs.get("early", False), rows, after is not None and node.prev is after))
+
+
+def weights(*rows, k=64, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(n, k, generator=g) / 8).to(dtype) for n in rows]
+
+
+def index_layer(x0, w_qkv, w_q, w_idx, w_weights, w_pool):
+    """An index and KV-source layer's projections at one row, in the model's order: wq_a + wkv on the normed row,
+    the compressor's fp32 projection, the query's norm, the attention's wq_b, the indexer's wq_b and weights_proj."""
+    x = torch.tanh(x0.float()).to(torch.bfloat16)  # the seam's normed row
+    q_a = ops.bf16_gemv(x, w_qkv, 1, True)[..., :64]
+    pooled = ops.fp32_gemv(x, w_pool)
+    qr = (q_a.float() * torch.rsqrt(q_a.float().square().mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    q = ops.bf16_gemv(qr, w_q, 1, True)
+    index_q = ops.bf16_gemv(qr, w_idx, 1, True)
+    scores = ops.bf16_gemv(x, w_weights, 1, False)
+    return q.float().sum() + index_q.float().sum() + scores.float().sum() + pooled.sum()
+
+
+def index_layer_inputs():
+    return (torch.randn(1, 64).bfloat16(), *weights(96, 128, 64, 16), *weights(32, dtype=torch.float32))
+
+
+def test_gemvs_read_early_after_a_projection_before_them(compiling):  # noqa: F811
+    """The indexer's wq_b after the attention's (128 rows), the compressor's projection after wq_a + wkv (96 rows);
+    weights_proj finds both hosts taken (a projection follows one early projection only) and the ones computed
+    from its row before them early: it stays; wq_a + wkv and wq_b have no projection before them from their rows."""
+    recorded = RecordedGemv()
+    args = index_layer_inputs()
+    got = compiling(recorded, index_layer)(*args)
+    assert recorded.counts == [2]
+    assert recorded.gemvs == [(False, None, False), (True, 96, True), (False, None, False), (True, 128, True),
+                              (False, None, False)], recorded.gemvs
+    torch.testing.assert_close(got, index_layer(*args), rtol=1e-3, atol=1e-3)
+
+
+def test_a_gemv_moves_up_to_its_anchor(compiling):  # noqa: F811
+    """weights_proj with no compressor: its host is wq_a + wkv, and it moves up to right after it."""
+    def layer(x0, w_qkv, w_q, w_idx, w_weights):
+        x = torch.tanh(x0.float()).to(torch.bfloat16)
+        qr = ops.bf16_gemv(x, w_qkv, 1, True)[..., :64] * 2
+        q = ops.bf16_gemv(qr, w_q, 1, True)
+        index_q = ops.bf16_gemv(qr, w_idx, 1, True)
+        return q.float().sum() + index_q.float().sum() * ops.bf16_gemv(x, w_weights, 1, False).float().sum()
+
+    recorded = RecordedGemv()
+    args = index_layer_inputs()[:5]
+    got = compiling(recorded, layer)(*args)
+    assert recorded.counts == [2]
+    assert recorded.gemvs == [(False, None, False), (True, 96, True), (False, None, False), (True, 128, True)], \
+        recorded.gemvs  # graph order: weights_proj now second, right after wq_a + wkv
+    torch.testing.assert_close(got, layer(*args), rtol=1e-3, atol=1e-3)
+
+
+def test_a_gemv_on_a_graph_input_or_first_is_left_alone(compiling):  # noqa: F811
+    """A row from outside the graph (no producer to order after) and a projection with nothing before it."""
+    def two(x, w1, w2):
+        return ops.bf16_gemv(x, w1, 1, True).float().sum() + ops.bf16_gemv(x, w2, 1, True).float().sum()
+
+    recorded = RecordedGemv()
+    compiling(recorded, two)(torch.randn(1, 64).bfloat16(), *weights(32, 16))
+    assert recorded.counts == [0]
+
+
+def test_options_choose_the_ops():
+    """kv_rows and gemv pick what the pass rewrites; both are in its options (the manager's uuid hashes them)."""
+    assert EarlyReadsPass().options == {"kv_rows": True, "gemv": False}
+    assert EarlyReadsPass(kv_rows=False, gemv=True).options == {"kv_rows": False, "gemv": True}
+
+
+def test_compile_option_installs_the_gemv_half(fresh_dynamo):  # noqa: F811
+    dsflash_compile.compile(tiny_model(), max_batch=2, max_length=32, backend="eager", early_gemv=True)
+    installed = [p for p in torch._inductor.config.post_grad_custom_post_pass.passes if isinstance(p, EarlyReadsPass)]
+    assert [p.options for p in installed] == [{"kv_rows": False, "gemv": True}]
+
+
+def test_the_models_decode_projections_read_early(fresh_dynamo):  # noqa: F811
+    """The tiny model through Inductor with early_gemv: in the decode graphs of its index layers the indexer's wq_b
+    follows the attention's wq_b and weights_proj a projection of the row (layer 2: wq_a + wkv; the ratio-1 source
+    5: its compressor's wkv there, weights_proj after the index keys' wk; layer 7: wq_a + wkv): 2 + 3 + 2 early
+    projections (prompt chunks run more rows: bf16_linear, not a GEMV); generate() gives the eager model's tokens."""
+    model = tiny_model()
+    ids = torch.randint(3, 500, (1, 12), generator=torch.Generator().manual_seed(1))
+    want = model.generate(ids, max_new_tokens=3, do_sample=False)
+    with graph_caches_off():  # so the passes run (and count) here
+        dsflash_compile.compile(model, max_batch=1, max_length=64, batch_buckets=(1,), prefill_buckets=(16,),
+                                early_gemv=True)
+        got = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert model.compiled_runner.pass_manager.matches["early_reads"] == 2 + 3 + 2
+    assert torch.equal(got, want)

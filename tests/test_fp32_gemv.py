@@ -109,18 +109,21 @@ def test_compressor_fuses_wkv_and_wgate():
     assert one.wkv_gate is None
 
 
+@pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("whole_rows", [False, True])
-def test_compiles_for_hopper_without_spills(whole_rows):
+def test_compiles_for_hopper_without_spills(whole_rows, early):
     """The compressors' fused [1024, 4096] fp32 weight at its default launch (512-column tiles, K split) and at
-    whole rows of 4 outputs, without spills on sm_90."""
+    whole rows of 4 outputs, without spills on sm_90; also reading and summing before the PDL wait (EARLY: its early
+    launch is the default one, a K loop would take 16 tiles)."""
     launch = gemv.launch(1024, 4096, 1, 132, itemsize=4)
     assert launch == dict(block_n=16, block_k=512, num_warps=4, k_chunks=1)
+    assert gemv.early_launch(1024, 4096, 1, 132, itemsize=4) == dict(launch, loop=False)
     if whole_rows:
         launch = dict(block_n=4, block_k=512, num_warps=8, k_chunks=8)
     args = dict(x_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", partial_ptr="*fp32", counter_ptr="*i32", N="i32",
                 K="i32", n_per_group="i32")
     constexprs = dict(QUANT_X=False, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
-                      K_CHUNKS=launch["k_chunks"], NORM=False, HEAD=0, TAIL=0)
+                      K_CHUNKS=launch["k_chunks"], NORM=False, HEAD=0, TAIL=0, EARLY=early, LOOP=False)
     check_compiles_for_hopper(gemv, ("_gemv_kernel", args, constexprs, launch["num_warps"]),
                               divisible_by_16=("x_ptr", "w_ptr", "K"))
 

@@ -68,6 +68,11 @@ def test_every_kernel_waits_first():
             assert routed.startswith("        pdl_wait(PDL)\n") and without.startswith("    pdl_wait(PDL)\n"), name
             wait = lines.index("if SHARED_FIRST:\n    if prog == KK:\n        pdl_wait_only(PDL)")
             assert not any("store" in line for line in lines[:wait]), name
+        elif "EARLY" in kernel.arg_names and lines[0] == "if not EARLY:\n    pdl_wait(PDL)":
+            # a one-row GEMV: with EARLY it reads and sums, then waits before its first store, and lets the next
+            # kernel be scheduled only then (no release)
+            wait = lines.index("if EARLY:\n    pdl_wait(PDL)")
+            assert not any(word in line for line in lines[:wait] for word in ("store", "atomic", "pdl_release")), name
         elif "EARLY" in kernel.arg_names:
             wait = lines.index("if EARLY:\n    pdl_wait_only(PDL)")
             assert lines[0] == "if EARLY:\n    pdl_release(PDL)\nelse:\n    pdl_wait(PDL)", (name, lines[0])
