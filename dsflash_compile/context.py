@@ -44,14 +44,19 @@ class ForwardContext:
     # as they are (a prefix-cache hit replays tokens below it only to rebuild the window rings); None: all
     write_floor: torch.Tensor | None = None
     shared_rows: dict = field(default_factory=dict)  # ratio -> GroupRows (group_rows)
+    visible_rows: dict = field(default_factory=dict)  # ratio -> [B, S] (visible)
 
     @property
     def batch(self) -> int:
         return self.positions.shape[0]
 
     def visible(self, ratio: int) -> torch.Tensor:
-        """[B, S] compressed rows visible to each query: row j iff j < (p + 1) // ratio (0 for padding)."""
-        return torch.where(self.positions >= 0, (self.positions + 1) // ratio, 0)
+        """[B, S] compressed rows visible to each query: row j iff j < (p + 1) // ratio (0 for padding). Made once a
+        forward (DeepseekV41Model.begin, for every ratio with an index source) and read by each index source: made
+        in the layer, a B1 decode step computed it twice an index layer in kernels of its own (12-04 d5 trace)."""
+        if ratio not in self.visible_rows:
+            self.visible_rows[ratio] = torch.where(self.positions >= 0, (self.positions + 1) // ratio, 0)
+        return self.visible_rows[ratio]
 
     def num_rows(self, ratio: int) -> int:
         """Host-side width of the score rows for this ratio (>= every query's visible count)."""
@@ -96,7 +101,8 @@ class ForwardContext:
             rotations={kind: rot[:, -columns:].contiguous() for kind, rot in self.rotations.items()},
             topk={layer: topk[:, -columns:].contiguous() for layer, topk in self.topk.items()},
             candidates=None if self.candidates is None else self.candidates[:, -columns:].contiguous(),
-            shared_rows={})  # (the whole chunk's: no KV source runs on the last columns alone)
+            shared_rows={},  # (the whole chunk's: no KV source runs on the last columns alone)
+            visible_rows={ratio: v[:, -columns:].contiguous() for ratio, v in self.visible_rows.items()})
 
 
 def check_left_padding(attention_mask: torch.Tensor) -> None:
@@ -150,4 +156,5 @@ def tail_context(ctx: ForwardContext, attention_mask: torch.Tensor, columns: int
     tail = build_context(ctx.cache, mask[:, -columns:], ctx.columns_after, window_floor=first, lengths=first)
     last = ctx.last_columns(columns)
     tail.inv_freq, tail.rotations, tail.topk, tail.candidates = last.inv_freq, last.rotations, last.topk, last.candidates
+    tail.visible_rows = last.visible_rows  # the tail's positions are the chunk's last columns'
     return tail

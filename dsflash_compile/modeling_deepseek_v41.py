@@ -302,9 +302,13 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         ctx.inv_freq = {"window": self.window_inv_freq, "compressed": self.compressed_inv_freq}
         safe_pos = ctx.positions.clamp_min(0)
         ctx.rotations = {kind: rotation(safe_pos, f) for kind, f in ctx.inv_freq.items()}
-        # every KV source of a ratio lays its compressed rows out alike: here, so that each block finds them made
-        for ratio in sorted({role.ratio for role in self.text_config.layer_roles if role.is_kv_source}):
+        # every KV source of a ratio lays its compressed rows out alike, every index source reads the same visible
+        # counts: here, so that each block finds them made
+        roles = self.text_config.layer_roles
+        for ratio in sorted({role.ratio for role in roles if role.is_kv_source}):
             ctx.group_rows(ratio)
+        for ratio in sorted({role.ratio for role in roles if role.is_index_source}):
+            ctx.visible(ratio)
 
         hash_ids = {}
         if self.engram_params is not None:

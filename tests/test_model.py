@@ -328,3 +328,22 @@ def test_window_floor_hides_positions_below_it(tiny):
             p = 40 + t
             listed = ctx.window_idx[b, t]
             assert int((listed >= 0).sum()) == p - max(floor, p - window + 1) + 1
+
+
+def test_setup_makes_the_visible_counts_once(tiny):
+    """begin() makes each index source ratio's visible counts ((p + 1) // ratio, 0 for padding) once a forward; the
+    index sources read that tensor; a query side on the last columns and the trimmed layers' tail context read its
+    last columns."""
+    from dsflash_compile.context import tail_context
+
+    cache = tiny.new_cache(2, 64)
+    ids, mask = left_pad(prompts([9, 12]))  # row 0: 3 columns of padding
+    with torch.no_grad():
+        ctx = tiny.model.begin(ids, mask, cache, 16)[0]
+    ratios = {role.ratio for role in tiny.config.text_config.layer_roles if role.is_index_source}
+    assert set(ctx.visible_rows) == ratios == {1, 2}
+    for ratio in ratios:
+        want = torch.where(ctx.positions >= 0, (ctx.positions + 1) // ratio, 0)
+        assert torch.equal(ctx.visible_rows[ratio], want) and ctx.visible(ratio) is ctx.visible_rows[ratio]
+        assert torch.equal(ctx.last_columns(4).visible(ratio), want[:, -4:])
+        assert torch.equal(tail_context(ctx, mask, 4).visible(ratio), want[:, -4:])
