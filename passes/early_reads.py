@@ -21,7 +21,7 @@ import operator
 
 import torch
 
-from .graph_edit import descendants, is_view, starts_early
+from .graph_edit import descendants, is_view, mutated, starts_early
 
 ops = torch.ops.dsflash
 KV_ROW_OPS = (ops.kv_norm_rope.default,)
@@ -66,6 +66,11 @@ class EarlyReadsPass:
         if not anchors:
             return 0
         anchor = max(anchors, key=order.__getitem__)
+        # the op moves past the nodes between its place and its anchor's: none may write what it reads
+        low, high = sorted((order[node], order[anchor]))
+        sources = {_source(n) for n in inputs}
+        if any(_source(m) in sources for n in list(graph.nodes)[low + 1:high + 1] for m in mutated(n)):
+            return 0
         anchor.append(node)
         node.kwargs = {**node.kwargs, "after": anchor, "early": True}
         return 1

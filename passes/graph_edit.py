@@ -94,6 +94,19 @@ def descendants(node: torch.fx.Node) -> set:
     return seen
 
 
+def mutated(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes whose data `node` writes in place: the arguments its op's schema marks as written (Tensor(a!))."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return []
+    written = []
+    for position, argument in enumerate(node.target._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = node.kwargs.get(argument.name, node.args[position] if position < len(node.args) else None)
+            written += [v for v in (value if isinstance(value, (list, tuple)) else [value])
+                        if isinstance(v, torch.fx.Node)]
+    return written
+
+
 def starts_early(node: torch.fx.Node) -> bool:
     """A node (or an item of one) whose kernel works before its PDL wait (custom_ops/pdl.py): an op called with
     its `early` argument on. Such a kernel cannot be the one an early op needs between its inputs' producers

@@ -190,3 +190,43 @@ def test_the_models_decode_projections_read_early(fresh_dynamo):  # noqa: F811
         got = model.generate(ids, max_new_tokens=3, do_sample=False)
     assert model.compiled_runner.pass_manager.matches["early_reads"] == 2 + 3 + 2
     assert torch.equal(got, want)
+
+
+def test_a_gemv_whose_row_is_written_in_between_stays():
+    """In a graph with the in-place op itself (the post-grad graphs hold such ops' functional form, whose new value a
+    later reader reads, so no anchor qualifies there), a one-row projection whose row is rotated in place between
+    its anchor and itself does not move up: it would read the row before the write."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def layer(x0, w_a, w_b, rot):
+        x = torch.tanh(x0.float()).to(torch.bfloat16)
+        a = ops.bf16_gemv(x, w_a, 1, True)
+        ops.rope_(x, rot)
+        return a.float().sum() + ops.bf16_gemv(x, w_b, 1, True).float().sum()
+
+    def unwritten(x0, w_a, w_b, rot):
+        x = torch.tanh(x0.float()).to(torch.bfloat16)
+        a = ops.bf16_gemv(x, w_a, 1, True)
+        y = (x.float() * 2).to(torch.bfloat16)  # a node between the two, writing nothing
+        return a.float().sum() + ops.bf16_gemv(x, w_b, 1, True).float().sum() + y.float().sum()
+
+    args = (torch.randn(1, 1, 64).bfloat16(), *weights(32, 16), torch.randn(1, 1, 8, 2))
+    for fn, moved in ((layer, 0), (unwritten, 1)):
+        graph = make_fx(fn)(*args).graph
+        assert EarlyReadsPass(kv_rows=False, gemv=True).apply(graph) == moved, fn.__name__
+
+
+def test_mutated_names_the_written_arguments():
+    """graph_edit.mutated: the arguments an op's schema marks written (rope_'s x), none for a functional op."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dsflash_compile.passes.graph_edit import mutated
+
+    def f(x, rot, w):
+        ops.rope_(x, rot)
+        return ops.bf16_gemv(x, w, 1, True)
+
+    graph = make_fx(f)(torch.randn(1, 1, 64).bfloat16(), torch.randn(1, 1, 8, 2), *weights(16)).graph
+    x = next(n for n in graph.nodes if n.op == "placeholder")
+    written = {n.target: mutated(n) for n in graph.nodes if n.op == "call_function"}
+    assert written == {ops.rope_.default: [x], ops.bf16_gemv.default: []}
