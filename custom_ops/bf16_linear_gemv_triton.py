@@ -71,16 +71,17 @@ EARLY_MAX_TILES = 8
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, norm_w_ptr, N, K, n_per_group, eps,
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, norm_w_ptr, N, K, n_per_group, eps, scale,
                  QUANT_X: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr,
                  NORM: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, EARLY: tl.constexpr,
-                 LOOP: tl.constexpr, PDL: tl.constexpr):
+                 LOOP: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
     """x [groups * K] and out [N]; weight [N, K]; BLOCK_N divides n_per_group. A program's split is K_CHUNKS
     tiles of BLOCK_K columns, unrolled (their loads in flight one tile after another: AT_ONCE) unless LOOP. NORM
     (one group, one split: the program holds the whole row): x is first RMS-normed by norm_w (layers.RMSNorm,
     rounded to bf16), each program taking the row's sum of squares itself (the mHC seam before it then has no norm
     to finish). HEAD > 0 (AT_ONCE): the split's tiles loaded at once, as [BLOCK_N, HEAD] and [BLOCK_N, TAIL] tiles.
-    EARLY: every load and sum before the PDL wait (module notes)."""
+    EARLY: every load and sum before the PDL wait (module notes). SCALED: the bf16 outputs times scale, rounded to
+    bf16 again (the op's out_scale)."""
     if not EARLY:
         pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     pid_n, split = tl.program_id(0), tl.program_id(1)
@@ -96,7 +97,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, norm_w_ptr, N,
     if EARLY:  # x's producer has finished (the op's `after`); the kernel before may still read what this one writes
         pdl_wait(PDL)
     if splits == 1:
-        tl.store(out_ptr + n, _output(acc, out_ptr))
+        tl.store(out_ptr + n, _output(acc, out_ptr, scale, SCALED))
     else:
         tl.store(partial_ptr + split * N + n, acc)
         tl.debug_barrier()  # every thread's stores are issued before the release below
@@ -104,18 +105,22 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, norm_w_ptr, N,
             total = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for s in range(splits):  # split order: deterministic
                 total += tl.load(partial_ptr + s * N + n, cache_modifier=".cg")
-            tl.store(out_ptr + n, _output(total, out_ptr))
+            tl.store(out_ptr + n, _output(total, out_ptr, scale, SCALED))
             tl.atomic_xchg(counter_ptr + pid_n, 0)
 
 
 @triton.jit
-def _output(acc, out_ptr):
-    """The sums as out holds them: fp32 as they are (an fp32 projection, fp32_gemv.py), else rounded to bf16."""
+def _output(acc, out_ptr, scale, SCALED: tl.constexpr):
+    """The sums as out holds them: fp32 as they are (an fp32 projection, fp32_gemv.py), else rounded to bf16 (with
+    SCALED, then times scale in fp32 and rounded again, as a bf16 tensor's multiply by a float rounds)."""
     FP32: tl.constexpr = out_ptr.dtype.element_ty == tl.float32
     if FP32:
         return acc
     else:
-        return _round_bf16(acc).to(tl.bfloat16)
+        y = _round_bf16(acc)
+        if SCALED:
+            y = _round_bf16(y * scale)
+        return y.to(tl.bfloat16)
 
 
 @triton.jit
@@ -253,13 +258,14 @@ def takes_norm(n: int, k: int, groups: int, sms: int) -> bool:
 
 
 def bf16_linear_gemv(x, weight, groups, quantize_x, block_n=None, block_k=None, num_warps=None, k_chunks=None,
-                     norm_weight=None, eps=0.0, at_once=None, early=False, loop=None):
+                     norm_weight=None, eps=0.0, at_once=None, early=False, loop=None, out_scale=1.0):
     """bf16 [..., N] as the reference, for one row (`fits`; an fp32 weight: its fp32 sums, fp32_gemv.py); block_n,
     block_k (powers of two, block_n dividing a group's outputs), num_warps, k_chunks (tiles a program) and loop
     (the K loop not unrolled) override `launch`'s (`early_launch`'s with early) (scripts/sweep_linear.py).
     norm_weight (one group, whole rows a program): x RMS-normed by it first (the kernel's NORM). at_once: the
     tiles loaded at once (None: AT_ONCE; not in a loop). early: the kernel's EARLY (module notes): the caller
-    vouches that x's producer has finished once the kernel before this one is past its wait."""
+    vouches that x's producer has finished once the kernel before this one is past its wait. out_scale: the bf16
+    outputs times it, rounded again (bf16 weights only)."""
     n, k = weight.shape
     early = early and x.is_contiguous() and weight.is_contiguous()  # a copy's kernel would be the one just before
     default = (early_launch if early else launch)(n, k, groups, _num_sms(x.device), weight.element_size())
@@ -274,6 +280,8 @@ def bf16_linear_gemv(x, weight, groups, quantize_x, block_n=None, block_k=None, 
     splits = triton.cdiv(k, block_k * k_chunks)
     at_once = not loop and (AT_ONCE if at_once is None else at_once)
     head, tail = (spans(k_chunks * block_k) if at_once else None) or (0, 0)
+    if out_scale != 1.0 and weight.dtype == torch.float32:
+        raise ValueError("bf16_gemv: out_scale scales bf16 outputs; an fp32 projection's sums are stored as they are")
     if norm_weight is not None and (groups != 1 or splits != 1):
         raise ValueError(f"bf16_gemv: the input's norm needs one group and whole rows a program, got groups={groups} "
                          f"and {splits} splits of K")
@@ -282,8 +290,8 @@ def bf16_linear_gemv(x, weight, groups, quantize_x, block_n=None, block_k=None, 
     counters = block_counters(x.device, n // block_n) if splits > 1 else partial
     _gemv_kernel[(n // block_n, splits)](
         x.contiguous(), weight.contiguous(), out, partial, counters,
-        x if norm_weight is None else norm_weight.contiguous(), n, k, n // groups, eps, QUANT_X=quantize_x,
+        x if norm_weight is None else norm_weight.contiguous(), n, k, n // groups, eps, out_scale, QUANT_X=quantize_x,
         BLOCK_N=block_n, BLOCK_K=block_k, K_CHUNKS=k_chunks, NORM=norm_weight is not None,
-        HEAD=head, TAIL=tail, EARLY=early, LOOP=loop, num_warps=num_warps,
+        HEAD=head, TAIL=tail, EARLY=early, LOOP=loop, SCALED=out_scale != 1.0, num_warps=num_warps,
         **({"num_stages": 1} if loop else {}), **launch_options(x.device))  # a loop's tiles: registers, no stages
     return out.view(*x.shape[:-1], n)

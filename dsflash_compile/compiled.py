@@ -89,6 +89,11 @@ class CompileOptions:
     # passes,linear-rope, 7 rounds): 10.153 ms against 10.186 (6 of 7 rounds lower), logits bit-equal; wq_b + RoPE
     # 22.0 us of a layer's path against 21.7 + 0.9
     linear_rope: bool = True
+    # issue 5: a one-row GEMV whose only reader multiplies it by a constant (the indexer's weights_proj(x) times
+    # head_dim^-1/2 heads^-1/2) takes the constant in its epilogue, rounding as the multiply does
+    # (passes/linear_scale.py): the same bits, one kernel less an index layer. On (same bits; not timed yet: no GPU
+    # on 12-05 f)
+    linear_scale: bool = True
     # issue 5: the query's RMSNorm in wq_b's kernel (passes/linear_norm.py: bf16_gemv's norm, the TMA kernel's NORM
     # prologue) where wq_b is its only reader, instead of Inductor's reduction kernel (1.2 us of the H200 B1 step's
     # path a layer, 12-04 d4). Off: slower. H200, B1 side by side (12-04 d5, 5 rounds): 10.237 ms against 10.084
@@ -366,7 +371,8 @@ class CompiledRunner:
         self.pass_manager = (passes.install(text, mhc_overlap_tokens=overlap, mhc_defer_tokens=defer,
                                             early_reads=options.early_reads, early_gemv=options.early_gemv,
                                             router_seam_experts=ROUTE_MAX_EXPERTS if options.router_in_seam else 0,
-                                            linear_rope=options.linear_rope, seam_norm_gemv=options.seam_norm_gemv,
+                                            linear_rope=options.linear_rope, linear_scale=options.linear_scale,
+                                            seam_norm_gemv=options.seam_norm_gemv,
                                             linear_norm=options.linear_norm)
                              if options.passes else None)
         if not options.passes:

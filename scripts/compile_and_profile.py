@@ -59,6 +59,7 @@ VARIANTS = {
     "cublas-tall": {"linear_tall": False},  # 33-64 rows of wo_a / wo_b on cuBLAS (before QuantLinear.tall_rows)
     "router-in-seam": {"router_in_seam": True},  # the router inside the FFN's deferred seam (passes/router_seam.py)
     "no-linear-rope": {"linear_rope": False},  # q's RoPE in its own launch after wq_b (before 12-04 d)
+    "no-linear-scale": {"linear_scale": False},  # weights_proj's scale in its own kernel (before 12-05 f)
     "linear-norm": {"linear_norm": True},  # q's RMSNorm in wq_b's kernel (passes/linear_norm.py)
     "seam-norm-gemv": {"seam_norm_gemv": True},  # the attention seam's norm in the wq_a+wkv GEMV (off: no clear gain)
     "gemv-at-once": {},  # bf16_gemv's tiles loaded at once (AT_ONCE: every weight load before the first barrier)

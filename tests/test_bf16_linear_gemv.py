@@ -44,6 +44,9 @@ CASES = {
     "early_loop": (1280, 256, 1, True, True, dict(early=True)),
     "early_loop_random": (1280, 256, 1, True, False, dict(early=True)),
     "early_loop_grouped": (512, 256, 2, False, True, dict(early=True, block_k=128)),
+    # the bf16 outputs times a constant, rounded again (out_scale: passes/linear_scale.py), one split and split
+    "scaled": (5120, 32, 1, False, False, dict(out_scale=128 ** -0.5 * 32 ** -0.5)),
+    "scaled_whole_rows": (3072, 48, 1, True, False, dict(block_n=4, k_chunks=3, out_scale=0.3)),
 }
 
 
@@ -53,7 +56,11 @@ def interpreter_checks():
     for name, (k, n, groups, quantize_x, exact, launch) in CASES.items():
         x, w = case_inputs((1,), k, n, groups, exact)
         got = gemv.bf16_linear_gemv(x, w, groups, quantize_x, **launch)
-        want = bf16_linear_reference(x, w, groups, quantize_x)
+        want = bf16_linear_reference(x, w, groups, quantize_x) * launch.get("out_scale", 1.0)  # a bf16 multiply
+        if "out_scale" in launch:  # against the unscaled kernel's output multiplied: the same bits
+            exact = torch.equal(got, gemv.bf16_linear_gemv(x, w, groups, quantize_x, **{
+                **launch, "out_scale": 1.0}) * launch["out_scale"])
+            report(dict(name=name + "/multiplied", same=exact))
         again = gemv.bf16_linear_gemv(x, w, groups, quantize_x, **launch)
         tiles = gemv.bf16_linear_gemv(x, w, groups, quantize_x, **{**launch, "at_once": False})
         ulps = ((got.float() - tiles.float()).abs() / tiles.float().abs().clamp(min=1e-30)).max().item() * 128
@@ -64,6 +71,12 @@ def interpreter_checks():
 @pytest.fixture(scope="module")
 def interpreted():
     return run_interpreted("test_bf16_linear_gemv", "interpreter_checks")
+
+
+@requires_interpreter
+@pytest.mark.parametrize("name", [name for name, case in CASES.items() if "out_scale" in case[-1]])
+def test_scaled_outputs_are_the_multiplied_ones(interpreted, name):
+    assert interpreted[name + "/multiplied"]["same"]
 
 
 @requires_interpreter
@@ -94,6 +107,9 @@ def test_opcheck_and_one_row_only():
     x, w = case_inputs((1, 1), 64, 32, 2, True)
     for quantize in (True, False):
         torch.library.opcheck(torch.ops.dsflash.bf16_gemv.default, (x, w, 2, quantize))
+    torch.library.opcheck(torch.ops.dsflash.bf16_gemv.default, (x, w, 2, True), dict(out_scale=0.25))
+    assert torch.equal(torch.ops.dsflash.bf16_gemv(x, w, 2, True, out_scale=0.3),
+                       torch.ops.dsflash.bf16_gemv(x, w, 2, True) * 0.3)
     after = torch.zeros(3)  # passes/early_reads.py's: an ordering input, never read
     torch.library.opcheck(torch.ops.dsflash.bf16_gemv.default, (x, w, 2, True), dict(after=after, early=True))
     assert torch.equal(torch.ops.dsflash.bf16_gemv(x, w, 2, True, after=after, early=True),
@@ -153,7 +169,7 @@ def test_compiles_for_hopper_without_spills(quantize, whole_rows, at_once):
                 K="i32", n_per_group="i32")
     head, tail = gemv.spans(launch["k_chunks"] * launch["block_k"]) if at_once else (0, 0)
     constexprs = dict(QUANT_X=quantize, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
-                      K_CHUNKS=launch["k_chunks"], NORM=False, HEAD=head, TAIL=tail, EARLY=False, LOOP=False)
+                      K_CHUNKS=launch["k_chunks"], NORM=False, HEAD=head, TAIL=tail, EARLY=False, LOOP=False, SCALED=False)
     spec = ("_gemv_kernel", args, constexprs, launch["num_warps"])
     check_compiles_for_hopper(gemv, spec, divisible_by_16=("x_ptr", "w_ptr", "K"))
     ptx = compile_for_hopper(gemv, spec, divisible_by_16=("x_ptr", "w_ptr", "K")).asm["ptx"]
@@ -175,15 +191,15 @@ def test_early_launch_keeps_to_one_program_an_sm():
 
 @pytest.mark.parametrize("quantize", [True, False])
 def test_early_loop_compiles_for_hopper_without_spills(quantize):
-    """The indexer's wq_b's early launch (a K loop of [32, 256] tiles, one stage: no shared memory) without spills
-    on sm_90; in its PTX every load of x and the weight comes before the PDL wait (griddepcontrol.wait; after it
+    """The indexer's wq_b's early launch (a K loop of [32, 256] tiles, one stage: no shared memory; with an output
+    scale) without spills on sm_90; in its PTX every load of x and the weight comes before the PDL wait (griddepcontrol.wait; after it
     only a split finish's reads of the partials, ld.global.cg), every store and atomic after it, and the next kernel
     is let in (launch_dependents) only after the wait."""
     launch = gemv.early_launch(4096, 1280, 1, 132)
     args = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32", N="i32",
-                K="i32", n_per_group="i32")
+                K="i32", n_per_group="i32", scale="fp32")
     constexprs = dict(QUANT_X=quantize, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
-                      K_CHUNKS=launch["k_chunks"], NORM=False, HEAD=0, TAIL=0, EARLY=True, LOOP=True)
+                      K_CHUNKS=launch["k_chunks"], NORM=False, HEAD=0, TAIL=0, EARLY=True, LOOP=True, SCALED=True)
     spec = ("_gemv_kernel", args, constexprs, launch["num_warps"], 1)
     check_compiles_for_hopper(gemv, spec, divisible_by_16=("x_ptr", "w_ptr", "K"))
     lines = compile_for_hopper(gemv, spec, divisible_by_16=("x_ptr", "w_ptr", "K")).asm["ptx"].splitlines()

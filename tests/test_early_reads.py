@@ -82,7 +82,7 @@ def test_compile_options_install_it(fresh_dynamo):  # noqa: F811
         return [type(p).__name__ for p in torch._inductor.config.post_grad_custom_post_pass.passes]
 
     assert "EarlyReadsPass" not in passes()  # off: it did not pay (12-03 y1)
-    assert passes(early_reads=True)[-2:] == ["EarlyReadsPass", "LinearRopePass"]  # linear_rope: on by default
+    assert passes(early_reads=True)[-3:] == ["EarlyReadsPass", "LinearRopePass", "LinearScalePass"]  # both on
 
 
 class RecordedGemv:
@@ -188,7 +188,9 @@ def test_the_models_decode_projections_read_early(fresh_dynamo):  # noqa: F811
         dsflash_compile.compile(model, max_batch=1, max_length=64, batch_buckets=(1,), prefill_buckets=(16,),
                                 early_gemv=True)
         got = model.generate(ids, max_new_tokens=3, do_sample=False)
-    assert model.compiled_runner.pass_manager.matches["early_reads"] == 2 + 3 + 2
+    matches = model.compiled_runner.pass_manager.matches
+    assert matches["early_reads"] == 2 + 3 + 2
+    assert matches["linear_scale"] == 3  # (on by default) the index layers' weights_proj(x) * scale
     assert torch.equal(got, want)
 
 

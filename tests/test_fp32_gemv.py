@@ -123,7 +123,7 @@ def test_compiles_for_hopper_without_spills(whole_rows, early):
     args = dict(x_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", partial_ptr="*fp32", counter_ptr="*i32", N="i32",
                 K="i32", n_per_group="i32")
     constexprs = dict(QUANT_X=False, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
-                      K_CHUNKS=launch["k_chunks"], NORM=False, HEAD=0, TAIL=0, EARLY=early, LOOP=False)
+                      K_CHUNKS=launch["k_chunks"], NORM=False, HEAD=0, TAIL=0, EARLY=early, LOOP=False, SCALED=False)
     check_compiles_for_hopper(gemv, ("_gemv_kernel", args, constexprs, launch["num_warps"]),
                               divisible_by_16=("x_ptr", "w_ptr", "K"))
 

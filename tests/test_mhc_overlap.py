@@ -163,10 +163,10 @@ def test_compile_options_set_the_cutoff(fresh_dynamo):  # noqa: F811
         return [(type(p).__name__, p.options.get("max_tokens")) for p in manager.passes]
 
     assert not CompileOptions().mhc_overlap and CompileOptions().mhc_overlap_max_tokens == 16  # off: 0.99x at B1
-    rope = ("LinearRopePass", None)  # CompileOptions.linear_rope: on by default, last
+    rope = ("LinearRopePass", None), ("LinearScalePass", None)  # CompileOptions.linear_rope, linear_scale: on, last
     assert passes(mhc_overlap=True, mhc_overlap_max_tokens=8, mhc_defer_mixes=False)[1:] == [
-        ("MhcFusionPass", None), ("MhcOverlapPass", 8), rope]
-    assert passes(mhc_defer_mixes=False)[1:] == [("MhcFusionPass", None), rope]
+        ("MhcFusionPass", None), ("MhcOverlapPass", 8), *rope]
+    assert passes(mhc_defer_mixes=False)[1:] == [("MhcFusionPass", None), *rope]
     with pytest.raises(ValueError, match="mhc_overlap_max_tokens"):
         CompileOptions(mhc_overlap_max_tokens=0)
     with pytest.raises(ValueError, match=f"fewer than {ROWS_MIN_TOKENS} tokens"):  # the rows kernel's seams

@@ -137,7 +137,7 @@ def test_kernel_compiles_for_hopper_without_spills(at_once):
                 norm_w_ptr="*bf16", N="i32", K="i32", n_per_group="i32", eps="fp32")
     head, tail = module.spans(launch["k_chunks"] * launch["block_k"]) if at_once else (0, 0)
     constexprs = dict(QUANT_X=True, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
-                      K_CHUNKS=launch["k_chunks"], NORM=True, HEAD=head, TAIL=tail, EARLY=False, LOOP=False)
+                      K_CHUNKS=launch["k_chunks"], NORM=True, HEAD=head, TAIL=tail, EARLY=False, LOOP=False, SCALED=False)
     check_compiles_for_hopper(module, ("_gemv_kernel", args, constexprs, launch["num_warps"]),
                               divisible_by_16=("x_ptr", "w_ptr", "K"))
 
