@@ -23,6 +23,12 @@ default launch and GEMV_GRID's (`--grid none`: only those, cuBLAS and bf16_linea
 is its input): seam -> projection over --layers layers, each with its own weight and seam `fn`, in one CUDA
 graph with PDL, for the one-row kernels (bf16_linear_gemv_triton.py's, bf16_linear_triton.py's tiled one); then
 the seams alone. Each projection's share is (pair - seam alone) per layer; the order rotates by round.
+
+--after-wq-b times the indexer's wq_b as an index layer runs it, right after the attention's wq_b on the same row
+(the one-row TMA GEMV of 84 MB): row -> wq_b -> the indexer's wq_b over --layers layers in one CUDA graph with PDL,
+its GEMV waiting first (the default), reading and summing before its wait (`early`: the early launch, a K loop) and
+early on the default launch; then wq_b alone. The indexer's share is (pair - wq_b alone) per layer
+(CompileOptions.early_gemv, passes/early_reads.py).
 """
 
 from __future__ import annotations
@@ -170,6 +176,44 @@ def after_seam(name: str, layers: int, rounds: int, gen: torch.Generator) -> lis
     return rows
 
 
+def after_wq_b(layers: int, rounds: int, gen: torch.Generator) -> list[dict]:
+    k, n, _, quantize = PROJECTIONS["indexer_wq_b"]
+    big = [(torch.randn(PROJECTIONS["wq_b"][1], k, device="cuda", generator=gen) / k ** 0.5).bfloat16()
+           for _ in range(layers)]
+    weights = [(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16() for _ in range(layers)]
+    x = torch.randn(1, k, device="cuda", generator=gen).bfloat16()
+    default_launch = gemv.launch(n, k, 1, torch.cuda.get_device_properties(0).multi_processor_count)
+    projections = {
+        "waits first": lambda row, q, w: torch.ops.dsflash.bf16_gemv(row, w, 1, quantize),
+        "early": lambda row, q, w: torch.ops.dsflash.bf16_gemv(row, w, 1, quantize, after=q, early=True),
+        "early, default launch": lambda row, q, w: gemv.bf16_linear_gemv(row, w, 1, quantize, early=True,
+                                                                         loop=False, **default_launch),
+        "wq_b alone": None,
+    }
+
+    def run(projection):
+        outs = []
+        for b, w in zip(big, weights):
+            row = x * 1  # the row's producer: wq_b's kernel runs between it and the indexer's
+            q = torch.ops.dsflash.bf16_gemv(row, b, 1, quantize)
+            outs.append(q if projection is None else projection(row, q, w))
+        return outs
+
+    want = bf16_linear_reference(x, weights[0], 1, quantize)
+    agrees = {label: label == "wq_b alone" or ((run(fn)[0] - want).abs().max() / want.abs().max()).item() <= 2 ** -7
+              for label, fn in projections.items()}
+    times = {label: [] for label in projections}
+    labels = list(projections)
+    for r in range(rounds):
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            times[label].append(time_graph(lambda: run(projections[label]), calls=2, replays=20) / layers)
+    alone = statistics.median(times["wq_b alone"])
+    return [{"proj": "indexer_wq_b", "variant": label, "s": statistics.median(ts), "rounds_s": ts,
+             "agrees": agrees[label], "layers": layers,
+             "projection_s": None if label == "wq_b alone" else statistics.median(ts) - alone}
+            for label, ts in times.items()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", nargs="+", type=int, default=ROWS)
@@ -178,13 +222,21 @@ def main() -> None:
     parser.add_argument("--prequantized", action="store_true", help="the op gets the FP8-rounded input")
     parser.add_argument("--top", type=int, default=4, help="variants of the first row count timed at the others")
     parser.add_argument("--after-seam", action="store_true", help="time --only's projections after a seam instead")
-    parser.add_argument("--layers", type=int, default=8, help="--after-seam: layers, each with its own weights")
-    parser.add_argument("--rounds", type=int, default=5, help="--after-seam: rounds, the order rotating")
+    parser.add_argument("--after-wq-b", action="store_true",
+                        help="time the indexer's wq_b after the attention's, waiting first or early, instead")
+    parser.add_argument("--layers", type=int, default=8, help="--after-*: layers, each with its own weights")
+    parser.add_argument("--rounds", type=int, default=5, help="--after-*: rounds, the order rotating")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sweep_linear.py needs a CUDA device")
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if args.after_wq_b:
+        results = after_wq_b(args.layers, args.rounds, gen)
+        print_table(results, [("variant", "variant", ""), ("us / layer", "s", ".2f", 1e6),
+                              ("indexer us", "projection_s", ".2f", 1e6), ("agrees", "agrees", "")])
+        save_results({**run_metadata(), "after_wq_b": True, "rows": results}, "linear-after-wq-b", args.out)
+        return
     if args.after_seam:
         results = [row for name in args.only for row in after_seam(name, args.layers, args.rounds, gen)]
         print_table(results, [("proj", "proj", ""), ("variant", "variant", ""), ("us / layer", "s", ".2f", 1e6),
