@@ -17,6 +17,11 @@ just before it has passed its own wait), and `pdl_wait_only` comes before its fi
 (passes/early_reads.py: kv_norm_rope, the one-row GEMVs) read before their wait what was written before a kernel
 that waits before it lets the next be scheduled (their `after`'s: every launch after that kernel's needs it past
 its wait); a GEMV's `pdl_wait` then comes before its first store, so the kernels after it keep the rule.
+Inductor's own PDL kernels (its triton.enable_pdl) read before their wait whatever a node other than the one just
+before them wrote, which holds behind a kernel that waits before letting the next be scheduled; behind a
+`pdl_release` kernel it would not: such a kernel must be followed by one that waits before reading (the deferred
+mixes' finish is placed right before the seam that reads them, passes/mhc_defer.py; in the B1 traces the seam
+kernel follows it).
 
 `launch_options(device)` gives a kernel launch its keyword arguments: PDL on sm_90+ CUDA devices unless turned off
 (`DSFLASH_PDL=0`, or `launches(False)` around the calls, as CompileOptions.pdl does around a runner's graphs).
