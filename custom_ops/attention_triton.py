@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 
 from .pdl import launch_options, pdl_wait
+from .prefetch_l2 import prefetch_rows_l2
+from .records import record_bytes
 
 _FMT_ID = {"bf16": 0, "fp8": 1, "nvfp4": 2}
 BLOCK_N = 64  # keys per step; 64 halves the per-key cost of re-reading Q from shared memory for Q K^T
@@ -47,6 +49,14 @@ ONE_TOKEN_HEAD_GROUP = 16
 # 52.1 at 16; batch 8 19.2 at 2, 19.7 at 1, 24.6 at 4; batch 1 9.0 at 1, 11.2 at 2 (fewer programs for 20 splits)
 MERGE_MAX_HEADS = 16
 MERGE_PROGRAMS_PER_SM = 4
+# Before its PDL wait each program asks L2 for the key records of its first block (PREFETCH_KEYS: at one token
+# every split is one block): the window ring's and compressed cache's rows its index lists name, fetched from HBM
+# while the kernels before still run, where its gathers after the wait (index list, then records: two dependent
+# round trips) took most of its ~6.8 us of a layer's path (12-04 d5 trace). Hints only, always correct: a list
+# still being written (an index source's top-k just before) names rows clamped into the caches, read again after
+# the wait; nothing is stored before it. Records of a multiple of 16 bytes only (cp.async.bulk's rule: the
+# release's). Off: not measured yet (12-05 f: no GPU; variant attention-prefetch in scripts/compile_and_profile.py)
+PREFETCH_KEYS = False
 
 
 @triton.jit
@@ -195,16 +205,23 @@ def _finish(acc, m, l, sink_ptr, heads, pos, freq_ptr, out_ptr, out_row, H: tl.c
 @triton.jit
 def _attention_kernel(q_ptr, ring_ptr, chunk_ptr, widx_ptr, comp_ptr, cidx_ptr, sink_ptr, pos_ptr, freq_ptr,
                       out_ptr, part_acc_ptr, part_ml_ptr,
-                      S, K, chunk_sb, ring_sb, ring_sr, comp_sb, comp_sr, scale, blocks_per_split,
+                      S, K, chunk_sb, ring_sb, ring_sr, comp_sb, comp_sr, scale, blocks_per_split, comp_rows,
+                      ring_bytes, comp_bytes,
                       H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, NW: tl.constexpr,
                       HALF_ROPE: tl.constexpr, HG: tl.constexpr, BLOCK_N: tl.constexpr,
                       WIN_FMT: tl.constexpr, CMP_FMT: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
-                      PDL: tl.constexpr):
-    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
+                      PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    """PREFETCH: the first block's key records asked of L2 before the PDL wait (PREFETCH_KEYS)."""
     tok = tl.program_id(0)
     group = tl.program_id(1)
     split = tl.program_id(2)
     b = tok // S
+    if PREFETCH:  # hints: reads of lists that may still change, no store (PREFETCH_KEYS)
+        _prefetch_block(ring_ptr + b.to(tl.int64) * ring_sb, widx_ptr + tok.to(tl.int64) * NW,
+                        comp_ptr + b.to(tl.int64) * comp_sb, cidx_ptr + tok.to(tl.int64) * K,
+                        split * blocks_per_split, K, ring_sr, comp_sr, comp_rows, ring_bytes, comp_bytes, W, NW,
+                        BLOCK_N)
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     heads = group * HG + tl.arange(0, HG)  # a group may run past H (fewer heads than HG): masked
     d = tl.arange(0, D)
     q = tl.load(q_ptr + tok.to(tl.int64) * H * D + heads[:, None] * D + d[None, :], mask=(heads < H)[:, None],
@@ -243,6 +260,24 @@ def _attention_kernel(q_ptr, ring_ptr, chunk_ptr, widx_ptr, comp_ptr, cidx_ptr, 
     else:
         pos = tl.load(pos_ptr + tok)
         _finish(acc, m, l, sink_ptr, heads, pos, freq_ptr, out_ptr, tok.to(tl.int64) * H * D, H, D, HALF_ROPE)
+
+
+@triton.jit
+def _prefetch_block(ring, widx, comp, cidx, blk, K, ring_sr, comp_sr, comp_rows, ring_bytes, comp_bytes,
+                    W: tl.constexpr, NW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Ask L2 for the records (ring_bytes / comp_bytes each) of key block `blk` of one token (ring / comp: its row's
+    caches, widx / cidx: its lists), rows clamped into the caches (a chunk row, -1 or a stale entry names some cached
+    row: a wasted hint at most)."""
+    n = tl.arange(0, BLOCK_N)
+    win_blocks: tl.constexpr = (NW + BLOCK_N - 1) // BLOCK_N
+    if blk < win_blocks:
+        e = blk * BLOCK_N + n
+        rows = tl.minimum(tl.maximum(tl.load(widx + e, mask=e < NW, other=0), 0), W - 1)
+        prefetch_rows_l2(ring + rows.to(tl.int64) * ring_sr, ring_bytes)
+    else:
+        e = (blk - win_blocks) * BLOCK_N + n
+        rows = tl.minimum(tl.maximum(tl.load(cidx + e, mask=e < K, other=0), 0), comp_rows - 1)
+        prefetch_rows_l2(comp + rows.to(tl.int64) * comp_sr, comp_bytes)
 
 
 @triton.jit
@@ -288,10 +323,11 @@ def _num_sms(device: torch.device) -> int:
 def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, positions, inv_freq, scale,
                      window_fmt, compressed_fmt, num_splits: int | None = None, block_n: int | None = None,
                      num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, head_group: int | None = None,
-                     heads_per_merge: int | None = None):
+                     heads_per_merge: int | None = None, prefetch: bool | None = None):
     """Launch (the op's CUDA kernel; also callable directly, e.g. under TRITON_INTERPRET=1). num_splits,
     block_n, num_warps, num_stages and head_group (heads per program, a power of two >= 16) override the
-    defaults (benchmark sweeps); heads_per_merge (a power of two dividing the heads) the merge's (`merge_heads`)."""
+    defaults (benchmark sweeps); heads_per_merge (a power of two dividing the heads) the merge's (`merge_heads`);
+    prefetch: PREFETCH_KEYS (None: the module's), where the records allow it."""
     batch, seq, heads, dim = q.shape
     window, nw, k = ring.shape[1], widx.shape[-1], cidx.shape[-1]
     if not out.is_contiguous() or out.shape != q.shape:
@@ -323,6 +359,11 @@ def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, posit
     if compressed.numel() == 0:
         compressed = ring  # never read (K = 0); any valid pointer
     split = num_splits > 1
+    # the records' rows 16-byte aligned and sized (cp.async.bulk), on the GPU (the interpreter runs no inline PTX)
+    sizes = record_bytes(window_fmt, dim), record_bytes(compressed_fmt, dim)
+    aligned = all(t.stride(1) * t.element_size() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+                  for t in (ring, compressed)) and all(n % 16 == 0 for n in sizes)
+    prefetch = (PREFETCH_KEYS if prefetch is None else prefetch) and aligned and q.device.type == "cuda"
     per_merge = heads_per_merge or merge_heads(tokens, heads, q.device)
     if heads % per_merge or per_merge & (per_merge - 1):
         raise ValueError(f"attention_triton: heads_per_merge={per_merge} must be a power of two dividing the "
@@ -332,10 +373,10 @@ def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, posit
     _attention_kernel[(tokens, groups, num_splits)](
         q.contiguous(), ring, chunk_kv.contiguous(), widx, compressed, cidx, sink, positions, inv_freq,
         out, part_acc, part_ml, seq, k, chunk_kv.shape[1] * dim, ring.stride(0), ring.stride(1), compressed.stride(0),
-        compressed.stride(1),
-        scale, per, H=heads, D=dim, W=window, NW=nw, HALF_ROPE=inv_freq.shape[0], HG=head_group, BLOCK_N=block_n,
-        WIN_FMT=_FMT_ID[window_fmt], CMP_FMT=_FMT_ID[compressed_fmt], SPLIT=split,
-        INTERPRET=q.device.type != "cuda", num_warps=num_warps, num_stages=num_stages, **launch_options(q.device))
+        compressed.stride(1), scale, per, compressed.shape[1], *sizes, H=heads, D=dim, W=window, NW=nw,
+        HALF_ROPE=inv_freq.shape[0], HG=head_group, BLOCK_N=block_n, WIN_FMT=_FMT_ID[window_fmt],
+        CMP_FMT=_FMT_ID[compressed_fmt], SPLIT=split, INTERPRET=q.device.type != "cuda", PREFETCH=prefetch,
+        num_warps=num_warps, num_stages=num_stages, **launch_options(q.device))
     if split:
         _merge_kernel[(tokens, heads // per_merge)](
             part_acc, part_ml, sink, positions, inv_freq, out, num_splits, H=heads, D=dim,

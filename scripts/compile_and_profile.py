@@ -101,6 +101,7 @@ VARIANTS = {
     "engram-op": {"engram_lookup_op": True},  # the Engram table's rows by dsflash::engram_lookup
     "rope-cos-sin": {},  # RoPE rotations by cos / sin in the compiled set-up, not eager torch.polar kernels
     "single-topk": {},  # the decode top-k and its finish in one launch per row (topk_triton's single path)
+    "attention-prefetch": {},  # the attention's key records asked of L2 before its PDL wait (PREFETCH_KEYS)
     # the four options of 12-04 e (written without a GPU) together; its group rows and gathered pool: every build
     "e-all": {"decode_ring_write_op": True, "compressor_gemv": True, "engram_lookup_op": True},
     "passes": {},
@@ -128,7 +129,8 @@ KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "loads-first": {GEMV: {"AT_ONCE": True}, KV: {"ROT_FIRST": True}},
                    "single-topk": {TOPK: {"SINGLE_ON": True}},
                    "e-all": {TOPK: {"SINGLE_ON": True}},
-                   "rope-cos-sin": {"dsflash_compile.rope": {"COS_SIN": True}}}
+                   "rope-cos-sin": {"dsflash_compile.rope": {"COS_SIN": True}},
+                   "attention-prefetch": {"dsflash_compile.custom_ops.attention_triton": {"PREFETCH_KEYS": True}}}
 
 
 @contextmanager

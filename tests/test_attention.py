@@ -505,3 +505,54 @@ def test_merge_heads_same_bits_cuda():
         attention_triton(outs[per_merge], *args, heads_per_merge=per_merge)
     assert outs[1].isfinite().all()
     assert torch.equal(outs[4], outs[1]) and torch.equal(outs[16], outs[1])
+
+
+ATTENTION_SPEC_ARGS = dict(q_ptr="*bf16", ring_ptr="*u8", chunk_ptr="*bf16", widx_ptr="*i32", comp_ptr="*u8",
+                           cidx_ptr="*i32", sink_ptr="*fp32", pos_ptr="*i64", freq_ptr="*fp32", out_ptr="*bf16",
+                           part_acc_ptr="*fp32", part_ml_ptr="*fp32", S="i32", K="i32", chunk_sb="i32",
+                           ring_sb="i32", ring_sr="i32", comp_sb="i32", comp_sr="i32", scale="fp32",
+                           blocks_per_split="i32", comp_rows="i32", ring_bytes="i32", comp_bytes="i32")
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_decode_launch_compiles_for_hopper_without_spills(prefetch):
+    """The release's B1 decode launch (16 heads a program, 32-key blocks, fp8 window and NVFP4 compressed records,
+    split) without spills on sm_90; with PREFETCH the first block's records are asked of L2 (cp.async.bulk
+    .prefetch.L2) before griddepcontrol.wait, and nothing is stored before it."""
+    from hopper import check_compiles_for_hopper, compile_for_hopper
+
+    from dsflash_compile.custom_ops import attention_triton as kernels
+
+    constexprs = dict(H=64, D=512, W=128, NW=128, HALF_ROPE=32, HG=kernels.ONE_TOKEN_HEAD_GROUP,
+                      BLOCK_N=kernels.SMALL_BLOCK_N, WIN_FMT=1, CMP_FMT=2, SPLIT=True, INTERPRET=False,
+                      PREFETCH=prefetch)
+    spec = ("_attention_kernel", ATTENTION_SPEC_ARGS, constexprs, kernels.NUM_WARPS, kernels.NUM_STAGES)
+    check_compiles_for_hopper(kernels, spec)
+    lines = compile_for_hopper(kernels, spec).asm["ptx"].splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    prefetches = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2" in line]
+    stores = [i for i, line in enumerate(lines) if "st.global" in line]
+    assert bool(prefetches) == prefetch and all(i < wait for i in prefetches) and min(stores) > wait
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("compressed_fmt", ["nvfp4", "fp8"])
+def test_prefetch_keeps_the_outputs_cuda(compressed_fmt):
+    """The decode launch with its key records asked of L2 before the wait (PREFETCH_KEYS) gives the same bits,
+    eager and after a stale top-k list (the prefetch reads it before the wait: a hint at most)."""
+    from dsflash_compile.custom_ops.attention_triton import attention_triton
+
+    inp = release_inputs(1, compressed_fmt=compressed_fmt, batch=1, seq=1)
+    for name in OP_ARGS:
+        if isinstance(getattr(inp, name), torch.Tensor):
+            setattr(inp, name, getattr(inp, name).cuda())
+    outs = {}
+    for prefetch in (False, True):
+        outs[prefetch] = torch.empty_like(inp.q)
+        attention_triton(outs[prefetch], *op_args(inp), prefetch=prefetch)
+    assert torch.equal(outs[True], outs[False])
+    inp.cidx.copy_(inp.cidx.flip(-1))  # another list, then the launch: the same bits as without the hint
+    again = {p: torch.empty_like(inp.q) for p in (False, True)}
+    for prefetch, out in again.items():
+        attention_triton(out, *op_args(inp), prefetch=prefetch)
+    assert torch.equal(again[True], again[False])

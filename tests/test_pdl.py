@@ -61,6 +61,11 @@ def test_every_kernel_waits_first():
             assert lines[wait - 1].startswith("if PREFETCH_K > 0:\n") and "prefetch_rows_l2(w_ptr" in before, name
             assert "load" not in before and "store" not in before, name
             assert set(re.findall(r"\w+_ptr", before)) == {"w_ptr"}, name
+        elif "PREFETCH" in kernel.arg_names:  # the attention's key records asked of L2 (hints), nothing stored
+            wait = lines.index("pdl_wait(PDL)")
+            before = "\n".join(lines[:wait])
+            assert lines[wait - 1].startswith("if PREFETCH:\n    _prefetch_block(") and "store" not in before, name
+            assert set(re.findall(r"\w+_ptr", before)) == {"ring_ptr", "widx_ptr", "comp_ptr", "cidx_ptr"}, name
         elif "SHARED_FIRST" in kernel.arg_names:  # its shared program reads x (two launches back) before its wait
             assert lines[0].startswith("prog, pid_n = ") and "_ptr" not in lines[0], name
             assert lines[1].startswith("if SHARED_FIRST:\n    if prog == KK:\n        pdl_release(PDL)\n"), name
