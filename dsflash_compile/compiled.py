@@ -116,6 +116,10 @@ class CompileOptions:
     # wq_b beside the attention's (7.6 us of an index layer's path after it, 12-04 d5 trace), its weights_proj and
     # the compressors' projections beside wq_a + wkv. Off: not measured yet (12-05 f: no GPU)
     early_gemv: bool = False
+    # issue 5: the attention's key row (kv_norm_rope) made before the query's wq_b, so that the attention's kernel
+    # follows wq_b's (passes/kv_first.py; with attention_triton.PREFETCH_KEYS its programs prefetch their key records
+    # in wq_b's tail). Off: not measured yet (12-05 f: no GPU)
+    kv_first: bool = False
     # issue 5: grouped GEMMs of the bf16 routed experts with at most this many (token, slot) rows run
     # dsflash::grouped_mm (each picked expert's weight streamed about once, its row tiles as tall as the rows per
     # expert: mxfp4_experts_triton.bf16_launch) instead of torch._grouped_mm, whose CUTLASS grouped GEMM took 63
@@ -372,7 +376,7 @@ class CompiledRunner:
                                             early_reads=options.early_reads, early_gemv=options.early_gemv,
                                             router_seam_experts=ROUTE_MAX_EXPERTS if options.router_in_seam else 0,
                                             linear_rope=options.linear_rope, linear_scale=options.linear_scale,
-                                            seam_norm_gemv=options.seam_norm_gemv,
+                                            seam_norm_gemv=options.seam_norm_gemv, kv_first=options.kv_first,
                                             linear_norm=options.linear_norm)
                              if options.passes else None)
         if not options.passes:

@@ -3,6 +3,7 @@
 from torch._inductor import config as inductor_config
 
 from .early_reads import EarlyReadsPass
+from .kv_first import KvFirstPass
 from .linear_norm import LinearNormPass
 from .linear_rope import LinearRopePass
 from .linear_scale import LinearScalePass
@@ -31,7 +32,7 @@ def use(manager: DsflashPassManager | None) -> None:
 def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0,
             early_reads: bool = False, router_seam_experts: int = 0, linear_rope: bool = False,
             seam_norm_gemv: bool = False, linear_norm: bool = False, early_gemv: bool = False,
-            linear_scale: bool = False) -> DsflashPassManager:
+            linear_scale: bool = False, kv_first: bool = False) -> DsflashPassManager:
     """Make Inductor run our passes (post-grad) for graphs compiled from now on; returns the manager,
     whose `matches` counts the rewrites. Patterns use the config's router and mHC constants.
     mhc_overlap_tokens > 0: fused seams of at most that many tokens are split so that their mixes run on a
@@ -45,7 +46,8 @@ def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0,
     deferral): a deferred seam read by one bf16_gemv leaves its RMSNorm to it (SeamNormGemvPass). linear_norm: an
     RMSNorm read only by a one-row projection of a TMA-sized weight becomes its norm prologue (LinearNormPass, after
     LinearRopePass). linear_scale: a one-row GEMV whose only reader multiplies it by a constant takes the constant
-    in its epilogue (LinearScalePass)."""
+    in its epilogue (LinearScalePass). kv_first: the attention's key row is made before the query's one-row
+    projection (KvFirstPass, last)."""
     manager = DsflashPassManager([
         RouterFusionPass(text_config.num_experts_per_tok, text_config.norm_topk_prob,
                          text_config.routed_scaling_factor),
@@ -59,6 +61,7 @@ def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0,
         *([LinearRopePass()] if linear_rope else []),
         *([LinearScalePass()] if linear_scale else []),
         *([LinearNormPass()] if linear_norm else []),
+        *([KvFirstPass()] if kv_first else []),
     ])
     use(manager)
     return manager

@@ -17,23 +17,14 @@ them) computed from their input that no other early projection follows, and they
 index layer's path after it), its weights_proj and the compressors' projections after wq_a + wkv.
 """
 
-import operator
-
 import torch
 
-from .graph_edit import descendants, is_view, mutated, starts_early
+from .graph_edit import descendants, mutated, source, starts_early
 
 ops = torch.ops.dsflash
 KV_ROW_OPS = (ops.kv_norm_rope.default,)
 GEMV_OPS = (ops.bf16_gemv.default, ops.fp32_gemv.default)
 STREAMING_OPS = (ops.bf16_gemv.default, ops.bf16_linear.default, ops.fp32_gemv.default)  # a GEMV's anchors
-
-
-def _source(node: torch.fx.Node) -> torch.fx.Node:
-    """The node that computed `node`'s data: up through views and the items of view ops (a split's pieces)."""
-    while is_view(node) or (node.target is operator.getitem and is_view(node.args[0])):
-        node = node.args[0]
-    return node
 
 
 class EarlyReadsPass:
@@ -51,14 +42,14 @@ class EarlyReadsPass:
 
     def _early(self, graph: torch.fx.Graph, node: torch.fx.Node) -> int:
         inputs = node.all_input_nodes
-        producers = {_source(n) for n in inputs} - {n for n in graph.nodes if n.op in ("placeholder", "get_attr")}
+        producers = {source(n) for n in inputs} - {n for n in graph.nodes if n.op in ("placeholder", "get_attr")}
         if not producers or node.users == {}:
             return 0
         order = {n: i for i, n in enumerate(graph.nodes)}
         first_reader = min(node.users, key=order.__getitem__)
         computed = set.intersection(*(descendants(p) for p in producers)) - descendants(node) - {node}
         anchors = [n for n in computed if n.op == "call_function" and order[n] < order[first_reader]
-                   and isinstance(n.meta.get("val"), torch.Tensor) and _source(n) is n and not starts_early(n)
+                   and isinstance(n.meta.get("val"), torch.Tensor) and source(n) is n and not starts_early(n)
                    and all(order[i] < order[n] for i in inputs)]
         if node.target in GEMV_OPS:
             hosts = {user.kwargs.get("after") for user in graph.nodes if user.target in GEMV_OPS and starts_early(user)}
@@ -68,8 +59,8 @@ class EarlyReadsPass:
         anchor = max(anchors, key=order.__getitem__)
         # the op moves past the nodes between its place and its anchor's: none may write what it reads
         low, high = sorted((order[node], order[anchor]))
-        sources = {_source(n) for n in inputs}
-        if any(_source(m) in sources for n in list(graph.nodes)[low + 1:high + 1] for m in mutated(n)):
+        sources = {source(n) for n in inputs}
+        if any(source(m) in sources for n in list(graph.nodes)[low + 1:high + 1] for m in mutated(n)):
             return 0
         anchor.append(node)
         node.kwargs = {**node.kwargs, "after": anchor, "early": True}

@@ -61,6 +61,13 @@ def is_view(node: torch.fx.Node) -> bool:
                                            or getattr(node.target, "is_view", False))
 
 
+def source(node: torch.fx.Node) -> torch.fx.Node:
+    """The node that computed `node`'s data: up through views and the items of view ops (a split's pieces)."""
+    while is_view(node) or (node.target is operator.getitem and is_view(node.args[0])):
+        node = node.args[0]
+    return node
+
+
 def views_and_readers(items: list[torch.fx.Node]) -> tuple[set, set]:
     """The views taken of `items` (transitively) and the nodes that read them or their views."""
     views, readers, todo = set(), set(), list(items)

@@ -102,6 +102,8 @@ VARIANTS = {
     "rope-cos-sin": {},  # RoPE rotations by cos / sin in the compiled set-up, not eager torch.polar kernels
     "single-topk": {},  # the decode top-k and its finish in one launch per row (topk_triton's single path)
     "attention-prefetch": {},  # the attention's key records asked of L2 before its PDL wait (PREFETCH_KEYS)
+    "kv-first": {"kv_first": True},  # the attention's key row before wq_b: the attention follows wq_b (kv_first.py)
+    "attention-prefetch-kv-first": {"kv_first": True},  # both
     # the four options of 12-04 e (written without a GPU) together; its group rows and gathered pool: every build
     "e-all": {"decode_ring_write_op": True, "compressor_gemv": True, "engram_lookup_op": True},
     "passes": {},
@@ -113,6 +115,7 @@ VARIANTS = {
 TMA, ROUTED = "dsflash_compile.custom_ops.bf16_linear_tma_triton", "dsflash_compile.custom_ops.routed_experts_triton"
 GEMV, MHC = "dsflash_compile.custom_ops.bf16_linear_gemv_triton", "dsflash_compile.custom_ops.mhc_triton"
 KV, TOPK = "dsflash_compile.custom_ops.kv_norm_rope_triton", "dsflash_compile.custom_ops.topk_triton"
+ATTENTION = "dsflash_compile.custom_ops.attention_triton"
 KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "shared-first": {ROUTED: {"SHARED_FIRST": True}},
                    "shared-first-128": {ROUTED: {"SHARED_FIRST": True, "UP_MAXNREG": 128}},
@@ -130,7 +133,8 @@ KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "single-topk": {TOPK: {"SINGLE_ON": True}},
                    "e-all": {TOPK: {"SINGLE_ON": True}},
                    "rope-cos-sin": {"dsflash_compile.rope": {"COS_SIN": True}},
-                   "attention-prefetch": {"dsflash_compile.custom_ops.attention_triton": {"PREFETCH_KEYS": True}}}
+                   "attention-prefetch": {ATTENTION: {"PREFETCH_KEYS": True}},
+                   "attention-prefetch-kv-first": {ATTENTION: {"PREFETCH_KEYS": True}}}
 
 
 @contextmanager

@@ -176,22 +176,35 @@ def test_compile_option_installs_the_gemv_half(fresh_dynamo):  # noqa: F811
     assert [p.options for p in installed] == [{"kv_rows": False, "gemv": True}]
 
 
-def test_the_models_decode_projections_read_early(fresh_dynamo):  # noqa: F811
-    """The tiny model through Inductor with early_gemv: in the decode graphs of its index layers the indexer's wq_b
-    follows the attention's wq_b and weights_proj a projection of the row (layer 2: wq_a + wkv; the ratio-1 source
-    5: its compressor's wkv there, weights_proj after the index keys' wk; layer 7: wq_a + wkv): 2 + 3 + 2 early
-    projections (prompt chunks run more rows: bf16_linear, not a GEMV); generate() gives the eager model's tokens."""
+def test_the_models_decode_graphs_take_the_ordering_passes(fresh_dynamo):  # noqa: F811
+    """The tiny model through Inductor with early_gemv and kv_first. In the decode graphs of its index layers the
+    indexer's wq_b follows the attention's wq_b and weights_proj a projection of the row (layer 2: wq_a + wkv; the
+    ratio-1 source 5: its compressor's wkv there, weights_proj after the index keys' wk; layer 7: wq_a + wkv): 2 + 3 +
+    2 early projections (prompt chunks run more rows: bf16_linear, not a GEMV). In every one-row decode graph the key
+    row's kernel comes before the query's projection (passes/kv_first.py), 7 graphs, one a block role. generate()
+    gives the eager model's tokens."""
+    from torch._inductor.utils import run_and_get_code
+
     model = tiny_model()
     ids = torch.randint(3, 500, (1, 12), generator=torch.Generator().manual_seed(1))
     want = model.generate(ids, max_new_tokens=3, do_sample=False)
     with graph_caches_off():  # so the passes run (and count) here
         dsflash_compile.compile(model, max_batch=1, max_length=64, batch_buckets=(1,), prefill_buckets=(16,),
-                                early_gemv=True)
-        got = model.generate(ids, max_new_tokens=3, do_sample=False)
+                                early_gemv=True, kv_first=True)
+        got, codes = run_and_get_code(lambda: model.generate(ids, max_new_tokens=3, do_sample=False))
     matches = model.compiled_runner.pass_manager.matches
-    assert matches["early_reads"] == 2 + 3 + 2
+    assert matches["early_reads"] == 2 + 3 + 2 and matches["kv_first"] == 7
     assert matches["linear_scale"] == 3  # (on by default) the index layers' weights_proj(x) * scale
     assert torch.equal(got, want)
+    decode = [[line for line in code.splitlines() if " = torch.ops.dsflash." in line]  # (the calls)
+              for code in codes if "attention_" in code and "kv_norm_rope" in code and "after=buf" in code]
+    decode = [calls for calls in decode if any("after=buf" in line and "early=True" not in line for line in calls)]
+    assert len(decode) == 7
+    for calls in decode:  # the query's projection: the one-row GEMV ordered by an `after`, not reading early
+        row = next(i for i, line in enumerate(calls) if "kv_norm_rope" in line)
+        query = next(i for i, line in enumerate(calls) if "bf16_gemv" in line and "after=buf" in line
+                     and "early=True" not in line)
+        assert row < query, calls
 
 
 def test_a_gemv_whose_row_is_written_in_between_stays():
