@@ -39,7 +39,8 @@ def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0,
     side CUDA stream (MhcOverlapPass); 0 keeps every seam one launch. mhc_defer_tokens > 0: fused seams of at
     most that many tokens leave their mixes to a finishing op before the mixes' first reader (MhcDeferPass).
     early_reads: kv_norm_rope reads before its PDL wait where a kernel runs between it and its inputs
-    (EarlyReadsPass); early_gemv: one-row projections do, after a projection streaming a weight.
+    (EarlyReadsPass, after the linear passes); early_gemv: one-row projections do, after a projection streaming a
+    weight.
     router_seam_experts > 0 (with the deferral): routers of at most that many experts reading a deferred seam's
     normed rows run inside that seam (RouterSeamPass). linear_rope: a bf16_linear whose only
     reader is the RoPE of its heads takes the rotation in its epilogue (LinearRopePass). seam_norm_gemv (with the
@@ -57,10 +58,13 @@ def install(text_config, mhc_overlap_tokens: int = 0, mhc_defer_tokens: int = 0,
         *([MhcDeferPass(mhc_defer_tokens)] if mhc_defer_tokens > 0 else []),
         *([RouterSeamPass(router_seam_experts)] if mhc_defer_tokens > 0 and router_seam_experts > 0 else []),
         *([SeamNormGemvPass()] if mhc_defer_tokens > 0 and seam_norm_gemv else []),
-        *([EarlyReadsPass(early_reads, early_gemv)] if early_reads or early_gemv else []),
         *([LinearRopePass()] if linear_rope else []),
         *([LinearScalePass()] if linear_scale else []),
         *([LinearNormPass()] if linear_norm else []),
+        # after the epilogue folds: an early GEMV's `after` is a second reader of its anchor's output, which the
+        # folds take as a sign of another reader (12-05 f1, H200: before them it kept the query's RoPE out of
+        # wq_b's epilogue in the index layers, a RoPE kernel of 1.7 us each)
+        *([EarlyReadsPass(early_reads, early_gemv)] if early_reads or early_gemv else []),
         *([KvFirstPass()] if kv_first else []),
     ])
     use(manager)

@@ -106,6 +106,11 @@ VARIANTS = {
     "attention-prefetch-kv-first": {"kv_first": True},  # both
     # the four options of 12-04 e (written without a GPU) together; its group rows and gathered pool: every build
     "e-all": {"decode_ring_write_op": True, "compressor_gemv": True, "engram_lookup_op": True},
+    # 12-05 f: e-all with the early GEMVs; also with the attention's prefetch after wq_b; and without engram-op
+    "e-early": {"decode_ring_write_op": True, "compressor_gemv": True, "engram_lookup_op": True, "early_gemv": True},
+    "e-early-prefetch": {"decode_ring_write_op": True, "compressor_gemv": True, "engram_lookup_op": True,
+                         "early_gemv": True, "kv_first": True},
+    "e-early-no-engram": {"decode_ring_write_op": True, "compressor_gemv": True, "early_gemv": True},
     "passes": {},
     "warm": {},
 }
@@ -132,6 +137,9 @@ KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "loads-first": {GEMV: {"AT_ONCE": True}, KV: {"ROT_FIRST": True}},
                    "single-topk": {TOPK: {"SINGLE_ON": True}},
                    "e-all": {TOPK: {"SINGLE_ON": True}},
+                   "e-early": {TOPK: {"SINGLE_ON": True}},
+                   "e-early-prefetch": {TOPK: {"SINGLE_ON": True}, ATTENTION: {"PREFETCH_KEYS": True}},
+                   "e-early-no-engram": {TOPK: {"SINGLE_ON": True}},
                    "rope-cos-sin": {"dsflash_compile.rope": {"COS_SIN": True}},
                    "attention-prefetch": {ATTENTION: {"PREFETCH_KEYS": True}},
                    "attention-prefetch-kv-first": {ATTENTION: {"PREFETCH_KEYS": True}}}

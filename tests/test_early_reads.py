@@ -82,7 +82,7 @@ def test_compile_options_install_it(fresh_dynamo):  # noqa: F811
         return [type(p).__name__ for p in torch._inductor.config.post_grad_custom_post_pass.passes]
 
     assert "EarlyReadsPass" not in passes()  # off: it did not pay (12-03 y1)
-    assert passes(early_reads=True)[-3:] == ["EarlyReadsPass", "LinearRopePass", "LinearScalePass"]  # both on
+    assert passes(early_reads=True)[-3:] == ["LinearRopePass", "LinearScalePass", "EarlyReadsPass"]  # after them
 
 
 class RecordedGemv:
@@ -194,6 +194,7 @@ def test_the_models_decode_graphs_take_the_ordering_passes(fresh_dynamo):  # noq
         got, codes = run_and_get_code(lambda: model.generate(ids, max_new_tokens=3, do_sample=False))
     matches = model.compiled_runner.pass_manager.matches
     assert matches["early_reads"] == 2 + 3 + 2 and matches["kv_first"] == 7
+    assert matches["linear_rope"] == 7  # as without early_gemv: its `after`s come after the folds (12-05 f1)
     assert matches["linear_scale"] == 3  # (on by default) the index layers' weights_proj(x) * scale
     assert torch.equal(got, want)
     decode = [[line for line in code.splitlines() if " = torch.ops.dsflash." in line]  # (the calls)
