@@ -112,12 +112,12 @@ FILTER_VARIANTS = [(GROUPS, SAMPLE, CAND, FILTER_BLOCK, FILTER_WARPS), (2048, 2,
                    (2048, 1, 2048, 4096, 8), (2048, 2, 4096, 2048, 8), (2048, 4, 4096, 4096, 8),
                    (1024, 2, 4096, 2048, 8), (2048, 2, 4096, 2048, 4), (2048, 2, 4096, 4096, 16)]
 # single path (decode: one program per row of at most SINGLE_WIDTH entries, the finish in the same launch; see
-# the module docstring), its keys per thread (warps from the row's width), and whether the ops take it: off until
-# a B1 step on the H200 times it against the radix split path (compile_and_profile variant single-topk; written
-# in a session without a GPU: its CUDA tests have not run either)
+# the module docstring), its keys per thread (warps from the row's width), and whether the ops take it: on. H200 B1
+# step (12-05 f1, with the ring writes, the compressors' GEMV and engram-op as variant e-all) 10.212 ms against
+# 10.389 without the four, each of 5 rounds lower, logits bit-equal; its CUDA tests passed (variant no-single-topk)
 SINGLE_WIDTH = 8192
 SINGLE_KEYS_PER_THREAD = 16
-SINGLE_ON = False
+SINGLE_ON = True
 _KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 KEY_DTYPES = tuple(_KEY_BITS)  # score dtypes the kernels rank
 _BITS_VIEW = {16: torch.int16, 32: torch.int32}

@@ -114,8 +114,11 @@ class CompileOptions:
     # issue 5: one-row projections (dsflash::bf16_gemv, fp32_gemv) read x and their weight and take their sums before
     # their PDL wait, beside the projection before them that streams a weight (passes/early_reads.py): the indexer's
     # wq_b beside the attention's (7.6 us of an index layer's path after it, 12-04 d5 trace), its weights_proj and
-    # the compressors' projections beside wq_a + wkv. Off: not measured yet (12-05 f: no GPU)
-    early_gemv: bool = False
+    # the compressors' projections beside wq_a + wkv. On: H200 B1 step (12-05 f1) 10.347 ms against 10.389 without,
+    # each of 5 rounds lower, logits bit-equal (the indexer's wq_b 0.4 us of an index layer's path after wq_b against
+    # 7.2; alone after wq_b 2.50 us against 6.67), measured before a clash with linear_rope was fixed (the early
+    # pass now runs after the folds); variant no-early-gemv
+    early_gemv: bool = True
     # issue 5: the attention's key row (kv_norm_rope) made before the query's wq_b, so that the attention's kernel
     # follows wq_b's (passes/kv_first.py; with attention_triton.PREFETCH_KEYS its programs prefetch their key records
     # in wq_b's tail). Off: not measured yet (12-05 f: no GPU)
@@ -175,8 +178,9 @@ class CompileOptions:
     # (dsflash::kv_norm_rope_write_, before the attention: the slot the token goes to holds no key of its window),
     # where the ring write's own launch took 1.0-1.1 us of every layer's path in the H200's B1 step (12-04 d5); with
     # qkv_norm_op, in qkv_norm_rope's launch (dsflash::qkv_norm_rope_write_).
-    # Off until timed on the H200 (compile_and_profile variant ring-write: written in a session without a GPU)
-    decode_ring_write_op: bool = False
+    # On: H200 B1 step (12-05 f1, with compressor_gemv, single top-k and engram-op as variant e-all) 10.212 ms against
+    # 10.389 without the four, each of 5 rounds lower, logits bit-equal (variant no-ring-write: without it)
+    decode_ring_write_op: bool = True
     # issue 5: the indexer's query RoPE + FP4 QDQ as dsflash::rope_fp4_qdq_ and its keys' RoPE as dsflash::rope_, in
     # place: compiled functionally they were one Inductor persistent reduction whose launch the runtime autotuner
     # picks anew each compile, some picks serial (H200 traces, 12-02 s: the query 24 us at B1 in one compile, 6.2 in
@@ -210,8 +214,9 @@ class CompileOptions:
     # issue 5: the ratio > 1 compressors' fp32 wkv and wgate as one projection (Compressor.fuse_projections), one row
     # on dsflash::fp32_gemv (bf16_gemv's kernel, fp32 sums out), where cuBLAS ran two fp32 GEMVs of 6.4 us after an
     # Inductor kernel widening x in each ratio-2 source of the H200's B1 step (12-04 d5 trace; 16.8 MB: 4.0 us at the
-    # floor). Off until timed on the H200 (compile_and_profile variant compressor-gemv: written without a GPU)
-    compressor_gemv: bool = False
+    # floor). On: H200 B1 step with ring writes, single top-k and engram-op (12-05 f1, variant e-all) 10.212 ms
+    # against 10.389 without the four, each of 5 rounds lower, logits bit-equal (variant no-compressor-gemv)
+    compressor_gemv: bool = True
     # issue 5: bf16 inputs of 33-64 rows (decode batch 64) of the long-K projections (groups x K >= 8192: wo_a, wo_b)
     # run dsflash::fp8_qdq then dsflash::bf16_linear (QuantLinear.tall_rows), where cuBLAS took wo_a at 24.5 us
     # and wo_b at 29.3 with a split-K reduce kernel after it (H200 sweep at 64 rows, 12-02 q: 23.0 / 28.7 us). B64
@@ -230,7 +235,9 @@ class CompileOptions:
     # issue 5: the Engram table's rows gathered and dequantized by dsflash::engram_lookup (one launch), where the
     # compiled Engram ran its UE8M0 scales' gather and widening as eager aten kernels (no Inductor code for
     # float8_e8m0fnu: an index of 3.5 us after an 8 us gap and a copy of 1.9 us at each Engram layer of the H200's
-    # B1 step, 12-04 d5). Same bits. Off until timed on the H200 (variant engram-op: written without a GPU)
+    # B1 step, 12-04 d5). Same bits on the release's scales. Off: its CUDA test over every scale byte (2^-127 to
+    # 2^127) failed on the H200 (12-05 f1, cause not found), though with it (variant e-all, with the options now on)
+    # the B1 step took 10.212 ms against 10.389 without the four, logits bit-equal
     engram_lookup_op: bool = False
     # the per-forward set-up (DeepseekV41Model.begin: positions, window lists, RoPE, Engram hashes, embedding)
     # compiled too: eager it is ~360 host-launched ops before a prefill's first block, with the GPU waiting

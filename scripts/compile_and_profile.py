@@ -111,6 +111,12 @@ VARIANTS = {
     "e-early-prefetch": {"decode_ring_write_op": True, "compressor_gemv": True, "engram_lookup_op": True,
                          "early_gemv": True, "kv_first": True},
     "e-early-no-engram": {"decode_ring_write_op": True, "compressor_gemv": True, "early_gemv": True},
+    # 12-05 f1's options, on since, each off
+    "no-ring-write": {"decode_ring_write_op": False},
+    "no-compressor-gemv": {"compressor_gemv": False},
+    "no-single-topk": {},
+    "no-early-gemv": {"early_gemv": False},
+    "before-f1": {"decode_ring_write_op": False, "compressor_gemv": False, "early_gemv": False},  # all four off
     "passes": {},
     "warm": {},
 }
@@ -140,6 +146,8 @@ KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "e-early": {TOPK: {"SINGLE_ON": True}},
                    "e-early-prefetch": {TOPK: {"SINGLE_ON": True}, ATTENTION: {"PREFETCH_KEYS": True}},
                    "e-early-no-engram": {TOPK: {"SINGLE_ON": True}},
+                   "no-single-topk": {TOPK: {"SINGLE_ON": False}},
+                   "before-f1": {TOPK: {"SINGLE_ON": False}},
                    "rope-cos-sin": {"dsflash_compile.rope": {"COS_SIN": True}},
                    "attention-prefetch": {ATTENTION: {"PREFETCH_KEYS": True}},
                    "attention-prefetch-kv-first": {ATTENTION: {"PREFETCH_KEYS": True}}}

@@ -273,7 +273,7 @@ def test_compile_options_install_the_deferral(fresh_dynamo):  # noqa: F811
         manager = torch._inductor.config.post_grad_custom_post_pass
         return [(type(p).__name__, p.options.get("max_tokens")) for p in manager.passes]
 
-    rope = ("LinearRopePass", None), ("LinearScalePass", None)  # CompileOptions.linear_rope, linear_scale: on, last
+    rope = ("LinearRopePass", None), ("LinearScalePass", None), ("EarlyReadsPass", None)  # on by default, last
     assert passes()[1:] == [("MhcFusionPass", None), ("MhcDeferPass", DEFER_MAX_TOKENS), *rope]
     assert passes(mhc_defer_mixes=False)[1:] == [("MhcFusionPass", None), *rope]
     assert passes(mhc_overlap=True)[1:] == [("MhcFusionPass", None), ("MhcOverlapPass", 16),

@@ -163,7 +163,7 @@ def test_compile_options_set_the_cutoff(fresh_dynamo):  # noqa: F811
         return [(type(p).__name__, p.options.get("max_tokens")) for p in manager.passes]
 
     assert not CompileOptions().mhc_overlap and CompileOptions().mhc_overlap_max_tokens == 16  # off: 0.99x at B1
-    rope = ("LinearRopePass", None), ("LinearScalePass", None)  # CompileOptions.linear_rope, linear_scale: on, last
+    rope = ("LinearRopePass", None), ("LinearScalePass", None), ("EarlyReadsPass", None)  # on by default, last
     assert passes(mhc_overlap=True, mhc_overlap_max_tokens=8, mhc_defer_mixes=False)[1:] == [
         ("MhcFusionPass", None), ("MhcOverlapPass", 8), *rope]
     assert passes(mhc_defer_mixes=False)[1:] == [("MhcFusionPass", None), *rope]

@@ -173,7 +173,7 @@ def test_compile_options_install_the_pass(fresh_dynamo):  # noqa: F811
         manager = torch._inductor.config.post_grad_custom_post_pass
         return [(type(p).__name__, p.options.get("max_experts")) for p in manager.passes][2:]
 
-    rope = ("LinearRopePass", None), ("LinearScalePass", None)  # CompileOptions.linear_rope, linear_scale: on, last
+    rope = ("LinearRopePass", None), ("LinearScalePass", None), ("EarlyReadsPass", None)  # on by default, last
     assert passes(router_in_seam=True) == [("MhcDeferPass", None), ("RouterSeamPass", ROUTE_MAX_EXPERTS), *rope]
     assert passes() == [("MhcDeferPass", None), *rope]
     assert passes(router_in_seam=True, mhc_defer_mixes=False) == [*rope]
