@@ -101,14 +101,22 @@ def descendants(node: torch.fx.Node) -> set:
     return seen
 
 
+def op_arguments(node: torch.fx.Node) -> dict:
+    """An op call's arguments by its schema's names (given ones only); {} for anything but an op call."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return {}
+    names = [argument.name for argument in node.target._schema.arguments]
+    return {**dict(zip(names, node.args)), **node.kwargs}
+
+
 def mutated(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The nodes whose data `node` writes in place: the arguments its op's schema marks as written (Tensor(a!))."""
     if not isinstance(node.target, torch._ops.OpOverload):
         return []
-    written = []
-    for position, argument in enumerate(node.target._schema.arguments):
+    given, written = op_arguments(node), []
+    for argument in node.target._schema.arguments:
         if argument.alias_info is not None and argument.alias_info.is_write:
-            value = node.kwargs.get(argument.name, node.args[position] if position < len(node.args) else None)
+            value = given.get(argument.name)
             written += [v for v in (value if isinstance(value, (list, tuple)) else [value])
                         if isinstance(v, torch.fx.Node)]
     return written
@@ -120,10 +128,4 @@ def starts_early(node: torch.fx.Node) -> bool:
     and itself."""
     if node.target is operator.getitem:
         node = node.args[0]
-    if not isinstance(node.target, torch._ops.OpOverload):
-        return False
-    names = [argument.name for argument in node.target._schema.arguments]
-    if "early" not in names:
-        return False
-    position = names.index("early")
-    return bool(node.kwargs.get("early", node.args[position] if len(node.args) > position else False))
+    return bool(op_arguments(node).get("early", False))

@@ -10,7 +10,7 @@ import operator
 
 import torch
 
-from .graph_edit import source
+from .graph_edit import op_arguments, source
 
 ops = torch.ops.dsflash
 ROW_OPS = (ops.kv_norm_rope.default, ops.kv_norm_rope_write_.default)  # (the joint ones also make wq_b's input)
@@ -19,8 +19,7 @@ ROW_OPS = (ops.kv_norm_rope.default, ops.kv_norm_rope_write_.default)  # (the jo
 def _attention_args(node: torch.fx.Node) -> dict | None:
     """The attention_'s arguments by name: the op itself or its functional form in a post-grad graph."""
     if node.target is ops.attention_.default:
-        names = [a.name for a in node.target._schema.arguments]
-        return {**dict(zip(names, node.args)), **node.kwargs}
+        return op_arguments(node)
     if node.target is torch.ops.higher_order.auto_functionalized_v2 and node.args[0] is ops.attention_.default:
         return dict(node.kwargs)
     return None

@@ -132,6 +132,17 @@ def sweep(name: str, rows: int, variants: list, gen: torch.Generator, prequantiz
     return measured
 
 
+def rotated_times(projections: dict, run, rounds: int, layers: int) -> dict:
+    """{label: seconds a layer of run(projection), one per round}: each label's CUDA graph of `layers` layers timed in
+    turn, the order rotating by round."""
+    times = {label: [] for label in projections}
+    labels = list(projections)
+    for r in range(rounds):
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            times[label].append(time_graph(lambda: run(projections[label]), calls=2, replays=20) / layers)
+    return times
+
+
 def after_seam(name: str, layers: int, rounds: int, gen: torch.Generator) -> list[dict]:
     k, n, groups, quantize = PROJECTIONS[name]
     if groups != 1 or k != 5120:
@@ -160,11 +171,7 @@ def after_seam(name: str, layers: int, rounds: int, gen: torch.Generator) -> lis
     agrees = {label: label == "seam alone" or all(((g - r).abs().max() / r.abs().max()).item() <= 2 ** -7
                                                   for g, r in zip(run(fn), want))
               for label, fn in projections.items()}
-    times = {label: [] for label in projections}
-    labels = list(projections)
-    for r in range(rounds):
-        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
-            times[label].append(time_graph(lambda: run(projections[label]), calls=2, replays=20) / layers)
+    times = rotated_times(projections, run, rounds, layers)
     seam = statistics.median(times["seam alone"])
     rows = [{"proj": name, "variant": label, "s": statistics.median(ts), "rounds_s": ts, "agrees": agrees[label],
              "projection_s": statistics.median(ts) - seam if label != "seam alone" else None, "layers": layers}
@@ -202,11 +209,7 @@ def after_wq_b(layers: int, rounds: int, gen: torch.Generator) -> list[dict]:
     want = bf16_linear_reference(x, weights[0], 1, quantize)
     agrees = {label: label == "wq_b alone" or ((run(fn)[0] - want).abs().max() / want.abs().max()).item() <= 2 ** -7
               for label, fn in projections.items()}
-    times = {label: [] for label in projections}
-    labels = list(projections)
-    for r in range(rounds):
-        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
-            times[label].append(time_graph(lambda: run(projections[label]), calls=2, replays=20) / layers)
+    times = rotated_times(projections, run, rounds, layers)
     alone = statistics.median(times["wq_b alone"])
     return [{"proj": "indexer_wq_b", "variant": label, "s": statistics.median(ts), "rounds_s": ts,
              "agrees": agrees[label], "layers": layers,
