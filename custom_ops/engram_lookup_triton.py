@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .bf16_bits import _f32_to_bf16
 from .pdl import launch_options, pdl_wait
-from .routed_experts_triton import _f32_to_bf16
 
 
 @triton.jit

@@ -15,10 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .bf16_bits import _round_bf16
 from .mhc_finish_triton import _rms_norm_f32
 from .pdl import launch_options, pdl_release, pdl_wait, pdl_wait_only
 from .records import _FMT_ID, _fp8_record
-from .routed_experts_triton import _fp8_qdq_groups, _round_bf16
+from .routed_experts_triton import _fp8_qdq_groups
 
 MAX_DIM = 4096  # a row in registers (the release's 512 at 4 warps: 4 values a thread)
 # The rotation's cos / sin loaded with the row and the norm weight (ROT_FIRST): else they come after the norm's

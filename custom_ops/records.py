@@ -245,7 +245,7 @@ except ImportError:  # pragma: no cover - CPU machines without triton
 
 if triton is not None:  # defined only with triton (its annotations need tl)
     from .pdl import launch_options, pdl_wait
-    from .routed_experts_triton import _bf16_as_f32, _f32_to_bf16
+    from .bf16_bits import _bf16_as_f32, _f32_to_bf16
 
     # the QDQ constants, as the fp32 values the torch reference rounds them to
     _FP8_FLOOR = tl.constexpr(_FP8_AMAX_FLOOR)

@@ -11,9 +11,9 @@ interpreter runs as the GPU does.
 import triton
 import triton.language as tl
 
+from .bf16_bits import _bf16_as_f32, _f32_to_bf16, _round_bf16
 from .pdl import launch_options, pdl_wait
 from .records import _e2m1_magnitude, _mxfp4_scale_byte
-from .routed_experts_triton import _bf16_as_f32, _f32_to_bf16, _round_bf16
 
 VALUES_PER_PROGRAM = 1024
 

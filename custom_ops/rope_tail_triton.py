@@ -8,8 +8,8 @@ rotated values round to bf16 in integer arithmetic (_round_bf16), which the inte
 import triton
 import triton.language as tl
 
+from .bf16_bits import _round_bf16
 from .pdl import launch_options, pdl_wait
-from .routed_experts_triton import _round_bf16
 
 HEADS_PER_PROGRAM = 16  # 64 heads x 32 pairs at the release shape: 4 programs a token, 1024 values each
 

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _dot
+from .bf16_bits import _round_bf16
 from .block_counters import block_counters
 from .pdl import launch_options, pdl_release, pdl_wait, pdl_wait_only
 from .routed_experts import MAX_TOKENS
@@ -56,26 +57,6 @@ BY_EXPERT_MAX_COMPARES = 16384  # pairs x stacked experts (powers of two): flash
 # only once the shared ones passed their wait: the shared program now releases the down kernel at its top, not
 # measured yet). Why 128 registers helps the early launch is not understood
 SHARED_FIRST = False
-
-
-@triton.jit
-def _round_bf16(v):
-    """fp32 -> the nearest bf16 value (ties to even), in fp32: integer arithmetic on the bits, since the
-    interpreter's cast truncates (records.py's notes); on the GPU the same values as the cast."""
-    bits = v.to(tl.int32, bitcast=True)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _bf16_as_f32(v):
-    """bf16 -> fp32 from the bits (exact; the interpreter's cast turns subnormals into other values)."""
-    return (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _f32_to_bf16(v):
-    """fp32 -> bf16, to nearest (ties to even), in integer arithmetic (_round_bf16), as the GPU's cast."""
-    return (_round_bf16(v).to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit

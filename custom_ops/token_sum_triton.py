@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .bf16_bits import _bf16_as_f32, _f32_to_bf16
 from .pdl import launch_options, pdl_wait
-from .routed_experts_triton import _bf16_as_f32, _f32_to_bf16
 
 BLOCK_D = 1024  # B64 at D = 5120: 320 programs, each reading its token's k rows of 2 KB
 

@@ -11,7 +11,9 @@ recompiles (torch._dynamo counters); pattern-match counts per pass; the top kern
 physical floor of the step (bytes that must move over the measured copy bandwidth, or FLOPs over the
 measured bf16 matmul rate, whichever is larger). The compiled variants are all compiled and captured
 first, then timed in --rounds rounds whose order rotates (timed one after the other, the variant timed
-second ran 1.4-1.9 ms slower on the H200 whichever it was); day-zero is timed once, before them. Writes each
+second ran 1.4-1.9 ms slower on the H200 whichever it was); day-zero is timed once, before them. Each round
+also times the steps launched back to back (no wait between them: the GPU's own time per step, the host's launch
+hidden), so what the host adds to a waited-for step shows as the difference. Writes each
 compiled variant's Chrome trace (decode-trace-PRESET-bBATCH[-VARIANT].json; no suffix for passes) and a JSON
 summary (compile-profile-PRESET-bBATCH[-bBATCH...]-DATE.json) under benchmarks/results/. The cache is filled
 with `--context` random rows per row (the step's cost does not depend on what the rows hold).
@@ -33,7 +35,7 @@ from torch._dynamo.utils import counters
 import dsflash_compile
 from dsflash_compile import DeepseekV41ForCausalLM, preset_config
 from dsflash_compile.benchmarking import (copy_bandwidth, decode_traffic, profile_summary, run_metadata,
-                                          save_results)
+                                          save_results, time_eager)
 from dsflash_compile.custom_ops import records
 from dsflash_compile.custom_ops.dispatch import reference_kernels
 
@@ -401,13 +403,16 @@ def main() -> None:
         for key in order:
             for batch, step in steps[key].items():
                 rows[batch].setdefault(f"{key}_s_rounds", []).append(step_time(step, args.steps))
+                rows[batch].setdefault(f"{key}_back_to_back_s_rounds", []).append(time_eager(step, args.steps))
         print(f"round {round_ + 1}/{args.rounds} done", flush=True)
     for batch, row in rows.items():
         for key in names:
             runs = row[f"{key}_s_rounds"]
             row[f"{key}_s"] = statistics.median(runs)
+            row[f"{key}_back_to_back_s"] = statistics.median(row[f"{key}_back_to_back_s_rounds"])
             print(f"{key} batch {batch}: {row[f'{key}_s'] * 1e6:.0f} us per step "
-                  f"({min(runs) * 1e6:.0f}-{max(runs) * 1e6:.0f} over {len(runs)} rounds)")
+                  f"({min(runs) * 1e6:.0f}-{max(runs) * 1e6:.0f} over {len(runs)} rounds); launched back to back "
+                  f"{row[f'{key}_back_to_back_s'] * 1e6:.0f} us")
 
     for batch, row in rows.items():
         row["floor"] = floor(model, batch, args.context, bandwidth, rate)
