@@ -118,6 +118,10 @@ FILTER_VARIANTS = [(GROUPS, SAMPLE, CAND, FILTER_BLOCK, FILTER_WARPS), (2048, 2,
 SINGLE_WIDTH = 8192
 SINGLE_KEYS_PER_THREAD = 16
 SINGLE_ON = True
+# the single path's bisection: bits of the k-th largest key found a block sum (1 or 2: _kth_largest). At 4K context
+# it ranks rows of 2060 / 4120 bf16 keys, 16 sums in sequence at 1 bit: 12.4 us of an index layer's path (12-05
+# f1, layer 23's candidate row). Not timed yet: variant topk-2bit, scripts/sweep_topk.py --single
+SINGLE_STEP_BITS = 1
 _KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 KEY_DTYPES = tuple(_KEY_BITS)  # score dtypes the kernels rank
 _BITS_VIEW = {16: torch.int16, 32: torch.int32}
@@ -155,21 +159,34 @@ def _unsigned_key(bits, live, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest(u, k, KEY_BITS: tl.constexpr):
-    """The largest t with #(u >= t) >= k by bisection on its bits, one block sum per bit (0 if fewer than
-    k keys are >= 1)."""
+def _kth_largest(u, k, KEY_BITS: tl.constexpr, STEP_BITS: tl.constexpr):
+    """The largest t with #(u >= t) >= k by bisection on its bits (0 if fewer than k keys are >= 1): one block
+    sum per bit, or (STEP_BITS 2) per two bits, its three counts (t's next two bits 01, 10, 11) packed in one
+    int64 sum (16 bits each: at most 65535 keys), so half the block sums' round trips through shared memory."""
     t = tl.zeros((), tl.uint32)
-    for b in tl.static_range(KEY_BITS):
-        cand = t | (1 << (KEY_BITS - 1 - b))
-        t = tl.where(tl.sum((u >= cand).to(tl.int32)) >= k, cand, t)
+    if STEP_BITS == 1:
+        for b in tl.static_range(KEY_BITS):
+            cand = t | (1 << (KEY_BITS - 1 - b))
+            t = tl.where(tl.sum((u >= cand).to(tl.int32)) >= k, cand, t)
+    else:
+        tl.static_assert(STEP_BITS == 2)
+        for b in tl.static_range(KEY_BITS // 2):
+            one = t | (tl.full((), 1, tl.uint32) << (KEY_BITS - 2 - 2 * b))
+            two = t | (tl.full((), 2, tl.uint32) << (KEY_BITS - 2 - 2 * b))
+            three = t | (tl.full((), 3, tl.uint32) << (KEY_BITS - 2 - 2 * b))
+            counts = tl.sum((u >= one).to(tl.int64) | ((u >= two).to(tl.int64) << 16)
+                            | ((u >= three).to(tl.int64) << 32))
+            digit = tl.where((counts >> 32) >= k, 3, tl.where(((counts >> 16) & 65535) >= k, 2,
+                                                               tl.where((counts & 65535) >= k, 1, 0)))
+            t = t | (digit.to(tl.uint32) << (KEY_BITS - 2 - 2 * b))
     return t
 
 
 @triton.jit
-def _take(u, live, k, KEY_BITS: tl.constexpr):
+def _take(u, live, k, KEY_BITS: tl.constexpr, STEP_BITS: tl.constexpr):
     """0/1 (int32): the k best of the unsigned keys u, every key above the k-th largest and the first
     (by position) of those equal to it."""
-    t = _kth_largest(u, k, KEY_BITS)
+    t = _kth_largest(u, k, KEY_BITS, STEP_BITS)
     above = (u > t).to(tl.int32)
     tie = (live & (u == t)).to(tl.int32)
     need = k - tl.sum(above)
@@ -289,7 +306,7 @@ def _chunk_select_kernel(keys_ptr, index_ptr, out_keys_ptr, out_index_ptr, width
     else:
         u = tl.load(keys_ptr + src, mask=live, other=0).to(tl.uint32, bitcast=True)
         idx = tl.load(index_ptr + src, mask=live, other=0)
-    take = _take(u, live, k, KEY_BITS)
+    take = _take(u, live, k, KEY_BITS, 1)
     slot = tl.cumsum(take) - 1  # index order
     if LAST:
         tl.store(out_index_ptr + row.to(tl.int64) * k + slot, idx, mask=take > 0)
@@ -340,7 +357,7 @@ def _filter_kernel(bits_ptr, cand_ptr, picks_ptr, keys_ptr, flags_ptr, width, se
         u = _unsigned_key(tl.load(src + idx, mask=live, other=0).to(tl.int32), live, KEY_BITS)
         maxima = tl.maximum(maxima, tl.max(u, axis=0))
     # T >= 1 means >= k groups hold a key >= T, k distinct entries of the segment: its k-th largest is >= T
-    threshold = _kth_largest(maxima, k, KEY_BITS)
+    threshold = _kth_largest(maxima, k, KEY_BITS, 1)
     # pass 2: candidates in index order, keys above T in slots 0 .. CAP - 1, the first k equal to T after.
     # Both counts in one int32 (tiles < 2^15 entries: the ties' count sits in the signed high half): one scan
     # and one sum per tile. Only the index is stored (each scattered store costs a layout conversion); the keys
@@ -375,7 +392,7 @@ def _filter_kernel(bits_ptr, cand_ptr, picks_ptr, keys_ptr, flags_ptr, width, se
     live = tl.where(s < CAP, s < n_above, s - CAP < tl.minimum(n_tie, k))
     idx = tl.load(cand + s, mask=live, other=0)
     u = _unsigned_key(tl.load(src + idx, mask=live, other=0).to(tl.int32), live, KEY_BITS)
-    take = _take(u, live, k, KEY_BITS)
+    take = _take(u, live, k, KEY_BITS, 1)
     if SEGMENTED:
         slot = tl.cumsum(take) - 1
         written = (take > 0) & (n_above <= CAP)
@@ -423,18 +440,19 @@ def _finish_kernel(picks_ptr, values_ptr, visible_ptr, blocks_ptr, out_ptr, widt
 @triton.jit
 def _row_topk_kernel(bits_ptr, visible_ptr, blocks_ptr, out_ptr, width, k, NB, BS, NEG_INF, MODE: tl.constexpr,
                      KEY_BITS: tl.constexpr, SIZE: tl.constexpr, K_P2: tl.constexpr, NB_P2: tl.constexpr,
-                     PDL: tl.constexpr):
+                     STEP_BITS: tl.constexpr, PDL: tl.constexpr):
     """Single path, one row per program: the row's k best (_take) and _finish_kernel's mapping in one launch.
     The picks come out in index order, so ascending where the mapping keeps the order (VISIBLE, FINITE, and
     CANDIDATE_ROWS over ascending blocks, as candidate_blocks publishes them), with the -1 picks after the
     kept ones. CANDIDATE_ROWS maps the stored picks read back; a row whose blocks are not ascending (or with
     a finite score in a -1 block, whose -1 sorts first) is sorted then, as _finish_kernel sorts."""
+    tl.static_assert(SIZE < 65536)  # (_kth_largest's packed counts)
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     row = tl.program_id(0)
     pos = tl.arange(0, SIZE)
     live = pos < width
     bits = tl.load(bits_ptr + row.to(tl.int64) * width + pos, mask=live, other=0).to(tl.int32)
-    take = _take(_unsigned_key(bits, live, KEY_BITS), live, k, KEY_BITS)
+    take = _take(_unsigned_key(bits, live, KEY_BITS), live, k, KEY_BITS, STEP_BITS)
     out = out_ptr + row.to(tl.int64) * k
     s = tl.arange(0, K_P2)
     if MODE == VISIBLE:  # ascending: the picks past visible are the last ones
@@ -492,7 +510,7 @@ def row_topk(scores: torch.Tensor, k: int, mode: int, visible: torch.Tensor | No
     _row_topk_kernel[(rows,)](scores.contiguous().view(_BITS_VIEW[key_bits]), visible, blocks, out, width, k, nb,
                               block_size, _NEG_INF_BITS[scores.dtype], MODE=mode.value, KEY_BITS=key_bits,
                               SIZE=size, K_P2=max(16, triton.next_power_of_2(k)),
-                              NB_P2=max(16, triton.next_power_of_2(nb)),
+                              NB_P2=max(16, triton.next_power_of_2(nb)), STEP_BITS=SINGLE_STEP_BITS,
                               num_warps=min(16, max(4, size // (32 * SINGLE_KEYS_PER_THREAD))),
                               **launch_options(scores.device))
     return out

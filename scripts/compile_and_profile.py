@@ -119,6 +119,8 @@ VARIANTS = {
     "no-single-topk": {},
     "no-early-gemv": {"early_gemv": False},
     "before-f1": {"decode_ring_write_op": False, "compressor_gemv": False, "early_gemv": False},  # all four off
+    "topk-2bit": {},  # the single top-k's bisection 2 bits a block sum (topk_triton.SINGLE_STEP_BITS)
+    "topk-2bit-engram-op": {"engram_lookup_op": True},  # ... and engram-op (its NaN rounding fixed, 12-05 g)
     "passes": {},
     "warm": {},
 }
@@ -150,6 +152,8 @@ KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "e-early-no-engram": {TOPK: {"SINGLE_ON": True}},
                    "no-single-topk": {TOPK: {"SINGLE_ON": False}},
                    "before-f1": {TOPK: {"SINGLE_ON": False}},
+                   "topk-2bit": {TOPK: {"SINGLE_STEP_BITS": 2}},
+                   "topk-2bit-engram-op": {TOPK: {"SINGLE_STEP_BITS": 2}},
                    "rope-cos-sin": {"dsflash_compile.rope": {"COS_SIN": True}},
                    "attention-prefetch": {ATTENTION: {"PREFETCH_KEYS": True}},
                    "attention-prefetch-kv-first": {ATTENTION: {"PREFETCH_KEYS": True}}}

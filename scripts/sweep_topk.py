@@ -9,6 +9,8 @@ at the segment count filter_segments would pick, half and twice it (SEGMENT, SEG
 
     python scripts/sweep_topk.py --out benchmarks/results
     python scripts/sweep_topk.py --shapes 64x131072 8x524288      (some shapes; the JSON is rewritten after each)
+    python scripts/sweep_topk.py --single     (the single path at decode's B1 rows, 4K context: its bisection's
+                                               bits a block sum, SINGLE_STEP_BITS, and keys a thread)
 """
 
 from __future__ import annotations
@@ -64,6 +66,35 @@ def sweep(rows: int, width: int) -> list[dict]:
     return out
 
 
+# the single path's rows at a 4K context, batch 1: (mode, width, k): candidate_blocks' 515 block maxima (FINITE),
+# topk_indices' dense row (VISIBLE), candidate_topk's 515 x 8 candidates (CANDIDATE_ROWS)
+SINGLE_ROWS = [(topk_triton.FINITE, 515, 512), (topk_triton.VISIBLE, 2060, 512),
+               (topk_triton.CANDIDATE_ROWS, 4120, 512)]
+SINGLE_LAUNCHES = [(1, 16), (2, 16), (1, 32), (2, 32), (2, 8), (2, 64)]  # (STEP_BITS, keys a thread), default first
+SINGLE_COLUMNS = [("mode", "mode", "d"), ("width", "width", "d"), ("step bits", "step_bits", "d"),
+                  ("keys/thread", "keys_per_thread", "d"), ("us", "s", ".2f", 1e6), ("agrees", "agrees", "")]
+
+
+def sweep_single() -> list[dict]:
+    """row_topk at SINGLE_ROWS under each of SINGLE_LAUNCHES, its picks checked against the default launch's."""
+    out = []
+    for mode, width, k in SINGLE_ROWS:
+        scores = torch.randn(1, width, device="cuda").bfloat16()
+        visible = torch.full((1,), width - 7, device="cuda")
+        blocks = torch.arange(width // 8, device="cuda", dtype=torch.int32).view(1, -1) * 3
+
+        def call():
+            return topk_triton.row_topk(scores, k, mode, visible=visible, blocks=blocks, block_size=8)
+        want = None
+        for step_bits, keys in SINGLE_LAUNCHES:
+            topk_triton.SINGLE_STEP_BITS, topk_triton.SINGLE_KEYS_PER_THREAD = step_bits, keys
+            want = call() if want is None else want
+            out.append(sweep_variant({"mode": mode.value, "width": width, "step_bits": step_bits,
+                                      "keys_per_thread": keys}, call, lambda picks: torch.equal(picks, want)))
+        topk_triton.SINGLE_STEP_BITS, topk_triton.SINGLE_KEYS_PER_THREAD = SINGLE_LAUNCHES[0]
+    return out
+
+
 def shape(text: str) -> tuple[int, int]:
     rows, sep, width = text.partition("x")
     if not (sep and rows.isdigit() and width.isdigit()) or int(width) < K:
@@ -75,10 +106,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", type=shape, default=SHAPES, metavar="ROWSxWIDTH",
                         help="default: " + " ".join(f"{r}x{w}" for r, w in SHAPES))
+    parser.add_argument("--single", action="store_true", help="the single path's launches instead (SINGLE_ROWS)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sweep_topk.py needs a CUDA device")
+    if args.single:
+        measured = sweep_single()
+        print_table(measured, SINGLE_COLUMNS)
+        save_results({**run_metadata(), "rows": measured}, "topk-single-sweep", args.out)
+        return
     results = []
     for rows, width in args.shapes:  # saved after each shape so a cut run keeps what it measured
         measured = sweep(rows, width)
