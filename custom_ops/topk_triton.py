@@ -446,8 +446,8 @@ def _row_topk_kernel(bits_ptr, visible_ptr, blocks_ptr, out_ptr, width, k, NB, B
     CANDIDATE_ROWS over ascending blocks, as candidate_blocks publishes them), with the -1 picks after the
     kept ones. CANDIDATE_ROWS maps the stored picks read back; a row whose blocks are not ascending (or with
     a finite score in a -1 block, whose -1 sorts first) is sorted then, as _finish_kernel sorts."""
-    tl.static_assert(SIZE < 65536)  # (_kth_largest's packed counts)
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
+    tl.static_assert(SIZE < 65536)  # (_kth_largest's packed counts)
     row = tl.program_id(0)
     pos = tl.arange(0, SIZE)
     live = pos < width
