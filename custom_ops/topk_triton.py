@@ -117,6 +117,7 @@ FILTER_VARIANTS = [(GROUPS, SAMPLE, CAND, FILTER_BLOCK, FILTER_WARPS), (2048, 2,
 # 10.389 without the four, each of 5 rounds lower, logits bit-equal; its CUDA tests passed (variant no-single-topk)
 SINGLE_WIDTH = 8192
 SINGLE_KEYS_PER_THREAD = 16
+SINGLE_MAX_WARPS = 16
 SINGLE_ON = True
 # the single path's bisection: bits of the k-th largest key found a block sum (1 or 2: _kth_largest). At 4K context
 # it ranks rows of 2060 / 4120 bf16 keys, 16 sums in sequence at 1 bit: 12.4 us of an index layer's path (12-05
@@ -511,7 +512,7 @@ def row_topk(scores: torch.Tensor, k: int, mode: int, visible: torch.Tensor | No
                               block_size, _NEG_INF_BITS[scores.dtype], MODE=mode.value, KEY_BITS=key_bits,
                               SIZE=size, K_P2=max(16, triton.next_power_of_2(k)),
                               NB_P2=max(16, triton.next_power_of_2(nb)), STEP_BITS=SINGLE_STEP_BITS,
-                              num_warps=min(16, max(4, size // (32 * SINGLE_KEYS_PER_THREAD))),
+                              num_warps=min(SINGLE_MAX_WARPS, max(4, size // (32 * SINGLE_KEYS_PER_THREAD))),
                               **launch_options(scores.device))
     return out
 
