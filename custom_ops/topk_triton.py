@@ -116,13 +116,13 @@ FILTER_VARIANTS = [(GROUPS, SAMPLE, CAND, FILTER_BLOCK, FILTER_WARPS), (2048, 2,
 # step (12-05 f1, with the ring writes, the compressors' GEMV and engram-op as variant e-all) 10.212 ms against
 # 10.389 without the four, each of 5 rounds lower, logits bit-equal; its CUDA tests passed (variant no-single-topk)
 SINGLE_WIDTH = 8192
+# Its warps: at most SINGLE_MAX_WARPS. H200, the B1 rows at a 4K context alone (sweep_topk.py --single, 12-05 g1):
+# 4120 wide 13.63 us at 8 warps against 15.64 at 16, 2060 wide 8.66 at 8 against 9.49 at 4. (A bisection of 2 bits
+# a block sum, three counts packed in one int64 sum, was slower but on the 515-wide row: 17.09 / 9.07 / 4.41 us
+# against 15.64 / 8.66 / 4.67 at 16 keys a thread; removed.) Not yet on by default: variants topk-8-warps, g-all
 SINGLE_KEYS_PER_THREAD = 16
 SINGLE_MAX_WARPS = 16
 SINGLE_ON = True
-# the single path's bisection: bits of the k-th largest key found a block sum (1 or 2: _kth_largest). At 4K context
-# it ranks rows of 2060 / 4120 bf16 keys, 16 sums in sequence at 1 bit: 12.4 us of an index layer's path (12-05
-# f1, layer 23's candidate row). Not timed yet: variant topk-2bit, scripts/sweep_topk.py --single
-SINGLE_STEP_BITS = 1
 _KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 KEY_DTYPES = tuple(_KEY_BITS)  # score dtypes the kernels rank
 _BITS_VIEW = {16: torch.int16, 32: torch.int32}
@@ -160,34 +160,21 @@ def _unsigned_key(bits, live, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest(u, k, KEY_BITS: tl.constexpr, STEP_BITS: tl.constexpr):
-    """The largest t with #(u >= t) >= k by bisection on its bits (0 if fewer than k keys are >= 1): one block
-    sum per bit, or (STEP_BITS 2) per two bits, its three counts (t's next two bits 01, 10, 11) packed in one
-    int64 sum (16 bits each: at most 65535 keys), so half the block sums' round trips through shared memory."""
+def _kth_largest(u, k, KEY_BITS: tl.constexpr):
+    """The largest t with #(u >= t) >= k by bisection on its bits, one block sum per bit (0 if fewer than
+    k keys are >= 1)."""
     t = tl.zeros((), tl.uint32)
-    if STEP_BITS == 1:
-        for b in tl.static_range(KEY_BITS):
-            cand = t | (1 << (KEY_BITS - 1 - b))
-            t = tl.where(tl.sum((u >= cand).to(tl.int32)) >= k, cand, t)
-    else:
-        tl.static_assert(STEP_BITS == 2)
-        for b in tl.static_range(KEY_BITS // 2):
-            one = t | (tl.full((), 1, tl.uint32) << (KEY_BITS - 2 - 2 * b))
-            two = t | (tl.full((), 2, tl.uint32) << (KEY_BITS - 2 - 2 * b))
-            three = t | (tl.full((), 3, tl.uint32) << (KEY_BITS - 2 - 2 * b))
-            counts = tl.sum((u >= one).to(tl.int64) | ((u >= two).to(tl.int64) << 16)
-                            | ((u >= three).to(tl.int64) << 32))
-            digit = tl.where((counts >> 32) >= k, 3, tl.where(((counts >> 16) & 65535) >= k, 2,
-                                                               tl.where((counts & 65535) >= k, 1, 0)))
-            t = t | (digit.to(tl.uint32) << (KEY_BITS - 2 - 2 * b))
+    for b in tl.static_range(KEY_BITS):
+        cand = t | (1 << (KEY_BITS - 1 - b))
+        t = tl.where(tl.sum((u >= cand).to(tl.int32)) >= k, cand, t)
     return t
 
 
 @triton.jit
-def _take(u, live, k, KEY_BITS: tl.constexpr, STEP_BITS: tl.constexpr):
+def _take(u, live, k, KEY_BITS: tl.constexpr):
     """0/1 (int32): the k best of the unsigned keys u, every key above the k-th largest and the first
     (by position) of those equal to it."""
-    t = _kth_largest(u, k, KEY_BITS, STEP_BITS)
+    t = _kth_largest(u, k, KEY_BITS)
     above = (u > t).to(tl.int32)
     tie = (live & (u == t)).to(tl.int32)
     need = k - tl.sum(above)
@@ -307,7 +294,7 @@ def _chunk_select_kernel(keys_ptr, index_ptr, out_keys_ptr, out_index_ptr, width
     else:
         u = tl.load(keys_ptr + src, mask=live, other=0).to(tl.uint32, bitcast=True)
         idx = tl.load(index_ptr + src, mask=live, other=0)
-    take = _take(u, live, k, KEY_BITS, 1)
+    take = _take(u, live, k, KEY_BITS)
     slot = tl.cumsum(take) - 1  # index order
     if LAST:
         tl.store(out_index_ptr + row.to(tl.int64) * k + slot, idx, mask=take > 0)
@@ -358,7 +345,7 @@ def _filter_kernel(bits_ptr, cand_ptr, picks_ptr, keys_ptr, flags_ptr, width, se
         u = _unsigned_key(tl.load(src + idx, mask=live, other=0).to(tl.int32), live, KEY_BITS)
         maxima = tl.maximum(maxima, tl.max(u, axis=0))
     # T >= 1 means >= k groups hold a key >= T, k distinct entries of the segment: its k-th largest is >= T
-    threshold = _kth_largest(maxima, k, KEY_BITS, 1)
+    threshold = _kth_largest(maxima, k, KEY_BITS)
     # pass 2: candidates in index order, keys above T in slots 0 .. CAP - 1, the first k equal to T after.
     # Both counts in one int32 (tiles < 2^15 entries: the ties' count sits in the signed high half): one scan
     # and one sum per tile. Only the index is stored (each scattered store costs a layout conversion); the keys
@@ -393,7 +380,7 @@ def _filter_kernel(bits_ptr, cand_ptr, picks_ptr, keys_ptr, flags_ptr, width, se
     live = tl.where(s < CAP, s < n_above, s - CAP < tl.minimum(n_tie, k))
     idx = tl.load(cand + s, mask=live, other=0)
     u = _unsigned_key(tl.load(src + idx, mask=live, other=0).to(tl.int32), live, KEY_BITS)
-    take = _take(u, live, k, KEY_BITS, 1)
+    take = _take(u, live, k, KEY_BITS)
     if SEGMENTED:
         slot = tl.cumsum(take) - 1
         written = (take > 0) & (n_above <= CAP)
@@ -441,19 +428,18 @@ def _finish_kernel(picks_ptr, values_ptr, visible_ptr, blocks_ptr, out_ptr, widt
 @triton.jit
 def _row_topk_kernel(bits_ptr, visible_ptr, blocks_ptr, out_ptr, width, k, NB, BS, NEG_INF, MODE: tl.constexpr,
                      KEY_BITS: tl.constexpr, SIZE: tl.constexpr, K_P2: tl.constexpr, NB_P2: tl.constexpr,
-                     STEP_BITS: tl.constexpr, PDL: tl.constexpr):
+                     PDL: tl.constexpr):
     """Single path, one row per program: the row's k best (_take) and _finish_kernel's mapping in one launch.
     The picks come out in index order, so ascending where the mapping keeps the order (VISIBLE, FINITE, and
     CANDIDATE_ROWS over ascending blocks, as candidate_blocks publishes them), with the -1 picks after the
     kept ones. CANDIDATE_ROWS maps the stored picks read back; a row whose blocks are not ascending (or with
     a finite score in a -1 block, whose -1 sorts first) is sorted then, as _finish_kernel sorts."""
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
-    tl.static_assert(SIZE < 65536)  # (_kth_largest's packed counts)
     row = tl.program_id(0)
     pos = tl.arange(0, SIZE)
     live = pos < width
     bits = tl.load(bits_ptr + row.to(tl.int64) * width + pos, mask=live, other=0).to(tl.int32)
-    take = _take(_unsigned_key(bits, live, KEY_BITS), live, k, KEY_BITS, STEP_BITS)
+    take = _take(_unsigned_key(bits, live, KEY_BITS), live, k, KEY_BITS)
     out = out_ptr + row.to(tl.int64) * k
     s = tl.arange(0, K_P2)
     if MODE == VISIBLE:  # ascending: the picks past visible are the last ones
@@ -511,7 +497,7 @@ def row_topk(scores: torch.Tensor, k: int, mode: int, visible: torch.Tensor | No
     _row_topk_kernel[(rows,)](scores.contiguous().view(_BITS_VIEW[key_bits]), visible, blocks, out, width, k, nb,
                               block_size, _NEG_INF_BITS[scores.dtype], MODE=mode.value, KEY_BITS=key_bits,
                               SIZE=size, K_P2=max(16, triton.next_power_of_2(k)),
-                              NB_P2=max(16, triton.next_power_of_2(nb)), STEP_BITS=SINGLE_STEP_BITS,
+                              NB_P2=max(16, triton.next_power_of_2(nb)),
                               num_warps=min(SINGLE_MAX_WARPS, max(4, size // (32 * SINGLE_KEYS_PER_THREAD))),
                               **launch_options(scores.device))
     return out

@@ -119,8 +119,6 @@ VARIANTS = {
     "no-single-topk": {},
     "no-early-gemv": {"early_gemv": False},
     "before-f1": {"decode_ring_write_op": False, "compressor_gemv": False, "early_gemv": False},  # all four off
-    "topk-2bit": {},  # the single top-k's bisection 2 bits a block sum (topk_triton.SINGLE_STEP_BITS)
-    "topk-2bit-engram-op": {"engram_lookup_op": True},  # ... and engram-op (its NaN rounding fixed, 12-05 g)
     "topk-8-warps": {},  # the single top-k on at most 8 warps (SINGLE_MAX_WARPS)
     # 12-05 g1's winners together: engram-op, the attention's prefetch, the single top-k on 8 warps; also kv-first
     "g-all": {"engram_lookup_op": True},
@@ -156,8 +154,6 @@ KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "e-early-no-engram": {TOPK: {"SINGLE_ON": True}},
                    "no-single-topk": {TOPK: {"SINGLE_ON": False}},
                    "before-f1": {TOPK: {"SINGLE_ON": False}},
-                   "topk-2bit": {TOPK: {"SINGLE_STEP_BITS": 2}},
-                   "topk-2bit-engram-op": {TOPK: {"SINGLE_STEP_BITS": 2}},
                    "topk-8-warps": {TOPK: {"SINGLE_MAX_WARPS": 8}},
                    "g-all": {TOPK: {"SINGLE_MAX_WARPS": 8}, ATTENTION: {"PREFETCH_KEYS": True}},
                    "g-all-kv-first": {TOPK: {"SINGLE_MAX_WARPS": 8}, ATTENTION: {"PREFETCH_KEYS": True}},

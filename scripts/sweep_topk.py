@@ -9,8 +9,7 @@ at the segment count filter_segments would pick, half and twice it (SEGMENT, SEG
 
     python scripts/sweep_topk.py --out benchmarks/results
     python scripts/sweep_topk.py --shapes 64x131072 8x524288      (some shapes; the JSON is rewritten after each)
-    python scripts/sweep_topk.py --single     (the single path at decode's B1 rows, 4K context: its bisection's
-                                               bits a block sum, SINGLE_STEP_BITS, and keys a thread)
+    python scripts/sweep_topk.py --single     (the single path at decode's B1 rows, 4K context, by its most warps)
 """
 
 from __future__ import annotations
@@ -70,13 +69,13 @@ def sweep(rows: int, width: int) -> list[dict]:
 # topk_indices' dense row (VISIBLE), candidate_topk's 515 x 8 candidates (CANDIDATE_ROWS)
 SINGLE_ROWS = [(topk_triton.FINITE, 515, 512), (topk_triton.VISIBLE, 2060, 512),
                (topk_triton.CANDIDATE_ROWS, 4120, 512)]
-SINGLE_LAUNCHES = [(1, 16), (2, 16), (1, 32), (2, 32), (2, 8), (2, 64)]  # (STEP_BITS, keys a thread), default first
-SINGLE_COLUMNS = [("mode", "mode", "d"), ("width", "width", "d"), ("step bits", "step_bits", "d"),
-                  ("keys/thread", "keys_per_thread", "d"), ("us", "s", ".2f", 1e6), ("agrees", "agrees", "")]
+SINGLE_MAX_WARPS = [16, 8, 4]  # topk_triton.SINGLE_MAX_WARPS, the default first
+SINGLE_COLUMNS = [("mode", "mode", "d"), ("width", "width", "d"), ("max warps", "max_warps", "d"),
+                  ("us", "s", ".2f", 1e6), ("agrees", "agrees", "")]
 
 
 def sweep_single() -> list[dict]:
-    """row_topk at SINGLE_ROWS under each of SINGLE_LAUNCHES, its picks checked against the default launch's."""
+    """row_topk at SINGLE_ROWS under each of SINGLE_MAX_WARPS, its picks checked against the default launch's."""
     out = []
     for mode, width, k in SINGLE_ROWS:
         scores = torch.randn(1, width, device="cuda").bfloat16()
@@ -86,12 +85,12 @@ def sweep_single() -> list[dict]:
         def call():
             return topk_triton.row_topk(scores, k, mode, visible=visible, blocks=blocks, block_size=8)
         want = None
-        for step_bits, keys in SINGLE_LAUNCHES:
-            topk_triton.SINGLE_STEP_BITS, topk_triton.SINGLE_KEYS_PER_THREAD = step_bits, keys
+        for warps in SINGLE_MAX_WARPS:
+            topk_triton.SINGLE_MAX_WARPS = warps
             want = call() if want is None else want
-            out.append(sweep_variant({"mode": mode.value, "width": width, "step_bits": step_bits,
-                                      "keys_per_thread": keys}, call, lambda picks: torch.equal(picks, want)))
-        topk_triton.SINGLE_STEP_BITS, topk_triton.SINGLE_KEYS_PER_THREAD = SINGLE_LAUNCHES[0]
+            out.append(sweep_variant({"mode": mode.value, "width": width, "max_warps": warps}, call,
+                                     lambda picks: torch.equal(picks, want)))
+        topk_triton.SINGLE_MAX_WARPS = SINGLE_MAX_WARPS[0]
     return out
 
 

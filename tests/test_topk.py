@@ -145,20 +145,17 @@ def interpreter_checks():
     from dsflash_compile.custom_ops.indexer import candidate_blocks_reference, candidate_topk_reference
     from dsflash_compile.custom_ops.indexer_triton import candidate_blocks_triton
     topk_triton.SINGLE_ON = True
-    for step in (1, 2):  # SINGLE_STEP_BITS: the bisection 1 or 2 bits a block sum
-        topk_triton.SINGLE_STEP_BITS = step
-        for name, (rows, width, k, dtype) in SINGLE_CASES.items():
-            scores = make_scores(rows, width, dtype, seed=11).view(1, rows, width)
-            visible = make_visible(rows, width, k, seed=11).view(1, rows)
-            assert topk_triton.single_fits(rows, width, k, scores.device)
-            report(dict(name=f"{name}_step{step}", same_op=bool(torch.equal(
-                topk_indices_triton(scores, k, visible), topk_indices_reference(scores, k, visible)))))
-        for layout in CANDIDATE_LAYOUTS:
-            scores, blocks = make_candidates(3, 40, 20, 4, layout)
-            out = topk_triton.candidate_topk_triton(scores, blocks, 4, 30)
-            report(dict(name=f"single_candidates_{layout}_step{step}",
-                        same_op=bool(torch.equal(out, candidate_topk_reference(scores, blocks, 4, 30)))))
-    topk_triton.SINGLE_STEP_BITS = 1
+    for name, (rows, width, k, dtype) in SINGLE_CASES.items():
+        scores = make_scores(rows, width, dtype, seed=11).view(1, rows, width)
+        visible = make_visible(rows, width, k, seed=11).view(1, rows)
+        assert topk_triton.single_fits(rows, width, k, scores.device)
+        report(dict(name=name, same_op=bool(torch.equal(topk_indices_triton(scores, k, visible),
+                                                      topk_indices_reference(scores, k, visible)))))
+    for layout in CANDIDATE_LAYOUTS:
+        scores, blocks = make_candidates(3, 40, 20, 4, layout)
+        out = topk_triton.candidate_topk_triton(scores, blocks, 4, 30)
+        report(dict(name=f"single_candidates_{layout}",
+                    same_op=bool(torch.equal(out, candidate_topk_reference(scores, blocks, 4, 30)))))
     scores = make_scores(2, 515 * 8, torch.bfloat16, seed=4).view(1, 2, -1)  # fewer and more blocks than kept
     visible = torch.tensor([[4000, 300]])
     report(dict(name="single_candidate_blocks", same_op=all(
@@ -183,9 +180,7 @@ def interpreted():
 
 @requires_interpreter
 @pytest.mark.parametrize("name", list(CASES) + list(ROWWISE_CASES) + list(FILTER_CASES) + list(SEGMENTED_CASES) +
-                         [f"{name}_step{step}" for name in [*SINGLE_CASES, *(f"single_candidates_{layout}" for
-                                                                            layout in CANDIDATE_LAYOUTS)]
-                          for step in (1, 2)] +
+                         list(SINGLE_CASES) + [f"single_candidates_{layout}" for layout in CANDIDATE_LAYOUTS] +
                          ["single_candidate_blocks", "rowwise_auto_tie_free", "filter_auto_tie_free",
                           "segmented_auto_tie_free"])
 def test_topk_kernel_matches_reference(interpreted, name):
@@ -240,13 +235,13 @@ TOPK_KERNELS = {  # name: (kernel, args, constexprs, num_warps), as select_topk 
     for bits, first, last in ((16, True, True), (16, True, False), (32, True, False), (32, False, True),
                               (32, False, False)) for kp in (512, 2048)
 } | {
-    f"row_topk_{bits}bit_mode{mode}_size{size}_step{step}": (
+    f"row_topk_{bits}bit_mode{mode}_size{size}_warps{warps}": (
         "_row_topk_kernel", dict(bits_ptr=f"*i{bits}", visible_ptr="*i64", blocks_ptr="*i32", out_ptr="*i32",
                                  width="i32", k="i32", NB="i32", BS="i32", NEG_INF="i32"),
-        dict(MODE=mode, KEY_BITS=bits, SIZE=size, K_P2=512 if mode != 1 else 1024, NB_P2=2048 if mode == 2 else 16,
-             STEP_BITS=step),
-        min(16, max(4, size // (32 * 16))))  # as row_topk launches it (SINGLE_KEYS_PER_THREAD)
-    for bits in (16, 32) for mode in (0, 1, 2) for size in (1024, 4096, 8192) for step in (1, 2)
+        dict(MODE=mode, KEY_BITS=bits, SIZE=size, K_P2=512 if mode != 1 else 1024, NB_P2=2048 if mode == 2 else 16),
+        min(warps, max(4, size // (32 * 16))))  # as row_topk launches it (SINGLE_KEYS_PER_THREAD, SINGLE_MAX_WARPS)
+    for bits in (16, 32) for mode in (0, 1, 2) for size in (1024, 4096, 8192)
+    for warps in ((8, 16) if size >= 8192 else (8,))  # (16 warps change only the 8192-wide launch)
 }
 
 
