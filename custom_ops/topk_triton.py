@@ -119,9 +119,10 @@ SINGLE_WIDTH = 8192
 # Its warps: at most SINGLE_MAX_WARPS. H200, the B1 rows at a 4K context alone (sweep_topk.py --single, 12-05 g1):
 # 4120 wide 13.63 us at 8 warps against 15.64 at 16, 2060 wide 8.66 at 8 against 9.49 at 4. (A bisection of 2 bits
 # a block sum, three counts packed in one int64 sum, was slower but on the 515-wide row: 17.09 / 9.07 / 4.41 us
-# against 15.64 / 8.66 / 4.67 at 16 keys a thread; removed.) Not yet on by default: variants topk-8-warps, g-all
+# against 15.64 / 8.66 / 4.67 at 16 keys a thread; removed.) In the step (12-05 g2, variant g-all with engram-op and
+# the attention's prefetch) no difference beyond noise: back to back 9.988 ms, as engram-op alone. On: 8
 SINGLE_KEYS_PER_THREAD = 16
-SINGLE_MAX_WARPS = 16
+SINGLE_MAX_WARPS = 8
 SINGLE_ON = True
 _KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 KEY_DTYPES = tuple(_KEY_BITS)  # score dtypes the kernels rank

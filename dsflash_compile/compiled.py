@@ -98,7 +98,9 @@ class CompileOptions:
     # prologue) where wq_b is its only reader, instead of Inductor's reduction kernel (1.2 us of the H200 B1 step's
     # path a layer, 12-04 d4). Off: slower. H200, B1 side by side (12-04 d5, 5 rounds): 10.237 ms against 10.084
     # (each round higher), logits bit-equal; wq_b 27.7 us of a layer's path against 1.2 + 21.5: the prologue's sum of
-    # squares then looped over 10 tiles, one round trip each. Since, one load of the whole row: not measured
+    # squares then looped over 10 tiles, one round trip each. Since, one load of the whole row: 12-05 g2 back to
+    # back 9.973 ms against 9.993 (each round lower), but qkv_norm_op (the same norm in the ring write's launch,
+    # on) 9.950: off (with qkv_norm_op on there is no Inductor norm before wq_b left to fold)
     linear_norm: bool = False
     # issue 5: with mhc_defer_mixes, a deferred seam whose normed row only the one-row GEMV of wq_a + wkv reads leaves
     # its RMSNorm to that GEMV's programs, which load the whole row anyway (passes/seam_norm_gemv.py): the seam then
@@ -170,10 +172,11 @@ class CompileOptions:
     q_rope_op: bool = True
     # issue 5: the query's RMSNorm in dsflash::kv_norm_rope's launch (dsflash::qkv_norm_rope, a program a row of
     # each) where the layer's queries are not trimmed, instead of its own Inductor kernel (1.2 us of the B1 step's
-    # path a layer). Off: slower. H200, B1 side by side (12-03 a2, compile_and_profile --variants passes,apart-norms):
-    # 10.56 ms with it against 10.44 without, logits bit-equal; one kernel less a layer, but the attention merge's
-    # path grew from 2.1 to 7.3 us a layer (the merge ran 7.3 us after the attention's end: not understood yet)
-    qkv_norm_op: bool = False
+    # path a layer). Slower on 12-03 a2 (10.56 ms against 10.44: the attention merge's path grew from 2.1 to 7.3 us
+    # a layer), but with the ring write in the same launch (decode_ring_write_op, on since 12-05 f1) faster: H200, B1
+    # side by side (12-05 g2, variant joint-ring): steps launched back to back 9.950 ms against 9.993 (each of 5
+    # rounds lower), waited for 10.114 against 10.196; 678 kernels against 718, logits bit-equal. On
+    qkv_norm_op: bool = True
     # issue 5: one-token steps (decode) write each layer's window ring in kv_norm_rope's launch
     # (dsflash::kv_norm_rope_write_, before the attention: the slot the token goes to holds no key of its window),
     # where the ring write's own launch took 1.0-1.1 us of every layer's path in the H200's B1 step (12-04 d5); with
@@ -235,10 +238,11 @@ class CompileOptions:
     # issue 5: the Engram table's rows gathered and dequantized by dsflash::engram_lookup (one launch), where the
     # compiled Engram ran its UE8M0 scales' gather and widening as eager aten kernels (no Inductor code for
     # float8_e8m0fnu: an index of 3.5 us after an 8 us gap and a copy of 1.9 us at each Engram layer of the H200's
-    # B1 step, 12-04 d5). Same bits on the release's scales. Off: its CUDA test over every scale byte (2^-127 to
-    # 2^127) failed on the H200 (12-05 f1, cause not found), though with it (variant e-all, with the options now on)
-    # the B1 step took 10.212 ms against 10.389 without the four, logits bit-equal
-    engram_lookup_op: bool = False
+    # B1 step, 12-04 d5). Same bits. Its CUDA test over every code and scale byte failed on 12-05 f1: the kernels'
+    # bf16 rounding turned the GPU's NaN into -0 (custom_ops/bf16_bits.py, fixed; passed on 12-05 g1). H200, B1 side
+    # by side, logits bit-equal: 12-05 g1 (with a slower top-k launch) 10.033 ms against 10.044, back to back 9.976
+    # against 9.996, each round lower; g2 back to back 9.988 against 9.993. On
+    engram_lookup_op: bool = True
     # the per-forward set-up (DeepseekV41Model.begin: positions, window lists, RoPE, Engram hashes, embedding)
     # compiled too: eager it is ~360 host-launched ops before a prefill's first block, with the GPU waiting
     compile_setup: bool = True

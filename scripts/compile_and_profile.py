@@ -123,6 +123,7 @@ VARIANTS = {
     # 12-05 g1's winners together: engram-op, the attention's prefetch, the single top-k on 8 warps; also kv-first
     "g-all": {"engram_lookup_op": True},
     "g-all-kv-first": {"engram_lookup_op": True, "kv_first": True},
+    "before-g": {"qkv_norm_op": False, "engram_lookup_op": False},  # 12-05 g2's defaults (and top-k warps) off
     "passes": {},
     "warm": {},
 }
@@ -155,6 +156,7 @@ KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "no-single-topk": {TOPK: {"SINGLE_ON": False}},
                    "before-f1": {TOPK: {"SINGLE_ON": False}},
                    "topk-8-warps": {TOPK: {"SINGLE_MAX_WARPS": 8}},
+                   "before-g": {TOPK: {"SINGLE_MAX_WARPS": 16}},
                    "g-all": {TOPK: {"SINGLE_MAX_WARPS": 8}, ATTENTION: {"PREFETCH_KEYS": True}},
                    "g-all-kv-first": {TOPK: {"SINGLE_MAX_WARPS": 8}, ATTENTION: {"PREFETCH_KEYS": True}},
                    "rope-cos-sin": {"dsflash_compile.rope": {"COS_SIN": True}},
