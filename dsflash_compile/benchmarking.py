@@ -80,7 +80,8 @@ def time_graph(fn, calls: int = 10, replays: int = 20) -> float:
 
 
 def time_eager(fn, iters: int = 10) -> float:
-    """Seconds per call of `fn` run eagerly (launch overheads included: the day-zero path)."""
+    """Mean seconds per call of `fn` over `iters` calls issued without waiting for each (launch overheads included:
+    the day-zero path; for a CUDA-graph step, the GPU's own time when the host runs ahead)."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

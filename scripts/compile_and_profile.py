@@ -119,7 +119,7 @@ VARIANTS = {
     "no-single-topk": {},
     "no-early-gemv": {"early_gemv": False},
     "before-f1": {"decode_ring_write_op": False, "compressor_gemv": False, "early_gemv": False},  # all four off
-    "topk-8-warps": {},  # the single top-k on at most 8 warps (SINGLE_MAX_WARPS)
+    "topk-8-warps": {},  # the single top-k on at most 8 warps (SINGLE_MAX_WARPS; the default since 12-05 g)
     # 12-05 g1's winners together: engram-op, the attention's prefetch, the single top-k on 8 warps; also kv-first
     "g-all": {"engram_lookup_op": True},
     "g-all-kv-first": {"engram_lookup_op": True, "kv_first": True},

@@ -69,13 +69,16 @@ def sweep(rows: int, width: int) -> list[dict]:
 # topk_indices' dense row (VISIBLE), candidate_topk's 515 x 8 candidates (CANDIDATE_ROWS)
 SINGLE_ROWS = [(topk_triton.FINITE, 515, 512), (topk_triton.VISIBLE, 2060, 512),
                (topk_triton.CANDIDATE_ROWS, 4120, 512)]
-SINGLE_MAX_WARPS = [16, 8, 4]  # topk_triton.SINGLE_MAX_WARPS, the default first
+SINGLE_MAX_WARPS = [4, 8, 16]  # topk_triton.SINGLE_MAX_WARPS values, after the module's default
 SINGLE_COLUMNS = [("mode", "mode", "d"), ("width", "width", "d"), ("max warps", "max_warps", "d"),
                   ("us", "s", ".2f", 1e6), ("agrees", "agrees", "")]
 
 
 def sweep_single() -> list[dict]:
-    """row_topk at SINGLE_ROWS under each of SINGLE_MAX_WARPS, its picks checked against the default launch's."""
+    """row_topk at SINGLE_ROWS at the default SINGLE_MAX_WARPS, then the others, each one's picks checked against
+    the default launch's; the default restored."""
+    default = topk_triton.SINGLE_MAX_WARPS
+    launches = [default] + [warps for warps in SINGLE_MAX_WARPS if warps != default]
     out = []
     for mode, width, k in SINGLE_ROWS:
         scores = torch.randn(1, width, device="cuda").bfloat16()
@@ -85,12 +88,14 @@ def sweep_single() -> list[dict]:
         def call():
             return topk_triton.row_topk(scores, k, mode, visible=visible, blocks=blocks, block_size=8)
         want = None
-        for warps in SINGLE_MAX_WARPS:
-            topk_triton.SINGLE_MAX_WARPS = warps
-            want = call() if want is None else want
-            out.append(sweep_variant({"mode": mode.value, "width": width, "max_warps": warps}, call,
-                                     lambda picks: torch.equal(picks, want)))
-        topk_triton.SINGLE_MAX_WARPS = SINGLE_MAX_WARPS[0]
+        try:
+            for warps in launches:
+                topk_triton.SINGLE_MAX_WARPS = warps
+                want = call() if want is None else want
+                out.append(sweep_variant({"mode": mode.value, "width": width, "max_warps": warps}, call,
+                                         lambda picks: torch.equal(picks, want)))
+        finally:
+            topk_triton.SINGLE_MAX_WARPS = default
     return out
 
 
