@@ -12,10 +12,12 @@ mantissa bits, value / 64) so they take the same hardware conversion (on the GPU
 
 The key list is the W' window entries (ring records or this chunk's bf16 rows) then the K compressed
 ones; a split owns a run of BLOCK_N-entry blocks and walks its window blocks, then its compressed blocks
-(two loops without branches in their bodies, so Triton pipelines the gathers: NUM_STAGES). With one split
-the program adds the sink, normalises, rotates the rope tail back and stores bf16; with several (decode:
-one token's 640 keys must fill 132 SMs) it stores (acc, max, sum) and a merge kernel, one program per
-(token, block of heads: merge_heads), combines the splits by log-sum-exp.
+(two loops without branches in their bodies, so Triton pipelines the gathers: NUM_STAGES). With OWN_KEY
+(one-token steps, dsflash::attention_own_key_) the chunk's one row, the token's own key, is made by each program
+from its projection (kv_norm_rope_triton's row) instead of loaded, and one program a token writes it to the window
+ring. With one split the program adds the sink, normalises, rotates the rope tail back and stores bf16; with
+several (decode: one token's 640 keys must fill 132 SMs) it stores (acc, max, sum) and a merge kernel, one program
+per (token, block of heads: merge_heads), combines the splits by log-sum-exp.
 
 Where the time goes (H200, decode batch 64: ~51 us, ~104 TFLOP/s, 13% of a bf16 matmul; see
 benchmarks/results/attention-2026-11-29-allheads.json): one 255-register program per SM runs its steps
@@ -25,10 +27,13 @@ warpgroups compute the same S (2x the Q K^T work and its shared-memory reads); a
 costs ~1950 instructions per thread (dequantization, wgmma descriptors, the accumulator rescale).
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
+from .kv_norm_rope_triton import RING_FORMATS, _kv_row, _ring_write
 from .pdl import launch_options, pdl_wait
 from .prefetch_l2 import prefetch_rows_l2
 from .records import record_bytes
@@ -204,14 +209,18 @@ def _finish(acc, m, l, sink_ptr, heads, pos, freq_ptr, out_ptr, out_row, H: tl.c
 
 @triton.jit
 def _attention_kernel(q_ptr, ring_ptr, chunk_ptr, widx_ptr, comp_ptr, cidx_ptr, sink_ptr, pos_ptr, freq_ptr,
-                      out_ptr, part_acc_ptr, part_ml_ptr,
+                      out_ptr, part_acc_ptr, part_ml_ptr, key_w_ptr, rot_ptr, slots_ptr,
                       S, K, chunk_sb, ring_sb, ring_sr, comp_sb, comp_sr, scale, blocks_per_split, comp_rows,
-                      ring_bytes, comp_bytes,
+                      ring_bytes, comp_bytes, eps, slots_sb,
                       H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, NW: tl.constexpr,
                       HALF_ROPE: tl.constexpr, HG: tl.constexpr, BLOCK_N: tl.constexpr,
                       WIN_FMT: tl.constexpr, CMP_FMT: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
-                      PREFETCH: tl.constexpr, PDL: tl.constexpr):
-    """PREFETCH: the first block's key records asked of L2 before the PDL wait (PREFETCH_KEYS)."""
+                      PREFETCH: tl.constexpr, OWN_KEY: tl.constexpr, EARLY_KEY: tl.constexpr, PAIRS: tl.constexpr,
+                      QUANT: tl.constexpr, PDL: tl.constexpr):
+    """PREFETCH: the first block's key records asked of L2 before the PDL wait (PREFETCH_KEYS). OWN_KEY (S = 1):
+    chunk_ptr holds the token's key projection (row stride chunk_sb), made into its key row with the norm weight
+    key_w_ptr, eps, the rotation rot_ptr [tokens, PAIRS, 2] and QUANT (kv_norm_rope's row), and written to the
+    ring at slots_ptr[b * slots_sb] by the token's first program; EARLY_KEY: made before the PDL wait."""
     tok = tl.program_id(0)
     group = tl.program_id(1)
     split = tl.program_id(2)
@@ -221,7 +230,14 @@ def _attention_kernel(q_ptr, ring_ptr, chunk_ptr, widx_ptr, comp_ptr, cidx_ptr, 
                         comp_ptr + b.to(tl.int64) * comp_sb, cidx_ptr + tok.to(tl.int64) * K,
                         split * blocks_per_split, K, ring_sr, comp_sr, comp_rows, ring_bytes, comp_bytes, W, NW,
                         BLOCK_N)
+    if EARLY_KEY:  # its projection was written two launches back at least (attention_own_key.py), no store
+        own = _kv_row(chunk_ptr, key_w_ptr, rot_ptr, tok.to(tl.int64), chunk_sb, eps, D, PAIRS, QUANT, False)
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
+    if OWN_KEY:
+        if not EARLY_KEY:
+            own = _kv_row(chunk_ptr, key_w_ptr, rot_ptr, tok.to(tl.int64), chunk_sb, eps, D, PAIRS, QUANT, False)
+        if (group == 0) & (split == 0):  # its ring slot holds no key of this step (attention_own_key.py)
+            _ring_write(own, tok.to(tl.int64), ring_ptr, slots_ptr, 1, W, ring_sb, ring_sr, slots_sb, 1, D, WIN_FMT)
     heads = group * HG + tl.arange(0, HG)  # a group may run past H (fewer heads than HG): masked
     d = tl.arange(0, D)
     q = tl.load(q_ptr + tok.to(tl.int64) * H * D + heads[:, None] * D + d[None, :], mask=(heads < H)[:, None],
@@ -241,8 +257,11 @@ def _attention_kernel(q_ptr, ring_ptr, chunk_ptr, widx_ptr, comp_ptr, cidx_ptr, 
         w = tl.load(widx_ptr + tok.to(tl.int64) * NW + e, mask=e < NW, other=-1)
         in_ring = (w >= 0) & (w < W)
         in_chunk = w >= W  # (decode: the token's own row; masked-off loads cost no memory traffic)
-        k = tl.where(in_ring[:, None], _load_rows(ring_base, w, ring_sr, in_ring, D, WIN_FMT, not INTERPRET),
-                     _load_rows(chunk_base, w - W, D, in_chunk, D, 0, False))
+        if OWN_KEY:  # the chunk's one row is the token's key, made above
+            chunk_k = tl.where(in_chunk[:, None], own.to(tl.bfloat16), tl.zeros((BLOCK_N, D), tl.bfloat16))
+        else:
+            chunk_k = _load_rows(chunk_base, w - W, D, in_chunk, D, 0, False)
+        k = tl.where(in_ring[:, None], _load_rows(ring_base, w, ring_sr, in_ring, D, WIN_FMT, not INTERPRET), chunk_k)
         m, l, acc = _online_step(q, k, w >= 0, m, l, acc, scale, INTERPRET)
     comp_base = comp_ptr + b.to(tl.int64) * comp_sb
     for blk in range(tl.maximum(first, win_blocks), last):  # compressed entries: the top-k rows
@@ -304,6 +323,26 @@ def _merge_kernel(part_acc_ptr, part_ml_ptr, sink_ptr, pos_ptr, freq_ptr, out_pt
     _finish(acc, m, l, sink_ptr, heads, pos, freq_ptr, out_ptr, tok.to(tl.int64) * H * D, H, D, HALF_ROPE)
 
 
+class OwnKey(NamedTuple):
+    """attention_triton's `own_key`: chunk_kv is then the key projection [B, 1, D] (any row stride), made into the
+    token's key as kv_norm_rope(kv, weight, eps, rot, quantize) and written to the ring at slots [B, 1] (a window
+    format the kernel writes: RING_FORMATS); early: made before the PDL wait (attention_own_key.py says when)."""
+    weight: torch.Tensor
+    eps: float
+    rot: torch.Tensor
+    quantize: bool
+    slots: torch.Tensor
+    early: bool = False
+
+
+def own_key_fits(q, chunk_kv, widx, window_fmt) -> bool:
+    """What OwnKey takes: one-token steps (one query and one key row a batch row) with a window list, a window
+    format the kernel writes, rows of a power of two values."""
+    dim = chunk_kv.shape[-1]
+    return (q.shape[1] == 1 and chunk_kv.shape[1] == 1 and widx.shape[-1] > 0 and window_fmt in RING_FORMATS
+            and dim & (dim - 1) == 0)
+
+
 def merge_heads(tokens: int, heads: int, device: torch.device) -> int:
     """Heads per merge program: the most (a power of two up to MERGE_MAX_HEADS dividing `heads`) that still
     leave MERGE_PROGRAMS_PER_SM programs per SM."""
@@ -323,12 +362,17 @@ def _num_sms(device: torch.device) -> int:
 def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, positions, inv_freq, scale,
                      window_fmt, compressed_fmt, num_splits: int | None = None, block_n: int | None = None,
                      num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, head_group: int | None = None,
-                     heads_per_merge: int | None = None, prefetch: bool | None = None):
+                     heads_per_merge: int | None = None, prefetch: bool | None = None, own_key: OwnKey | None = None):
     """Launch (the op's CUDA kernel; also callable directly, e.g. under TRITON_INTERPRET=1). num_splits,
     block_n, num_warps, num_stages and head_group (heads per program, a power of two >= 16) override the
     defaults (benchmark sweeps); heads_per_merge (a power of two dividing the heads) the merge's (`merge_heads`);
-    prefetch: PREFETCH_KEYS (None: the module's), where the records allow it."""
+    prefetch: PREFETCH_KEYS (None: the module's), where the records allow it; own_key: the token's key made from
+    chunk_kv, its projection, and written to the ring in this launch (OwnKey)."""
     batch, seq, heads, dim = q.shape
+    if own_key is not None and not own_key_fits(q, chunk_kv, widx, window_fmt):
+        raise ValueError(f"attention_triton: own_key takes one-token steps (q {tuple(q.shape)}, key projection "
+                         f"{tuple(chunk_kv.shape)}, window list {tuple(widx.shape)}) with a {'/'.join(RING_FORMATS)} "
+                         f"window ring ({window_fmt!r}) and rows of a power of two values")
     window, nw, k = ring.shape[1], widx.shape[-1], cidx.shape[-1]
     if not out.is_contiguous() or out.shape != q.shape:
         raise ValueError(f"attention_triton: out must be a contiguous {tuple(q.shape)} tensor")
@@ -370,13 +414,24 @@ def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, posit
                          f"{heads} heads")
     part_acc = q.new_empty((tokens * heads * num_splits, dim) if split else (1,), dtype=torch.float32)
     part_ml = q.new_empty((tokens * heads * num_splits, 2) if split else (1,), dtype=torch.float32)
+    if own_key is None:
+        chunk = chunk_kv.contiguous()
+        chunk_sb, key_args, pairs = chunk_kv.shape[1] * dim, (chunk, chunk, widx, 0.0, 0), 1  # never read
+    else:
+        chunk = chunk_kv.reshape(batch, dim)  # a view of the projection's columns where it can be
+        chunk = chunk if chunk.stride(-1) == 1 else chunk.contiguous()
+        rot, pairs = own_key.rot.reshape(batch, -1, 2).contiguous(), own_key.rot.shape[-2]
+        chunk_sb = chunk.stride(0)
+        key_args = (own_key.weight.contiguous(), rot, own_key.slots, own_key.eps, own_key.slots.stride(0))
     _attention_kernel[(tokens, groups, num_splits)](
-        q.contiguous(), ring, chunk_kv.contiguous(), widx, compressed, cidx, sink, positions, inv_freq,
-        out, part_acc, part_ml, seq, k, chunk_kv.shape[1] * dim, ring.stride(0), ring.stride(1), compressed.stride(0),
-        compressed.stride(1), scale, per, compressed.shape[1], *sizes, H=heads, D=dim, W=window, NW=nw,
+        q.contiguous(), ring, chunk, widx, compressed, cidx, sink, positions, inv_freq, out, part_acc, part_ml,
+        *key_args[:3], seq, k, chunk_sb, ring.stride(0), ring.stride(1), compressed.stride(0), compressed.stride(1),
+        scale, per, compressed.shape[1], *sizes, *key_args[3:], H=heads, D=dim, W=window, NW=nw,
         HALF_ROPE=inv_freq.shape[0], HG=head_group, BLOCK_N=block_n, WIN_FMT=_FMT_ID[window_fmt],
         CMP_FMT=_FMT_ID[compressed_fmt], SPLIT=split, INTERPRET=q.device.type != "cuda", PREFETCH=prefetch,
-        num_warps=num_warps, num_stages=num_stages, **launch_options(q.device))
+        OWN_KEY=own_key is not None, EARLY_KEY=own_key is not None and own_key.early, PAIRS=pairs,
+        QUANT=own_key is not None and own_key.quantize, num_warps=num_warps, num_stages=num_stages,
+        **launch_options(q.device))
     if split:
         _merge_kernel[(tokens, heads // per_merge)](
             part_acc, part_ml, sink, positions, inv_freq, out, num_splits, H=heads, D=dim,

@@ -37,8 +37,8 @@ import triton.language as tl
 from .attention_triton import _num_sms
 from .bf16_bits import _round_bf16
 from .block_counters import block_counters
+from .fp8_qdq_triton import _fp8_qdq_groups
 from .pdl import launch_options, pdl_wait
-from .routed_experts_triton import _fp8_qdq_groups
 
 BLOCK_N = 16
 BLOCK_K = 1024

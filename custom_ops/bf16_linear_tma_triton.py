@@ -24,9 +24,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .attention_triton import _dot
 from .bf16_linear_gemv_triton import _input
 from .bf16_linear_triton import _finish_tile, _rotation_tile
+from .fp8_qdq_triton import _fp8_qdq_groups
 from .pdl import launch_options, pdl_wait
 from .prefetch_l2 import prefetch_rows_l2
-from .routed_experts_triton import _fp8_qdq_groups
 
 # the launch of a row of at least LONG_K: [64, 256] tiles, 5 stages (5 x 32 KB of shared memory a program); of a
 # shorter row [128, 128] tiles, 3 stages (b3 probe, wq_b's K 1280: 22.8 us against 23.5-33.7 at 5 or more stages,

@@ -22,8 +22,8 @@ from .attention_triton import _dot, _num_sms
 from .bf16_bits import _round_bf16
 from .bf16_linear import MAX_ROWS
 from .block_counters import block_counters
+from .fp8_qdq_triton import _fp8_qdq_groups
 from .pdl import launch_options, pdl_wait
-from .routed_experts_triton import _fp8_qdq_groups
 
 # Launch defaults from the H200 sweep at one row (scripts/sweep_linear.py, 12-01 l; us, against cuBLAS's GEMV and
 # split-K reduce, not counting the FP8 kernel cuBLAS needs before it): wq_a+wkv 8.4 / 7.6, wq_b 23.1 / 23.6, wo_a

@@ -2,7 +2,7 @@
 
 The row (D values, a power of two) is held in registers: its sum of squares, the RMSNorm (mhc_finish_triton's,
 the seam's formula), the rotation of the trailing pairs (the row viewed as [D / 2, 2], the pairs before the tail kept)
-and the FP8 rounding of its groups (routed_experts_triton's, quant.fp8_qdq's values bit for bit). The norm and
+and the FP8 rounding of its groups (fp8_qdq_triton's, quant.fp8_qdq's values bit for bit). The norm and
 the RoPE products round to bf16 in integer arithmetic (_round_bf16), which the interpreter runs as the GPU does.
 
 EARLY (the op's `early`, set by passes/early_reads.py where a kernel computed from the inputs' producers runs
@@ -16,10 +16,10 @@ import triton
 import triton.language as tl
 
 from .bf16_bits import _round_bf16
+from .fp8_qdq_triton import _fp8_qdq_groups
 from .mhc_finish_triton import _rms_norm_f32
 from .pdl import launch_options, pdl_release, pdl_wait, pdl_wait_only
 from .records import _FMT_ID, _fp8_record
-from .routed_experts_triton import _fp8_qdq_groups
 
 MAX_DIM = 4096  # a row in registers (the release's 512 at 4 warps: 4 values a thread)
 # The rotation's cos / sin loaded with the row and the norm weight (ROT_FIRST): else they come after the norm's

@@ -21,9 +21,7 @@ result is deterministic. Until 12-02 (session o) a third launch did that sum (3.
 layer at batch 1 on the H200). (A down kernel that walked the experts in order itself, one program per column
 block, left too few programs in flight: 74 us per layer at batch 1, against 42 for the grouped GEMM, 12-01.)
 
-The FP8 rounding is done in fp32 arithmetic (quant.fp8_qdq's values bit for bit: power-of-two scale from
-the exponent bits, round-to-nearest-even at E4M3's precision by adding and removing 2^(e+20)), so the
-interpreter runs the code the GPU does.
+The FP8 rounding is fp8_qdq_triton._fp8_qdq_groups (fp32 arithmetic the interpreter runs as the GPU does).
 """
 
 import torch
@@ -33,6 +31,7 @@ import triton.language as tl
 from .attention_triton import _dot
 from .bf16_bits import _round_bf16
 from .block_counters import block_counters
+from .fp8_qdq_triton import _fp8_qdq_groups
 from .pdl import launch_options, pdl_release, pdl_wait, pdl_wait_only
 from .routed_experts import MAX_TOKENS
 
@@ -57,25 +56,6 @@ BY_EXPERT_MAX_COMPARES = 16384  # pairs x stacked experts (powers of two): flash
 # only once the shared ones passed their wait: the shared program now releases the down kernel at its top, not
 # measured yet). Why 128 registers helps the early launch is not understood
 SHARED_FIRST = False
-
-
-@triton.jit
-def _fp8_qdq_groups(v, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """fp32 [ROWS, COLS] -> quant.fp8_qdq's values (fp32) over groups of 32 columns."""
-    g = tl.reshape(v, (ROWS, COLS // 32, 32))
-    amax = tl.maximum(tl.max(tl.abs(g), 2), 1e-4)
-    bits = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
-    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # 2^ceil(log2(amax / 448))
-    scale = (exponent << 23).to(tl.float32, bitcast=True)
-    inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)  # exact: scale is a power of two
-    q = tl.minimum(tl.maximum(g * inverse[:, :, None], -448.0), 448.0)
-    # E4M3: 3 mantissa bits from 2^-6 up, steps of 2^-9 below; x + 2^(e+20) keeps exactly those bits (RNE)
-    a = tl.abs(q)
-    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
-    big = ((e + 147) << 23).to(tl.float32, bitcast=True)
-    r = (a + big) - big
-    r = tl.where(q < 0, -r, r)
-    return tl.reshape(r * scale[:, :, None], (ROWS, COLS))
 
 
 @triton.jit

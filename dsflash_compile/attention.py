@@ -167,6 +167,7 @@ class Attention(nn.Module):
         self.rope_op = False  # q's RoPE as dsflash::rope_, in place (compile() sets it)
         self.norms_op = False  # q's norm in kv's launch, dsflash::qkv_norm_rope, where no query is trimmed (same)
         self.ring_write_op = False  # one-token steps write the ring in kv's launch, dsflash::kv_norm_rope_write_ (same)
+        self.own_key_op = False  # one-token steps leave the key row to the attention's launch (same bits)
 
     def fuse_input_projections(self, fuse: bool = True) -> None:
         """wq_a and wkv read the same quantized input: hold them as one projection (their tensors become views of
@@ -199,9 +200,13 @@ class Attention(nn.Module):
         # kv_norm, RoPE of the tail, then (quantized) FP8 over all dims, RoPE tail included: the window's K = V
         rot, qr, ring = ctx.rotations[role.rope_kind], None, state.window
         # one token a row: the ring slot it goes to holds no key of the step (its window ends at the token itself,
-        # read from kv), so it is written in the norm's launch, before the attention
-        ring_first = self.ring_write_op and x.shape[1] == 1
-        if self.norms_op and queries is None and ring_first:
+        # read from kv), so it is written in the norm's launch, before the attention, or in the attention's own
+        # launch, which then makes the row too (own_key)
+        own_key = self.own_key_op and x.shape[1] == 1 and queries is None
+        ring_first = (self.ring_write_op and x.shape[1] == 1) or own_key
+        if own_key:
+            kv = None
+        elif self.norms_op and queries is None and ring_first:
             qr, kv = ops.qkv_norm_rope_write_(ring, ctx.window_slots, cache.window_format, q_a, self.q_norm.weight,
                                               kv_a, self.kv_norm.weight, self.kv_norm.eps, rot, self.quantize)
         elif self.norms_op and queries is None:
@@ -239,9 +244,15 @@ class Attention(nn.Module):
         # sparse attention over the ring (+ this chunk's kv) and the top-k compressed rows, read from
         # their records; the inverse RoPE of the output (V = K carries the rotation) is fused in
         o = torch.empty_like(q)
-        ops.attention_(o, q, ring[:batch], kv, ctx.window_idx, compressed, cidx, self.attn_sink, ctx.positions,
-                       ctx.inv_freq[role.rope_kind], self.head_dim ** -0.5, cache.window_format,
-                       cache.compressed_format if role.ratio else cache.window_format)
+        compressed_format = cache.compressed_format if role.ratio else cache.window_format
+        if own_key:  # early: kv comes from the launch of q's input projection, wq_b's launch between (the op's notes)
+            ops.attention_own_key_(o, ring, q, kv_a, self.kv_norm.weight, self.kv_norm.eps, rot, self.quantize,
+                                   ctx.window_slots, ctx.window_idx, compressed, cidx, self.attn_sink, ctx.positions,
+                                   ctx.inv_freq[role.rope_kind], self.head_dim ** -0.5, cache.window_format,
+                                   compressed_format, early=self.wqkv_a is not None)
+        else:
+            ops.attention_(o, q, ring[:batch], kv, ctx.window_idx, compressed, cidx, self.attn_sink, ctx.positions,
+                           ctx.inv_freq[role.rope_kind], self.head_dim ** -0.5, cache.window_format, compressed_format)
         if not ring_first:
             ops.record_write_(ring, kv, whole.window_slots, cache.window_format)
 

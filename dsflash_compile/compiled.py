@@ -177,6 +177,12 @@ class CompileOptions:
     # side by side (12-05 g2, variant joint-ring): steps launched back to back 9.950 ms against 9.993 (each of 5
     # rounds lower), waited for 10.114 against 10.196; 678 kernels against 718, logits bit-equal. On
     qkv_norm_op: bool = True
+    # issue 5: one-token steps make each layer's key row (kv_norm_rope's) in the attention's launch, before its PDL
+    # wait, and write the ring there (dsflash::attention_own_key_), where qkv_norm_rope's launch, 2.1 us of every
+    # layer's path in the H200's B1 step (12-05 g3 trace), sat between the input projection and wq_b. The query's
+    # norm is then an Inductor kernel, or with linear_norm wq_b's prologue where wq_b is its only reader (qkv_norm_op
+    # has nothing to join). Same bits. Off: not measured yet (12-05 h: no GPU; variant own-key, with linear_norm)
+    attention_own_key: bool = False
     # issue 5: one-token steps (decode) write each layer's window ring in kv_norm_rope's launch
     # (dsflash::kv_norm_rope_write_, before the attention: the slot the token goes to holds no key of its window),
     # where the ring write's own launch took 1.0-1.1 us of every layer's path in the H200's B1 step (12-04 d5); with
@@ -407,6 +413,7 @@ class CompiledRunner:
             layer.attn.rope_op = options.q_rope_op
             layer.attn.norms_op = options.qkv_norm_op
             layer.attn.ring_write_op = options.decode_ring_write_op
+            layer.attn.own_key_op = options.attention_own_key
             if layer.attn.compressor is not None:
                 layer.attn.compressor.fuse_projections(options.compressor_gemv)
             if layer.engram is not None:

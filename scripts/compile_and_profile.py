@@ -124,6 +124,10 @@ VARIANTS = {
     "g-all": {"engram_lookup_op": True},
     "g-all-kv-first": {"engram_lookup_op": True, "kv_first": True},
     "before-g": {"qkv_norm_op": False, "engram_lookup_op": False},  # 12-05 g2's defaults (and top-k warps) off
+    # 12-05 h: the key row in the attention's launch (dsflash::attention_own_key_), the query's norm in wq_b's kernel
+    # (linear_norm) where wq_b is its only reader; alone: the query's norm an Inductor kernel
+    "own-key": {"attention_own_key": True, "linear_norm": True},
+    "own-key-alone": {"attention_own_key": True},
     "passes": {},
     "warm": {},
 }

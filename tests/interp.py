@@ -37,6 +37,17 @@ def report(result: dict) -> None:
     print("CASE " + json.dumps(result), flush=True)
 
 
+def report_each(cases: dict, run) -> None:
+    """Called inside the subprocess: `run(name, spec)` (a dict of measurements) for every case, each reported under
+    its name; an error is reported as its case's result, so one failing case does not hide the others."""
+    for name, spec in cases.items():
+        try:
+            result = {"name": name, **run(name, spec)}
+        except Exception as e:  # noqa: BLE001 - reported against its case
+            result = dict(name=name, error=f"{type(e).__name__}: {e}")
+        report(result)
+
+
 def run_interpreted(module: str, function: str, timeout: int = 600) -> dict:
     """Run tests/<module>.<function>() with TRITON_INTERPRET=1; returns {case name: result dict}."""
     env = dict(os.environ, TRITON_INTERPRET="1")

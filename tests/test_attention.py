@@ -3,7 +3,6 @@ formats against bf16 caches holding the same values, and the Triton kernel (cust
 against the reference, under Triton's CPU interpreter (in a subprocess) and on CUDA at the release shapes."""
 
 import math
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +12,7 @@ import dsflash_compile  # noqa: F401  (registers torch.ops.dsflash.*)
 from dsflash_compile.custom_ops import records
 from dsflash_compile.custom_ops.attention import attention_reference
 from dsflash_compile.rope import inverse_frequencies
-from interp import report, run_interpreted, requires_interpreter
+from interp import report_each, requires_interpreter, run_interpreted
 
 ops = torch.ops.dsflash
 OP_ARGS = ("q", "ring", "chunk_kv", "widx", "compressed", "cidx", "sink", "positions", "inv_freq", "scale",
@@ -343,12 +342,7 @@ def interpreter_checks():
     import triton
 
     assert triton.knobs.runtime.interpret, "TRITON_INTERPRET=1 must be set before triton is imported"
-    for name, spec in interpreter_cases().items():
-        try:
-            result = run_interpreter_case(name, spec)
-        except Exception as e:  # report it against its case, run the others
-            result = dict(name=name, error=f"{type(e).__name__}: {e}")
-        report(result)
+    report_each(interpreter_cases(), run_interpreter_case)
 
 
 @pytest.fixture(scope="module")
@@ -511,25 +505,31 @@ ATTENTION_SPEC_ARGS = dict(q_ptr="*bf16", ring_ptr="*u8", chunk_ptr="*bf16", wid
                            cidx_ptr="*i32", sink_ptr="*fp32", pos_ptr="*i64", freq_ptr="*fp32", out_ptr="*bf16",
                            part_acc_ptr="*fp32", part_ml_ptr="*fp32", S="i32", K="i32", chunk_sb="i32",
                            ring_sb="i32", ring_sr="i32", comp_sb="i32", comp_sr="i32", scale="fp32",
-                           blocks_per_split="i32", comp_rows="i32", ring_bytes="i32", comp_bytes="i32")
+                           blocks_per_split="i32", comp_rows="i32", ring_bytes="i32", comp_bytes="i32",
+                           key_w_ptr="*bf16", rot_ptr="*fp32", slots_ptr="*i64", eps="fp32", slots_sb="i32")
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_decode_launch_compiles_for_hopper_without_spills(prefetch):
+def decode_launch_ptx(**constexprs) -> tuple[list[str], int]:
     """The release's B1 decode launch (16 heads a program, 32-key blocks, fp8 window and NVFP4 compressed records,
-    split) without spills on sm_90; with PREFETCH the first block's records are asked of L2 (cp.async.bulk
-    .prefetch.L2) before griddepcontrol.wait, and nothing is stored before it."""
+    split; `constexprs` override) compiled for sm_90, checked for spills: its PTX lines and griddepcontrol.wait's."""
     from hopper import check_compiles_for_hopper, compile_for_hopper
 
     from dsflash_compile.custom_ops import attention_triton as kernels
 
-    constexprs = dict(H=64, D=512, W=128, NW=128, HALF_ROPE=32, HG=kernels.ONE_TOKEN_HEAD_GROUP,
-                      BLOCK_N=kernels.SMALL_BLOCK_N, WIN_FMT=1, CMP_FMT=2, SPLIT=True, INTERPRET=False,
-                      PREFETCH=prefetch)
+    constexprs = dict(dict(H=64, D=512, W=128, NW=128, HALF_ROPE=32, HG=kernels.ONE_TOKEN_HEAD_GROUP,
+                           BLOCK_N=kernels.SMALL_BLOCK_N, WIN_FMT=1, CMP_FMT=2, SPLIT=True, INTERPRET=False,
+                           PREFETCH=False, OWN_KEY=False, EARLY_KEY=False, PAIRS=1, QUANT=False), **constexprs)
     spec = ("_attention_kernel", ATTENTION_SPEC_ARGS, constexprs, kernels.NUM_WARPS, kernels.NUM_STAGES)
     check_compiles_for_hopper(kernels, spec)
     lines = compile_for_hopper(kernels, spec).asm["ptx"].splitlines()
-    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    return lines, next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_decode_launch_compiles_for_hopper_without_spills(prefetch):
+    """The release's B1 decode launch without spills on sm_90; with PREFETCH the first block's records are asked of
+    L2 (cp.async.bulk.prefetch.L2) before griddepcontrol.wait, and nothing is stored before it."""
+    lines, wait = decode_launch_ptx(PREFETCH=prefetch)
     prefetches = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2" in line]
     stores = [i for i, line in enumerate(lines) if "st.global" in line]
     assert bool(prefetches) == prefetch and all(i < wait for i in prefetches) and min(stores) > wait

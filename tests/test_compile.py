@@ -441,6 +441,36 @@ def test_decode_writes_the_window_ring_with_the_norm(fresh_dynamo, joint):
     assert calls == [1] * 5 * len(model.model.layers)  # the 5 steps after the prompt's
 
 
+@torch.no_grad()
+def test_decode_attention_makes_its_own_key(fresh_dynamo):
+    """attention_own_key: every layer of a one-token step runs dsflash::attention_own_key_ (made early: wq_a and wkv
+    are one projection) and no key-row op of its own (the row made and written to the ring in the attention's
+    launch), and generate() gives the eager model's tokens."""
+    from dsflash_compile.custom_ops.attention_own_key import attention_own_key_reference
+
+    model = tiny_model()
+    ids = prompts(2, 12)
+    want = model.generate(ids, max_new_tokens=6, do_sample=False)
+    dsflash_compile.compile(model, max_batch=2, max_length=64, batch_buckets=(2,), prefill_buckets=(16,),
+                            backend="eager", passes=False, attention_own_key=True)
+    calls = []
+
+    def attend(*args):
+        calls.append((args[3].shape[1], args[-1]))  # kv's columns, early
+        attention_own_key_reference(*args[:-1])
+
+    def refuse(*args):
+        raise AssertionError("a key-row op ran beside attention_own_key_")
+
+    with torch.library._scoped_library("dsflash", "IMPL") as lib:
+        lib.impl("attention_own_key_", attend, "CPU")
+        for op in ("kv_norm_rope_write_", "qkv_norm_rope_write_"):
+            lib.impl(op, refuse, "CPU")
+        got = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+    assert calls == [(1, True)] * 5 * len(model.model.layers)  # the 5 steps after the prompt's
+
+
 def test_compressor_gemv_fuses_wkv_and_wgate(fresh_dynamo):
     """compressor_gemv: each ratio > 1 KV source's wkv and wgate run as one dsflash::fp32_gemv a decode step (their
     fused weight; prompts through F.linear), and generate() gives the eager model's tokens."""

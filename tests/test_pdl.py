@@ -61,11 +61,16 @@ def test_every_kernel_waits_first():
             assert lines[wait - 1].startswith("if PREFETCH_K > 0:\n") and "prefetch_rows_l2(w_ptr" in before, name
             assert "load" not in before and "store" not in before, name
             assert set(re.findall(r"\w+_ptr", before)) == {"w_ptr"}, name
-        elif "PREFETCH" in kernel.arg_names:  # the attention's key records asked of L2 (hints), nothing stored
+        elif "PREFETCH" in kernel.arg_names:
+            # the attention's key records asked of L2 (hints), and with EARLY_KEY its own key row made from the key
+            # projection, the norm weight and the rotation (attention_own_key.py); nothing stored
             wait = lines.index("pdl_wait(PDL)")
-            before = "\n".join(lines[:wait])
-            assert lines[wait - 1].startswith("if PREFETCH:\n    _prefetch_block(") and "store" not in before, name
-            assert set(re.findall(r"\w+_ptr", before)) == {"ring_ptr", "widx_ptr", "comp_ptr", "cidx_ptr"}, name
+            prefetch, early = lines[wait - 2:wait]
+            assert prefetch.startswith("if PREFETCH:\n    _prefetch_block(") and "store" not in prefetch, name
+            assert set(re.findall(r"\w+_ptr", prefetch)) == {"ring_ptr", "widx_ptr", "comp_ptr", "cidx_ptr"}, name
+            assert early.startswith("if EARLY_KEY:\n    own = _kv_row(") and "store" not in early, name
+            assert set(re.findall(r"\w+_ptr", early)) == {"chunk_ptr", "key_w_ptr", "rot_ptr"}, name
+            assert not any("_ptr" in line or "pdl" in line for line in lines[:wait - 2]), name
         elif "SHARED_FIRST" in kernel.arg_names:  # its shared program reads x (two launches back) before its wait
             assert lines[0].startswith("prog, pid_n = ") and "_ptr" not in lines[0], name
             assert lines[1].startswith("if SHARED_FIRST:\n    if prog == KK:\n        pdl_release(PDL)\n"), name
