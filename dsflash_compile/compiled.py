@@ -252,6 +252,12 @@ class CompileOptions:
     # the per-forward set-up (DeepseekV41Model.begin: positions, window lists, RoPE, Engram hashes, embedding)
     # compiled too: eager it is ~360 host-launched ops before a prefill's first block, with the GPU waiting
     compile_setup: bool = True
+    # issue 5: the set-up compiled with Inductor's combo kernels (its combo_kernels: independent kernels of different
+    # sizes as one launch). In the H200's B1 step (12-05 g3 trace) the decode set-up is 21 one-program kernels, 32 us
+    # before the first block's seam (positions, window lists, three rotations of 3 kernels each, Engram hashes, the
+    # embedding): most read only the positions. Off: not measured yet (12-05 h: no GPU; variants setup-combo,
+    # setup-combo-cos-sin). Inductor backend only
+    setup_combo_kernels: bool = False
     # the forward's finish (DeepseekV41Model.collapse: the last block's streams collapsed and normed; advance: the
     # cache's lengths) compiled too: eager it was 18 aten kernels (~38 us) between the last block and the head in
     # the H200 B1 step's trace (12-03 y1)
@@ -468,7 +474,10 @@ class CompiledRunner:
         for name in ("begin", "collapse", "advance"):  # the methods again (compiled by an earlier compile())
             inner.__dict__.pop(name, None)
         if options.compile_setup:
-            inner.begin = torch.compile(inner.begin, **compile_kwargs)
+            setup_kwargs = compile_kwargs
+            if options.setup_combo_kernels and options.backend == "inductor":
+                setup_kwargs = dict(compile_kwargs, options={**compile_kwargs.get("options", {}), "combo_kernels": True})
+            inner.begin = torch.compile(inner.begin, **setup_kwargs)
         if options.compile_finish:
             inner.collapse = torch.compile(inner.collapse, **compile_kwargs)
             inner.advance = torch.compile(inner.advance, **compile_kwargs)

@@ -128,6 +128,16 @@ VARIANTS = {
     # (linear_norm) where wq_b is its only reader; alone: the query's norm an Inductor kernel
     "own-key": {"attention_own_key": True, "linear_norm": True},
     "own-key-alone": {"attention_own_key": True},
+    # 12-05 h: fewer decode graph pieces (7 by default: 1, 2, 2, 3, 5, 9, 18 blocks). In the B1 trace each piece's
+    # first kernel starts ~2 us after the last of the piece before (no programmatic edge between graphs: 6 gaps,
+    # 12.5 us), while a piece's launch (~0.2-1 us a kernel of host time, ~16 kernels a block) is far shorter than the
+    # GPU's ~227 us a block: 3 pieces of 1, 4, 35 blocks and 4 of 1, 2, 7, 30 still launch each piece in time
+    "pieces-3": {"decode_graph_pieces": 3, "decode_graph_growth": 10.0},
+    "pieces-4": {"decode_graph_pieces": 4, "decode_graph_growth": 5.0},
+    # 12-05 h: the set-up's 21 one-program kernels through Inductor's combo kernels; also with its rotations by cos / sin
+    # (rope.COS_SIN: Inductor kernels, where torch.polar is an aten kernel no fusion takes)
+    "setup-combo": {"setup_combo_kernels": True},
+    "setup-combo-cos-sin": {"setup_combo_kernels": True},
     "passes": {},
     "warm": {},
 }
@@ -164,6 +174,7 @@ KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "g-all": {TOPK: {"SINGLE_MAX_WARPS": 8}, ATTENTION: {"PREFETCH_KEYS": True}},
                    "g-all-kv-first": {TOPK: {"SINGLE_MAX_WARPS": 8}, ATTENTION: {"PREFETCH_KEYS": True}},
                    "rope-cos-sin": {"dsflash_compile.rope": {"COS_SIN": True}},
+                   "setup-combo-cos-sin": {"dsflash_compile.rope": {"COS_SIN": True}},
                    "attention-prefetch": {ATTENTION: {"PREFETCH_KEYS": True}},
                    "attention-prefetch-kv-first": {ATTENTION: {"PREFETCH_KEYS": True}}}
 

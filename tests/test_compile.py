@@ -471,6 +471,23 @@ def test_decode_attention_makes_its_own_key(fresh_dynamo):
     assert calls == [(1, True)] * 5 * len(model.model.layers)  # the 5 steps after the prompt's
 
 
+def test_setup_combo_kernels_reach_the_setup_compile_only(fresh_dynamo, monkeypatch):
+    """setup_combo_kernels: the set-up (DeepseekV41Model.begin) is compiled with Inductor's combo_kernels, the blocks,
+    Engram modules and the finish without (torch.compile's calls recorded; nothing compiles), and only on Inductor."""
+    calls = []
+
+    def record(fn, **kwargs):
+        calls.append((fn.__name__, kwargs.get("options", {})))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", record)
+    for backend, combo in (("inductor", {"begin"}), ("eager", set())):
+        calls.clear()
+        dsflash_compile.compile(tiny_model(), max_batch=1, max_length=32, setup_combo_kernels=True, backend=backend)
+        assert {name for name, options in calls if options.get("combo_kernels")} == combo
+        assert {"begin", "collapse", "advance", "_call_impl"} <= {name for name, _ in calls}
+
+
 def test_compressor_gemv_fuses_wkv_and_wgate(fresh_dynamo):
     """compressor_gemv: each ratio > 1 KV source's wkv and wgate run as one dsflash::fp32_gemv a decode step (their
     fused weight; prompts through F.linear), and generate() gives the eager model's tokens."""
