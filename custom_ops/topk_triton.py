@@ -124,6 +124,12 @@ SINGLE_WIDTH = 8192
 SINGLE_KEYS_PER_THREAD = 16
 SINGLE_MAX_WARPS = 8
 SINGLE_ON = True
+# Its row as a power-of-two head and a short tail (single_parts) rather than one tile of the next power of two: the
+# 4K context's 4120- and 2060-wide rows were ranked as 8192 and 4096 entries, and the kernel's time grows with its
+# tile (H200, 12-05 g1 sweep: 4.67 / 8.66 / 13.63 us at 1024 / 4096 / 8192; in the B1 step's trace, 12-05 g3, the five
+# 4120-wide rows took ~17 us of the path each, 85 of the step's 117 in top-k). Same picks. Off: not measured yet
+# (12-05 h: no GPU; variant single-split)
+SINGLE_SPLIT = False
 _KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 KEY_DTYPES = tuple(_KEY_BITS)  # score dtypes the kernels rank
 _BITS_VIEW = {16: torch.int16, 32: torch.int32}
@@ -180,6 +186,22 @@ def _take(u, live, k, KEY_BITS: tl.constexpr):
     tie = (live & (u == t)).to(tl.int32)
     need = k - tl.sum(above)
     return above | (tie & ((tl.cumsum(tie) - tie) < need).to(tl.int32))
+
+
+@triton.jit
+def _take_parts(u, live, u_tail, live_tail, k, KEY_BITS: tl.constexpr):
+    """_take over a row held as two parts, the head u then the tail u_tail: (take, take_tail). The bisection's
+    block sums add both parts' counts; a tie's rank counts the head's ties before the tail's."""
+    t = tl.zeros((), tl.uint32)
+    for b in tl.static_range(KEY_BITS):
+        cand = t | (1 << (KEY_BITS - 1 - b))
+        t = tl.where(tl.sum((u >= cand).to(tl.int32)) + tl.sum((u_tail >= cand).to(tl.int32)) >= k, cand, t)
+    above, above_tail = (u > t).to(tl.int32), (u_tail > t).to(tl.int32)
+    tie, tie_tail = (live & (u == t)).to(tl.int32), (live_tail & (u_tail == t)).to(tl.int32)
+    need = k - tl.sum(above) - tl.sum(above_tail)
+    take = above | (tie & ((tl.cumsum(tie) - tie) < need).to(tl.int32))
+    rank_tail = tl.sum(tie) + tl.cumsum(tie_tail) - tie_tail
+    return take, above_tail | (tie_tail & (rank_tail < need).to(tl.int32))
 
 
 @triton.jit
@@ -428,27 +450,45 @@ def _finish_kernel(picks_ptr, values_ptr, visible_ptr, blocks_ptr, out_ptr, widt
 
 @triton.jit
 def _row_topk_kernel(bits_ptr, visible_ptr, blocks_ptr, out_ptr, width, k, NB, BS, NEG_INF, MODE: tl.constexpr,
-                     KEY_BITS: tl.constexpr, SIZE: tl.constexpr, K_P2: tl.constexpr, NB_P2: tl.constexpr,
-                     PDL: tl.constexpr):
+                     KEY_BITS: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, K_P2: tl.constexpr,
+                     NB_P2: tl.constexpr, PDL: tl.constexpr):
     """Single path, one row per program: the row's k best (_take) and _finish_kernel's mapping in one launch.
-    The picks come out in index order, so ascending where the mapping keeps the order (VISIBLE, FINITE, and
-    CANDIDATE_ROWS over ascending blocks, as candidate_blocks publishes them), with the -1 picks after the
-    kept ones. CANDIDATE_ROWS maps the stored picks read back; a row whose blocks are not ascending (or with
-    a finite score in a -1 block, whose -1 sorts first) is sorted then, as _finish_kernel sorts."""
+    The row is one tile of HEAD entries (padded), or with TAIL > 0 its first HEAD entries and a TAIL-long part after
+    them (padded: single_parts), ranked together (_take_parts). The picks come out in index order,
+    so ascending where the mapping keeps the order (VISIBLE, FINITE, and CANDIDATE_ROWS over ascending blocks, as
+    candidate_blocks publishes them), with the -1 picks after the kept ones. CANDIDATE_ROWS maps the stored picks
+    read back; a row whose blocks are not ascending (or with a finite score in a -1 block, whose -1 sorts first) is
+    sorted then, as _finish_kernel sorts."""
     pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
     row = tl.program_id(0)
-    pos = tl.arange(0, SIZE)
+    pos = tl.arange(0, HEAD)
     live = pos < width
-    bits = tl.load(bits_ptr + row.to(tl.int64) * width + pos, mask=live, other=0).to(tl.int32)
-    take = _take(_unsigned_key(bits, live, KEY_BITS), live, k, KEY_BITS)
+    src = bits_ptr + row.to(tl.int64) * width
+    bits = tl.load(src + pos, mask=live, other=0).to(tl.int32)
+    if TAIL > 0:
+        pos_tail = HEAD + tl.arange(0, TAIL)
+        live_tail = pos_tail < width
+        bits_tail = tl.load(src + pos_tail, mask=live_tail, other=0).to(tl.int32)
+        take, take_tail = _take_parts(_unsigned_key(bits, live, KEY_BITS), live,
+                                      _unsigned_key(bits_tail, live_tail, KEY_BITS), live_tail, k, KEY_BITS)
+    else:
+        take = _take(_unsigned_key(bits, live, KEY_BITS), live, k, KEY_BITS)
     out = out_ptr + row.to(tl.int64) * k
     s = tl.arange(0, K_P2)
     if MODE == VISIBLE:  # ascending: the picks past visible are the last ones
-        tl.store(out + tl.cumsum(take) - 1, tl.where(pos < tl.load(visible_ptr + row), pos, -1), mask=take > 0)
+        visible = tl.load(visible_ptr + row)
+        tl.store(out + tl.cumsum(take) - 1, tl.where(pos < visible, pos, -1), mask=take > 0)
+        if TAIL > 0:
+            tl.store(out + tl.sum(take) + tl.cumsum(take_tail) - 1, tl.where(pos_tail < visible, pos_tail, -1),
+                     mask=take_tail > 0)
     else:  # -inf picks dropped, the others compacted; -1 after them
         kept = take & (bits != NEG_INF).to(tl.int32)
         tl.store(out + tl.cumsum(kept) - 1, pos, mask=kept > 0)
         n = tl.sum(kept)
+        if TAIL > 0:
+            kept_tail = take_tail & (bits_tail != NEG_INF).to(tl.int32)
+            tl.store(out + n + tl.cumsum(kept_tail) - 1, pos_tail, mask=kept_tail > 0)
+            n += tl.sum(kept_tail)
         if MODE == FINITE:
             tl.store(out + s, tl.full((K_P2,), -1, tl.int32), mask=(s >= n) & (s < k))
         else:  # the k picks (not the row) mapped to row ids: fewer registers than the row's SIZE
@@ -494,14 +534,25 @@ def row_topk(scores: torch.Tensor, k: int, mode: int, visible: torch.Tensor | No
     visible = dummy if visible is None else visible.contiguous()
     blocks = dummy if blocks is None else blocks.contiguous()
     nb = blocks.shape[-1] if mode == CANDIDATE_ROWS else 0
-    size = max(16, triton.next_power_of_2(width))
+    head, tail = single_parts(width)
     _row_topk_kernel[(rows,)](scores.contiguous().view(_BITS_VIEW[key_bits]), visible, blocks, out, width, k, nb,
                               block_size, _NEG_INF_BITS[scores.dtype], MODE=mode.value, KEY_BITS=key_bits,
-                              SIZE=size, K_P2=max(16, triton.next_power_of_2(k)),
+                              HEAD=head, TAIL=tail, K_P2=max(16, triton.next_power_of_2(k)),
                               NB_P2=max(16, triton.next_power_of_2(nb)),
-                              num_warps=min(SINGLE_MAX_WARPS, max(4, size // (32 * SINGLE_KEYS_PER_THREAD))),
+                              num_warps=min(SINGLE_MAX_WARPS, max(4, head // (32 * SINGLE_KEYS_PER_THREAD))),
                               **launch_options(scores.device))
     return out
+
+
+def single_parts(width: int) -> tuple[int, int]:
+    """The single kernel's (HEAD, TAIL) for a row of `width` (>= 1) entries: one tile of the next power of two (at
+    least 16, a tile's smallest; TAIL 0), or with SINGLE_SPLIT, for a width that is no power of two above 16, the
+    largest power of two below it and a power of two (at least 16) holding the rest: a 4120-wide row (4K context)
+    ranked as 4096 + 32 entries, not as 8192."""
+    head = 1 << (width.bit_length() - 1)
+    if not SINGLE_SPLIT or width <= 16 or width == head:
+        return max(16, triton.next_power_of_2(width)), 0
+    return head, max(16, triton.next_power_of_2(width - head))
 
 
 def rowwise_fits(rows: int, width: int, k: int, device) -> bool:

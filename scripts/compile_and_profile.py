@@ -134,10 +134,13 @@ VARIANTS = {
     # GPU's ~227 us a block: 3 pieces of 1, 4, 35 blocks and 4 of 1, 2, 7, 30 still launch each piece in time
     "pieces-3": {"decode_graph_pieces": 3, "decode_graph_growth": 10.0},
     "pieces-4": {"decode_graph_pieces": 4, "decode_graph_growth": 5.0},
-    # 12-05 h: the set-up's 21 one-program kernels through Inductor's combo kernels; also with its rotations by cos / sin
-    # (rope.COS_SIN: Inductor kernels, where torch.polar is an aten kernel no fusion takes)
+    # 12-05 h: the set-up's 21 one-program kernels through Inductor's combo kernels; also with its rotations by cos /
+    # sin (rope.COS_SIN: Inductor kernels, where torch.polar is an aten kernel no fusion takes)
     "setup-combo": {"setup_combo_kernels": True},
     "setup-combo-cos-sin": {"setup_combo_kernels": True},
+    # 12-05 h: the single top-k's row as a power-of-two head and a short tail (topk_triton.SINGLE_SPLIT): the 4120-
+    # and 2060-wide rows of a 4K context ranked as 4128 and 2064 entries, not 8192 and 4096
+    "single-split": {},
     "passes": {},
     "warm": {},
 }
@@ -175,6 +178,7 @@ KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "g-all-kv-first": {TOPK: {"SINGLE_MAX_WARPS": 8}, ATTENTION: {"PREFETCH_KEYS": True}},
                    "rope-cos-sin": {"dsflash_compile.rope": {"COS_SIN": True}},
                    "setup-combo-cos-sin": {"dsflash_compile.rope": {"COS_SIN": True}},
+                   "single-split": {TOPK: {"SINGLE_SPLIT": True}},
                    "attention-prefetch": {ATTENTION: {"PREFETCH_KEYS": True}},
                    "attention-prefetch-kv-first": {ATTENTION: {"PREFETCH_KEYS": True}}}
 

@@ -25,7 +25,8 @@ SHAPES = [(4096, 8192), (4096, 16384), (4096, 131072), (4096, 524288), (64, 1310
 # (chunk, warps): the default, and the 11-30 sweep's second best at 64 x 128K
 ROWWISE = [(topk_triton.CHUNK, topk_triton.CHUNK_WARPS), (8192, 8)]
 COLUMNS = [("rows", "rows", "d"), ("width", "width", "d"), ("path", "path", ""), ("groups", "groups", "d"),
-           ("sample", "sample", "d"), ("cand", "cand", "d"), ("segments", "segments", "d"), ("chunk", "chunk", "d"), ("warps", "num_warps", "d"),
+           ("sample", "sample", "d"), ("cand", "cand", "d"), ("segments", "segments", "d"), ("chunk", "chunk", "d"),
+           ("warps", "num_warps", "d"),
            ("ms", "s", ".3f", 1e3), ("x torch", "vs_torch", ".2f"), ("overflow", "overflow", "d"),
            ("agrees", "agrees", "")]
 
@@ -70,15 +71,19 @@ def sweep(rows: int, width: int) -> list[dict]:
 SINGLE_ROWS = [(topk_triton.FINITE, 515, 512), (topk_triton.VISIBLE, 2060, 512),
                (topk_triton.CANDIDATE_ROWS, 4120, 512)]
 SINGLE_MAX_WARPS = [4, 8, 16]  # topk_triton.SINGLE_MAX_WARPS values, after the module's default
-SINGLE_COLUMNS = [("mode", "mode", "d"), ("width", "width", "d"), ("max warps", "max_warps", "d"),
-                  ("us", "s", ".2f", 1e6), ("agrees", "agrees", "")]
+SINGLE_COLUMNS = [("mode", "mode", "d"), ("width", "width", "d"), ("split", "split", ""),
+                  ("max warps", "max_warps", "d"), ("us", "s", ".2f", 1e6), ("agrees", "agrees", "")]
 
 
 def sweep_single() -> list[dict]:
-    """row_topk at SINGLE_ROWS at the default SINGLE_MAX_WARPS, then the others, each one's picks checked against
-    the default launch's; the default restored."""
-    default = topk_triton.SINGLE_MAX_WARPS
-    launches = [default] + [warps for warps in SINGLE_MAX_WARPS if warps != default]
+    """row_topk at SINGLE_ROWS at the default SINGLE_SPLIT and SINGLE_MAX_WARPS, then the other launches (each
+    SINGLE_MAX_WARPS value, with the row as one tile and as a head and a tail), each one's picks checked against the
+    default launch's; the defaults restored."""
+    default, default_split = topk_triton.SINGLE_MAX_WARPS, topk_triton.SINGLE_SPLIT
+    launches = [(default_split, default)] + [(split, warps) for split in (default_split, not default_split)
+                                             for warps in [default] + SINGLE_MAX_WARPS
+                                             if (split, warps) != (default_split, default)]
+    launches = list(dict.fromkeys(launches))
     out = []
     for mode, width, k in SINGLE_ROWS:
         scores = torch.randn(1, width, device="cuda").bfloat16()
@@ -89,13 +94,13 @@ def sweep_single() -> list[dict]:
             return topk_triton.row_topk(scores, k, mode, visible=visible, blocks=blocks, block_size=8)
         want = None
         try:
-            for warps in launches:
-                topk_triton.SINGLE_MAX_WARPS = warps
+            for split, warps in launches:
+                topk_triton.SINGLE_SPLIT, topk_triton.SINGLE_MAX_WARPS = split, warps
                 want = call() if want is None else want
-                out.append(sweep_variant({"mode": mode.value, "width": width, "max_warps": warps}, call,
-                                         lambda picks: torch.equal(picks, want)))
+                out.append(sweep_variant({"mode": mode.value, "width": width, "split": split, "max_warps": warps},
+                                         call, lambda picks: torch.equal(picks, want)))
         finally:
-            topk_triton.SINGLE_MAX_WARPS = default
+            topk_triton.SINGLE_SPLIT, topk_triton.SINGLE_MAX_WARPS = default_split, default
     return out
 
 

@@ -55,6 +55,7 @@ SINGLE_CASES = {  # name: (rows, width, k, dtype): the single path through the t
     "single_fp32_k_equals_width": (3, 300, 300, torch.float32),
     "single_fp16_k_one": (3, 300, 1, torch.float16),
     "single_release_k": (4, 2060, 512, torch.bfloat16),
+    "single_ties_across_parts": (4, 600, 150, torch.bfloat16),  # row 3's top: a tie run across 512 (split)
 }
 # candidate_topk on the single path, by how the blocks are laid out: candidate_blocks' layout (ascending, -1
 # last), reversed (unordered: the kernel sorts), a -1 block whose scores are finite (its -1 sorts first)
@@ -145,22 +146,29 @@ def interpreter_checks():
     from dsflash_compile.custom_ops.indexer import candidate_blocks_reference, candidate_topk_reference
     from dsflash_compile.custom_ops.indexer_triton import candidate_blocks_triton
     topk_triton.SINGLE_ON = True
-    for name, (rows, width, k, dtype) in SINGLE_CASES.items():
-        scores = make_scores(rows, width, dtype, seed=11).view(1, rows, width)
-        visible = make_visible(rows, width, k, seed=11).view(1, rows)
-        assert topk_triton.single_fits(rows, width, k, scores.device)
-        report(dict(name=name, same_op=bool(torch.equal(topk_indices_triton(scores, k, visible),
-                                                      topk_indices_reference(scores, k, visible)))))
-    for layout in CANDIDATE_LAYOUTS:
-        scores, blocks = make_candidates(3, 40, 20, 4, layout)
-        out = topk_triton.candidate_topk_triton(scores, blocks, 4, 30)
-        report(dict(name=f"single_candidates_{layout}",
-                    same_op=bool(torch.equal(out, candidate_topk_reference(scores, blocks, 4, 30)))))
-    scores = make_scores(2, 515 * 8, torch.bfloat16, seed=4).view(1, 2, -1)  # fewer and more blocks than kept
-    visible = torch.tensor([[4000, 300]])
-    report(dict(name="single_candidate_blocks", same_op=all(
-        torch.equal(candidate_blocks_triton(scores, visible, kept, 8),
-                    candidate_blocks_reference(scores, visible, kept, 8)) for kept in (2048, 100))))
+    for split in (False, True):  # one tile of the next power of two; a power-of-two head and a tail
+        topk_triton.SINGLE_SPLIT, suffix = split, "_split" if split else ""
+        for name, (rows, width, k, dtype) in SINGLE_CASES.items():
+            scores = make_scores(rows, width, dtype, seed=11).view(1, rows, width)
+            visible = make_visible(rows, width, k, seed=11).view(1, rows)
+            if name == "single_ties_across_parts":  # 190 equal maxima, 150 picked: by position, 400-549
+                scores[0, 3, 400:590] = scores[0, 3].max()
+                visible[0, 3] = width
+            assert topk_triton.single_fits(rows, width, k, scores.device)
+            report(dict(name=name + suffix, parts=topk_triton.single_parts(width),
+                        same_op=bool(torch.equal(topk_indices_triton(scores, k, visible),
+                                                 topk_indices_reference(scores, k, visible)))))
+        for layout in CANDIDATE_LAYOUTS:
+            scores, blocks = make_candidates(3, 40, 20, 4, layout)
+            out = topk_triton.candidate_topk_triton(scores, blocks, 4, 30)
+            report(dict(name=f"single_candidates_{layout}{suffix}",
+                        same_op=bool(torch.equal(out, candidate_topk_reference(scores, blocks, 4, 30)))))
+        scores = make_scores(2, 515 * 8, torch.bfloat16, seed=4).view(1, 2, -1)  # fewer and more blocks than kept
+        visible = torch.tensor([[4000, 300]])
+        report(dict(name="single_candidate_blocks" + suffix, same_op=all(
+            torch.equal(candidate_blocks_triton(scores, visible, kept, 8),
+                        candidate_blocks_reference(scores, visible, kept, 8)) for kept in (2048, 100))))
+    topk_triton.SINGLE_SPLIT = False
     # tie-free random rows, the path chosen by shape (the interpreter's 8 "SMs"): row-wise for 16 rows of
     # one chunk, filter (FILTER_ON) for 16 rows wider than one (the default launch), segmented for 2 rows
     # (SEGMENTED_ON, segments of at least 2048 entries here)
@@ -178,11 +186,14 @@ def interpreted():
     return run_interpreted("test_topk", "interpreter_checks")
 
 
+SINGLE_NAMES = list(SINGLE_CASES) + [f"single_candidates_{layout}" for layout in CANDIDATE_LAYOUTS] + [
+    "single_candidate_blocks"]
+
+
 @requires_interpreter
 @pytest.mark.parametrize("name", list(CASES) + list(ROWWISE_CASES) + list(FILTER_CASES) + list(SEGMENTED_CASES) +
-                         list(SINGLE_CASES) + [f"single_candidates_{layout}" for layout in CANDIDATE_LAYOUTS] +
-                         ["single_candidate_blocks", "rowwise_auto_tie_free", "filter_auto_tie_free",
-                          "segmented_auto_tie_free"])
+                         SINGLE_NAMES + [f"{name}_split" for name in SINGLE_NAMES] +
+                         ["rowwise_auto_tie_free", "filter_auto_tie_free", "segmented_auto_tie_free"])
 def test_topk_kernel_matches_reference(interpreted, name):
     """The same k indices as top_k_stable (ties to the lower index, -0 == +0, all -inf rows), and the op's
     output (ascending, -1 for picks past visible) equal to the reference; radix, row-wise and filter paths
@@ -191,9 +202,13 @@ def test_topk_kernel_matches_reference(interpreted, name):
     ties at the cut, all -inf rows and -inf tails (fewer finite entries than k) do not. Segmented cases: the
     same, with a short last segment, and enough segments for two row-wise stages after them. Single cases: the
     three ops that finish on the single path (topk_indices; candidate_topk over ascending, reversed and -1
-    blocks with finite scores; candidate_blocks with fewer and more blocks than it keeps) equal the reference."""
+    blocks with finite scores; candidate_blocks with fewer and more blocks than it keeps) equal the reference,
+    the row as one tile and (_split, SINGLE_SPLIT) as a power-of-two head and a tail, a tie run at the cut across
+    the two."""
     result = interpreted[name]  # (the single path's cases finish their picks: only the op's output is checked)
     assert result.get("same_picks", True) and result.get("same_op", True), result
+    if "parts" in result:  # one tile, or (split) a power-of-two head and a tail
+        assert (result["parts"][1] > 0) == name.endswith("_split"), result
     if name.endswith("_auto_tie_free"):  # the path the name says was the one chosen
         assert result["path"] == name.split("_")[0], result
     if name in FILTER_CASES or name in SEGMENTED_CASES:
@@ -235,13 +250,15 @@ TOPK_KERNELS = {  # name: (kernel, args, constexprs, num_warps), as select_topk 
     for bits, first, last in ((16, True, True), (16, True, False), (32, True, False), (32, False, True),
                               (32, False, False)) for kp in (512, 2048)
 } | {
-    f"row_topk_{bits}bit_mode{mode}_size{size}_warps{warps}": (
+    f"row_topk_{bits}bit_mode{mode}_head{head}_tail{tail}_warps{warps}": (
         "_row_topk_kernel", dict(bits_ptr=f"*i{bits}", visible_ptr="*i64", blocks_ptr="*i32", out_ptr="*i32",
                                  width="i32", k="i32", NB="i32", BS="i32", NEG_INF="i32"),
-        dict(MODE=mode, KEY_BITS=bits, SIZE=size, K_P2=512 if mode != 1 else 1024, NB_P2=2048 if mode == 2 else 16),
-        min(warps, max(4, size // (32 * 16))))  # as row_topk launches it (SINGLE_KEYS_PER_THREAD, SINGLE_MAX_WARPS)
-    for bits in (16, 32) for mode in (0, 1, 2) for size in (1024, 4096, 8192)
-    for warps in ((8, 16) if size >= 8192 else (8,))  # (16 warps change only the 8192-wide launch)
+        dict(MODE=mode, KEY_BITS=bits, HEAD=head, TAIL=tail, K_P2=512 if mode != 1 else 1024,
+             NB_P2=2048 if mode == 2 else 16),
+        min(warps, max(4, head // (32 * 16))))  # as row_topk launches it (SINGLE_KEYS_PER_THREAD, SINGLE_MAX_WARPS)
+    for bits in (16, 32) for mode in (0, 1, 2)
+    for head, tail in ((1024, 0), (4096, 0), (8192, 0), (512, 16), (2048, 16), (4096, 32))  # 515, 2060, 4120 split
+    for warps in ((8, 16) if head >= 8192 else (8,))  # (16 warps change only the 8192-wide launch)
 }
 
 
@@ -319,23 +336,30 @@ def test_topk_indices_cuda_equals_reference(monkeypatch, rows, width, dtype):
     scores = make_scores(rows, width, dtype, device="cuda").view(1, rows, width)
     visible = make_visible(rows, width, 512, device="cuda").view(1, rows)
     ref = topk_indices_reference(scores, 512, visible)
-    for single in (False, True):  # the single path where it fits (decode's narrow rows), else the same path
+    # the single path where it fits (decode's narrow rows; its row as one tile or, split, a head and a tail), else
+    # the same path
+    for single, split in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(topk_triton, "SINGLE_ON", single)
+        monkeypatch.setattr(topk_triton, "SINGLE_SPLIT", split)
         bad = (ops.topk_indices(scores, 512, visible) != ref).any(-1).sum().item()
-        print(f"topk {rows}x{width} {dtype} single {single}: {'PASS' if bad == 0 else 'FAIL'} ({bad} rows differ)")
+        print(f"topk {rows}x{width} {dtype} single {single} split {split}: {'PASS' if bad == 0 else 'FAIL'} "
+              f"({bad} rows differ)")
         assert bad == 0
 
 
 @requires_cuda
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("layout", CANDIDATE_LAYOUTS)
 @pytest.mark.parametrize("rows", [1, 8])
-def test_single_path_cuda_candidates_equal_reference(monkeypatch, layout, rows):
+def test_single_path_cuda_candidates_equal_reference(monkeypatch, layout, rows, split):
     """candidate_blocks (515 blocks of 8, topk_blocks 2048 and 256) and candidate_topk (k = 512 over 515 blocks)
-    at the decode shapes of a 4K context, on the single path: the reference's ids exactly, each block layout."""
+    at the decode shapes of a 4K context, on the single path (its rows as one tile, or split: SINGLE_SPLIT): the
+    reference's ids exactly, each block layout."""
     from dsflash_compile.custom_ops import topk_triton
     from dsflash_compile.custom_ops.indexer import candidate_blocks_reference, candidate_topk_reference
 
     monkeypatch.setattr(topk_triton, "SINGLE_ON", True)
+    monkeypatch.setattr(topk_triton, "SINGLE_SPLIT", split)
     scores = make_scores(rows, 4120, torch.bfloat16, device="cuda").view(1, rows, -1)
     visible = make_visible(rows, 4120, 512, device="cuda").view(1, rows)
     for kept in (2048, 256):
