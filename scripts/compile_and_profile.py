@@ -141,6 +141,9 @@ VARIANTS = {
     # 12-05 h: the single top-k's row as a power-of-two head and a short tail (topk_triton.SINGLE_SPLIT): the 4120-
     # and 2060-wide rows of a 4K context ranked as 4128 and 2064 entries, not 8192 and 4096
     "single-split": {},
+    # 12-05 h's five together
+    "h-all": {"attention_own_key": True, "linear_norm": True, "setup_combo_kernels": True, "decode_graph_pieces": 3,
+              "decode_graph_growth": 10.0},
     "passes": {},
     "warm": {},
 }
@@ -179,6 +182,7 @@ KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "rope-cos-sin": {"dsflash_compile.rope": {"COS_SIN": True}},
                    "setup-combo-cos-sin": {"dsflash_compile.rope": {"COS_SIN": True}},
                    "single-split": {TOPK: {"SINGLE_SPLIT": True}},
+                   "h-all": {TOPK: {"SINGLE_SPLIT": True}},
                    "attention-prefetch": {ATTENTION: {"PREFETCH_KEYS": True}},
                    "attention-prefetch-kv-first": {ATTENTION: {"PREFETCH_KEYS": True}}}
 
