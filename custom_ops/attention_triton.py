@@ -414,20 +414,20 @@ def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, posit
                          f"{heads} heads")
     part_acc = q.new_empty((tokens * heads * num_splits, dim) if split else (1,), dtype=torch.float32)
     part_ml = q.new_empty((tokens * heads * num_splits, 2) if split else (1,), dtype=torch.float32)
-    if own_key is None:
-        chunk = chunk_kv.contiguous()
-        chunk_sb, key_args, pairs = chunk_kv.shape[1] * dim, (chunk, chunk, widx, 0.0, 0), 1  # never read
-    else:
-        chunk = chunk_kv.reshape(batch, dim)  # a view of the projection's columns where it can be
+    if own_key is None:  # the chunk's bf16 rows; the key's operands are never read
+        chunk, chunk_sb = chunk_kv.contiguous(), chunk_kv.shape[1] * dim
+        key_weight, rot, slots, eps, pairs = chunk, chunk, widx, 0.0, 1
+    else:  # the key projection's rows: a view of the projection's columns where it can be
+        chunk = chunk_kv.reshape(batch, dim)
         chunk = chunk if chunk.stride(-1) == 1 else chunk.contiguous()
-        rot, pairs = own_key.rot.reshape(batch, -1, 2).contiguous(), own_key.rot.shape[-2]
-        chunk_sb = chunk.stride(0)
-        key_args = (own_key.weight.contiguous(), rot, own_key.slots, own_key.eps, own_key.slots.stride(0))
+        chunk_sb, pairs = chunk.stride(0), own_key.rot.shape[-2]
+        key_weight, rot = own_key.weight.contiguous(), own_key.rot.reshape(batch, pairs, 2).contiguous()
+        slots, eps = own_key.slots, own_key.eps
     _attention_kernel[(tokens, groups, num_splits)](
         q.contiguous(), ring, chunk, widx, compressed, cidx, sink, positions, inv_freq, out, part_acc, part_ml,
-        *key_args[:3], seq, k, chunk_sb, ring.stride(0), ring.stride(1), compressed.stride(0), compressed.stride(1),
-        scale, per, compressed.shape[1], *sizes, *key_args[3:], H=heads, D=dim, W=window, NW=nw,
-        HALF_ROPE=inv_freq.shape[0], HG=head_group, BLOCK_N=block_n, WIN_FMT=_FMT_ID[window_fmt],
+        key_weight, rot, slots, seq, k, chunk_sb, ring.stride(0), ring.stride(1), compressed.stride(0),
+        compressed.stride(1), scale, per, compressed.shape[1], *sizes, eps, slots.stride(0), H=heads, D=dim,
+        W=window, NW=nw, HALF_ROPE=inv_freq.shape[0], HG=head_group, BLOCK_N=block_n, WIN_FMT=_FMT_ID[window_fmt],
         CMP_FMT=_FMT_ID[compressed_fmt], SPLIT=split, INTERPRET=q.device.type != "cuda", PREFETCH=prefetch,
         OWN_KEY=own_key is not None, EARLY_KEY=own_key is not None and own_key.early, PAIRS=pairs,
         QUANT=own_key is not None and own_key.quantize, num_warps=num_warps, num_stages=num_stages,

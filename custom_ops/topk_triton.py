@@ -453,9 +453,9 @@ def _row_topk_kernel(bits_ptr, visible_ptr, blocks_ptr, out_ptr, width, k, NB, B
                      KEY_BITS: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, K_P2: tl.constexpr,
                      NB_P2: tl.constexpr, PDL: tl.constexpr):
     """Single path, one row per program: the row's k best (_take) and _finish_kernel's mapping in one launch.
-    The row is one tile of HEAD entries (padded), or with TAIL > 0 its first HEAD entries and a TAIL-long part after
-    them (padded: single_parts), ranked together (_take_parts). The picks come out in index order,
-    so ascending where the mapping keeps the order (VISIBLE, FINITE, and CANDIDATE_ROWS over ascending blocks, as
+    The row is one tile of HEAD entries (padded), or with TAIL > 0 its first HEAD entries and a TAIL-long part
+    after them (padded: single_parts), ranked together (_take_parts). The picks come out in index order, so
+    ascending where the mapping keeps the order (VISIBLE, FINITE, and CANDIDATE_ROWS over ascending blocks, as
     candidate_blocks publishes them), with the -1 picks after the kept ones. CANDIDATE_ROWS maps the stored picks
     read back; a row whose blocks are not ascending (or with a finite score in a -1 block, whose -1 sorts first) is
     sorted then, as _finish_kernel sorts."""
@@ -491,7 +491,7 @@ def _row_topk_kernel(bits_ptr, visible_ptr, blocks_ptr, out_ptr, width, k, NB, B
             n += tl.sum(kept_tail)
         if MODE == FINITE:
             tl.store(out + s, tl.full((K_P2,), -1, tl.int32), mask=(s >= n) & (s < k))
-        else:  # the k picks (not the row) mapped to row ids: fewer registers than the row's SIZE
+        else:  # the k picks (not the row) mapped to row ids: fewer registers than the row's tile
             tl.debug_barrier()  # the picks were stored by other threads of this program
             present = s < n
             pick = tl.load(out + s, mask=present, other=0)
