@@ -539,9 +539,14 @@ def row_topk(scores: torch.Tensor, k: int, mode: int, visible: torch.Tensor | No
                               block_size, _NEG_INF_BITS[scores.dtype], MODE=mode.value, KEY_BITS=key_bits,
                               HEAD=head, TAIL=tail, K_P2=max(16, triton.next_power_of_2(k)),
                               NB_P2=max(16, triton.next_power_of_2(nb)),
-                              num_warps=min(SINGLE_MAX_WARPS, max(4, head // (32 * SINGLE_KEYS_PER_THREAD))),
-                              **launch_options(scores.device))
+                              num_warps=single_warps(head), **launch_options(scores.device))
     return out
+
+
+def single_warps(head: int) -> int:
+    """The single kernel's warps for a row head of `head` entries: SINGLE_KEYS_PER_THREAD keys a thread, 4 to
+    SINGLE_MAX_WARPS warps."""
+    return min(SINGLE_MAX_WARPS, max(4, head // (32 * SINGLE_KEYS_PER_THREAD)))
 
 
 def single_parts(width: int) -> tuple[int, int]:

@@ -15,6 +15,8 @@ at the segment count filter_segments would pick, half and twice it (SEGMENT, SEG
 from __future__ import annotations
 
 import argparse
+import itertools
+
 import torch
 
 from dsflash_compile.benchmarking import print_table, run_metadata, save_results, sweep_variant, time_graph
@@ -70,20 +72,44 @@ def sweep(rows: int, width: int) -> list[dict]:
 # topk_indices' dense row (VISIBLE), candidate_topk's 515 x 8 candidates (CANDIDATE_ROWS)
 SINGLE_ROWS = [(topk_triton.FINITE, 515, 512), (topk_triton.VISIBLE, 2060, 512),
                (topk_triton.CANDIDATE_ROWS, 4120, 512)]
-SINGLE_MAX_WARPS = [4, 8, 16]  # topk_triton.SINGLE_MAX_WARPS values, after the module's default
-SINGLE_COLUMNS = [("mode", "mode", "d"), ("width", "width", "d"), ("split", "split", ""),
-                  ("max warps", "max_warps", "d"), ("us", "s", ".2f", 1e6), ("agrees", "agrees", "")]
+# the launch settings swept (topk_triton's constants), each value after the module's own
+SINGLE_SETTINGS = {"SINGLE_SPLIT": [False, True], "SINGLE_MAX_WARPS": [4, 8, 16], "SINGLE_KEYS_PER_THREAD": [8, 16]}
+SINGLE_COLUMNS = [("mode", "mode", "d"), ("width", "width", "d"), ("split", "SINGLE_SPLIT", ""),
+                  ("max warps", "SINGLE_MAX_WARPS", "d"), ("keys a thread", "SINGLE_KEYS_PER_THREAD", "d"),
+                  ("warps", "num_warps", "d"), ("us", "s", ".2f", 1e6), ("agrees", "agrees", "")]
+
+
+def single_launches() -> list[dict]:
+    """The module's settings first, then every other combination of SINGLE_SETTINGS' values that launches
+    differently (same HEAD, TAIL and warps at every SINGLE_ROWS width: timed once)."""
+    default = {name: getattr(topk_triton, name) for name in SINGLE_SETTINGS}
+    combos = [default] + [dict(zip(SINGLE_SETTINGS, values)) for values in itertools.product(*SINGLE_SETTINGS.values())]
+    seen, out = set(), []
+    for settings in combos:
+        key = tuple(_launch(settings, width) for _, width, _ in SINGLE_ROWS)
+        if key not in seen:
+            seen.add(key)
+            out.append(settings)
+    return out
+
+
+def _launch(settings: dict, width: int) -> tuple:
+    """(HEAD, TAIL, warps) of row_topk at `width` under `settings`."""
+    saved = {name: getattr(topk_triton, name) for name in settings}
+    try:
+        for name, value in settings.items():
+            setattr(topk_triton, name, value)
+        head, tail = topk_triton.single_parts(width)
+        return head, tail, topk_triton.single_warps(head)
+    finally:
+        for name, value in saved.items():
+            setattr(topk_triton, name, value)
 
 
 def sweep_single() -> list[dict]:
-    """row_topk at SINGLE_ROWS at the default SINGLE_SPLIT and SINGLE_MAX_WARPS, then the other launches (each
-    SINGLE_MAX_WARPS value, with the row as one tile and as a head and a tail), each one's picks checked against the
-    default launch's; the defaults restored."""
-    default, default_split = topk_triton.SINGLE_MAX_WARPS, topk_triton.SINGLE_SPLIT
-    launches = [(default_split, default)] + [(split, warps) for split in (default_split, not default_split)
-                                             for warps in [default] + SINGLE_MAX_WARPS
-                                             if (split, warps) != (default_split, default)]
-    launches = list(dict.fromkeys(launches))
+    """row_topk at SINGLE_ROWS under each of single_launches() (the module's first), each one's picks checked
+    against the first's; the module's settings restored."""
+    saved = {name: getattr(topk_triton, name) for name in SINGLE_SETTINGS}
     out = []
     for mode, width, k in SINGLE_ROWS:
         scores = torch.randn(1, width, device="cuda").bfloat16()
@@ -94,13 +120,16 @@ def sweep_single() -> list[dict]:
             return topk_triton.row_topk(scores, k, mode, visible=visible, blocks=blocks, block_size=8)
         want = None
         try:
-            for split, warps in launches:
-                topk_triton.SINGLE_SPLIT, topk_triton.SINGLE_MAX_WARPS = split, warps
+            for settings in single_launches():
+                for name, value in settings.items():
+                    setattr(topk_triton, name, value)
                 want = call() if want is None else want
-                out.append(sweep_variant({"mode": mode.value, "width": width, "split": split, "max_warps": warps},
-                                         call, lambda picks: torch.equal(picks, want)))
+                row = {"mode": mode.value, "width": width, **settings,
+                       "num_warps": topk_triton.single_warps(topk_triton.single_parts(width)[0])}
+                out.append(sweep_variant(row, call, lambda picks: torch.equal(picks, want)))
         finally:
-            topk_triton.SINGLE_SPLIT, topk_triton.SINGLE_MAX_WARPS = default_split, default
+            for name, value in saved.items():
+                setattr(topk_triton, name, value)
     return out
 
 

@@ -254,11 +254,13 @@ TOPK_KERNELS = {  # name: (kernel, args, constexprs, num_warps), as select_topk 
         "_row_topk_kernel", dict(bits_ptr=f"*i{bits}", visible_ptr="*i64", blocks_ptr="*i32", out_ptr="*i32",
                                  width="i32", k="i32", NB="i32", BS="i32", NEG_INF="i32"),
         dict(MODE=mode, KEY_BITS=bits, HEAD=head, TAIL=tail, K_P2=512 if mode != 1 else 1024,
-             NB_P2=2048 if mode == 2 else 16),
-        min(warps, max(4, head // (32 * 16))))  # as row_topk launches it (SINGLE_KEYS_PER_THREAD, SINGLE_MAX_WARPS)
+             NB_P2=2048 if mode == 2 else 16), warps)
     for bits in (16, 32) for mode in (0, 1, 2)
-    for head, tail in ((1024, 0), (4096, 0), (8192, 0), (512, 16), (2048, 16), (4096, 32))  # 515, 2060, 4120 split
-    for warps in ((8, 16) if head >= 8192 else (8,))  # (16 warps change only the 8192-wide launch)
+    # as row_topk launches the 4K context's 515-, 2060- and 4120-wide rows (single_warps), as one tile and split,
+    # and the other warps scripts/sweep_topk.py --single launches (but a 4096 tile on 16 warps: 16 bytes of stack
+    # on sm_90, a sweep's point only)
+    for head, tail, warps in ((1024, 0, 4), (4096, 0, 8), (8192, 0, 8), (8192, 0, 16), (512, 16, 4), (2048, 16, 4),
+                              (2048, 16, 8), (4096, 32, 8), (4096, 32, 16))
 }
 
 
