@@ -5,7 +5,7 @@ The reference is the two ops it replaces (kv_norm_rope_write_, then attention_);
 with own_key) gives the bits of the two launches it replaces (kv_norm_rope_triton's ring write, then
 attention_triton on its key row), under the interpreter and on CUDA (eagerly and in a CUDA graph), the key made
 before the PDL wait or after it; every other ring slot is left as it was; it compiles for sm_90 without spills and
-stores nothing before its wait; opcheck and errors."""
+stores nothing before its wait; opcheck and errors; the tiny model's decode graphs through Inductor take it."""
 
 import math
 from types import SimpleNamespace
