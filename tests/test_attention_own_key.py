@@ -179,9 +179,9 @@ def test_release_decode_shape_in_a_cuda_graph(early):
         ops.attention_own_key_(out, *op_args(static), early=early)
     new = decode_inputs(12, batch=2, heads=64, dim=512, window=128, n_comp=2048, k=512, pairs=32, width=1792,
                         lengths=[0, 3001], device="cuda")
-    for name in ("q", "kv", "rot", "slots", "widx", "cidx", "positions"):
-        getattr(static, name).copy_(getattr(new, name))
-    static.ring.copy_(new.ring)
+    for name, value in vars(new).items():  # every input anew, the ring and the weights too
+        if isinstance(value, torch.Tensor):
+            getattr(static, name).copy_(value)
     graph.replay()
     want_ring = new.ring.clone()
     key = ops.kv_norm_rope_write_(want_ring, new.slots, "fp8", new.kv, new.weight, EPS, new.rot, True)
