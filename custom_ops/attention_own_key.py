@@ -67,7 +67,7 @@ def _(out, ring, q, kv, weight, eps, rot, quantize, slots, widx, compressed, cid
 
 
 try:  # Triton is optional on CPU machines
-    from . import attention_triton, kv_norm_rope_triton
+    from . import attention_triton
 except ImportError:  # pragma: no cover - CPU machines without triton
     attention_triton = None
 
@@ -77,7 +77,7 @@ if attention_triton is not None:
           scale, window_fmt, compressed_fmt, early=False):
         _check(out, ring, q, kv, weight, rot, quantize, slots, window_fmt)
         batch = q.shape[0]
-        if not (attention_triton.own_key_fits(q, kv, widx, window_fmt) and kv_norm_rope_triton.kernel_fits(kv)):
+        if not attention_triton.own_key_fits(q, kv, widx, window_fmt):
             key = torch.ops.dsflash.kv_norm_rope_write_(ring, slots, window_fmt, kv, weight, eps, rot, quantize)
             torch.ops.dsflash.attention_(out, q, ring[:batch], key, widx, compressed, cidx, sink, positions,
                                          inv_freq, scale, window_fmt, compressed_fmt)

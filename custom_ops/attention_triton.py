@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_norm_rope_triton import RING_FORMATS, _kv_row, _ring_write
+from .kv_norm_rope_triton import RING_FORMATS, _kv_row, _ring_write, kernel_fits as key_row_fits
 from .pdl import launch_options, pdl_wait
 from .prefetch_l2 import prefetch_rows_l2
 from .records import record_bytes
@@ -337,10 +337,9 @@ class OwnKey(NamedTuple):
 
 def own_key_fits(q, chunk_kv, widx, window_fmt) -> bool:
     """What OwnKey takes: one-token steps (one query and one key row a batch row) with a window list, a window
-    format the kernel writes, rows of a power of two values."""
-    dim = chunk_kv.shape[-1]
+    format the kernel writes, key rows kv_norm_rope's kernel takes."""
     return (q.shape[1] == 1 and chunk_kv.shape[1] == 1 and widx.shape[-1] > 0 and window_fmt in RING_FORMATS
-            and dim & (dim - 1) == 0)
+            and key_row_fits(chunk_kv))
 
 
 def merge_heads(tokens: int, heads: int, device: torch.device) -> int:
@@ -372,7 +371,7 @@ def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, posit
     if own_key is not None and not own_key_fits(q, chunk_kv, widx, window_fmt):
         raise ValueError(f"attention_triton: own_key takes one-token steps (q {tuple(q.shape)}, key projection "
                          f"{tuple(chunk_kv.shape)}, window list {tuple(widx.shape)}) with a {'/'.join(RING_FORMATS)} "
-                         f"window ring ({window_fmt!r}) and rows of a power of two values")
+                         f"window ring ({window_fmt!r}) and key rows kv_norm_rope's kernel takes")
     window, nw, k = ring.shape[1], widx.shape[-1], cidx.shape[-1]
     if not out.is_contiguous() or out.shape != q.shape:
         raise ValueError(f"attention_triton: out must be a contiguous {tuple(q.shape)} tensor")

@@ -167,13 +167,16 @@ def _unsigned_key(bits, live, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest(u, k, KEY_BITS: tl.constexpr):
+def _kth_largest(u, k, KEY_BITS: tl.constexpr, u_tail=None, TAIL: tl.constexpr = False):
     """The largest t with #(u >= t) >= k by bisection on its bits, one block sum per bit (0 if fewer than
-    k keys are >= 1)."""
+    k keys are >= 1). TAIL: the row is u then u_tail, and the sums count both."""
     t = tl.zeros((), tl.uint32)
     for b in tl.static_range(KEY_BITS):
         cand = t | (1 << (KEY_BITS - 1 - b))
-        t = tl.where(tl.sum((u >= cand).to(tl.int32)) >= k, cand, t)
+        count = tl.sum((u >= cand).to(tl.int32))
+        if TAIL:
+            count += tl.sum((u_tail >= cand).to(tl.int32))
+        t = tl.where(count >= k, cand, t)
     return t
 
 
@@ -181,10 +184,17 @@ def _kth_largest(u, k, KEY_BITS: tl.constexpr):
 def _take(u, live, k, KEY_BITS: tl.constexpr):
     """0/1 (int32): the k best of the unsigned keys u, every key above the k-th largest and the first
     (by position) of those equal to it."""
-    t = _kth_largest(u, k, KEY_BITS)
+    return _take_at(u, live, _kth_largest(u, k, KEY_BITS), k, 0)
+
+
+@triton.jit
+def _take_at(u, live, t, need, before):
+    """_take's picks of one part given the k-th largest key t: its keys above t, and its ties (keys equal to t) while
+    fewer than `need` less its keys above t rank before them (`need`: k less the other part's keys above t;
+    `before`: the other part's ties that rank first)."""
     above = (u > t).to(tl.int32)
     tie = (live & (u == t)).to(tl.int32)
-    need = k - tl.sum(above)
+    need -= tl.sum(above) + before
     return above | (tie & ((tl.cumsum(tie) - tie) < need).to(tl.int32))
 
 
@@ -192,16 +202,11 @@ def _take(u, live, k, KEY_BITS: tl.constexpr):
 def _take_parts(u, live, u_tail, live_tail, k, KEY_BITS: tl.constexpr):
     """_take over a row held as two parts, the head u then the tail u_tail: (take, take_tail). The bisection's
     block sums add both parts' counts; a tie's rank counts the head's ties before the tail's."""
-    t = tl.zeros((), tl.uint32)
-    for b in tl.static_range(KEY_BITS):
-        cand = t | (1 << (KEY_BITS - 1 - b))
-        t = tl.where(tl.sum((u >= cand).to(tl.int32)) + tl.sum((u_tail >= cand).to(tl.int32)) >= k, cand, t)
-    above, above_tail = (u > t).to(tl.int32), (u_tail > t).to(tl.int32)
-    tie, tie_tail = (live & (u == t)).to(tl.int32), (live_tail & (u_tail == t)).to(tl.int32)
-    need = k - tl.sum(above) - tl.sum(above_tail)
-    take = above | (tie & ((tl.cumsum(tie) - tie) < need).to(tl.int32))
-    rank_tail = tl.sum(tie) + tl.cumsum(tie_tail) - tie_tail
-    return take, above_tail | (tie_tail & (rank_tail < need).to(tl.int32))
+    t = _kth_largest(u, k, KEY_BITS, u_tail, True)
+    need_head = k - tl.sum((u_tail > t).to(tl.int32))  # k less the tail's keys above t (_take_at takes the head's)
+    need_tail = k - tl.sum((u > t).to(tl.int32))
+    return (_take_at(u, live, t, need_head, 0),
+            _take_at(u_tail, live_tail, t, need_tail, tl.sum((live & (u == t)).to(tl.int32))))
 
 
 @triton.jit
