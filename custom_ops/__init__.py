@@ -13,6 +13,7 @@ from . import bf16_gemv, bf16_linear  # noqa: F401  (registration side effects: 
 from . import fp32_gemv  # noqa: F401  (registration side effects: one row of an fp32 projection)
 from . import kv_norm_rope  # noqa: F401  (registration side effects: the attention's key/value row)
 from . import attention_own_key  # noqa: F401  (registration side effects: decode's attention making its key)
+from . import compress_token  # noqa: F401  (registration side effects: decode's compressor after its projection)
 from . import expert_order  # noqa: F401  (registration side effects: the sorted MoE path's orders)
 from . import grouped_swiglu  # noqa: F401  (registration side effects: the sorted MoE path's gate/up/SwiGLU)
 from . import rope_tail  # noqa: F401  (registration side effects: RoPE of the query heads in place)

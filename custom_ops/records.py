@@ -312,41 +312,49 @@ if triton is not None:  # defined only with triton (its annotations need tl)
             tl.store(dst + d * c_sd, x, mask=m)
         else:  # quantized: the row as NG groups of G values, one group per tile row
             gi = tl.arange(0, NGP)
-            j = tl.arange(0, G)
-            off = gi[:, None] * G + j[None, :]
+            off = gi[:, None] * G + tl.arange(0, G)[None, :]
             m = (gi[:, None] < NG) & ok
             x = tl.load(src + off * r_sd, mask=m, other=0.0)
             if x.dtype == tl.bfloat16:  # exact upcast from the bits (the interpreter's cast mangles subnormals)
                 x = _bf16_as_f32(x)
             else:
                 x = x.to(tl.float32)
-            if FMT == 1:  # fp8: DIM E4M3 codes, then NG UE8M0 scales (G = 32)
-                code, e = _fp8_record(x)
-                tl.store(dst + off * c_sd, code.to(tl.uint8), mask=m)
-                tl.store(dst + (DIM + gi) * c_sd, e.to(tl.uint8), mask=(gi < NG) & ok)
-            else:  # nvfp4 (G = 16, E4M3 scales) / mxfp4 (G = 32, UE8M0 scales): DIM/2 packed bytes, NG scales
-                ax = tl.abs(x)
-                amax = tl.max(ax, axis=1)
-                sign = x.to(tl.int32, bitcast=True) < 0  # x / scale has x's sign (scale > 0), -0.0 included
-                if FMT == 2:
-                    # scale = e4m3(min(max(amax, 6 * 2^-9) / 6, 448)) (>= 2^-9), E4M3 RNE as _fp8_record rounds
-                    y = tl.minimum(tl.math.div_rn(tl.maximum(amax, _NVFP4_FLOOR), 6.0), 448.0)
-                    yb = y.to(tl.int32, bitcast=True)
-                    rn = (yb + 0x7FFFF + ((yb >> 20) & 1)) >> 20
-                    sub = (y + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
-                    is_sub = y < 0.015625
-                    sbyte = tl.where(is_sub, sub, rn - (120 << 3))
-                    scale = tl.where(is_sub, sub.to(tl.float32) * 0.001953125, (rn << 20).to(tl.float32, bitcast=True))
-                    a = tl.math.div_rn(ax, scale[:, None])  # correctly rounded, as torch's division
-                else:
-                    sbyte = _mxfp4_scale_byte(amax)
-                    a = ax * ((254 - sbyte) << 23).to(tl.float32, bitcast=True)[:, None]  # exactly |x| / scale
-                code = _e2m1_magnitude(a) | tl.where(sign, 8, 0)  # bit 3 = sign
-                even, odd = tl.split(tl.reshape(code, (NGP, G // 2, 2)))
-                k = tl.arange(0, G // 2)
-                tl.store(dst + (gi[:, None] * (G // 2) + k[None, :]) * c_sd, (even | (odd << 4)).to(tl.uint8),
-                         mask=(gi[:, None] < NG) & ok)  # element 2k in the low nibble
-                tl.store(dst + (DIM // 2 + gi) * c_sd, sbyte.to(tl.uint8), mask=(gi < NG) & ok)
+            _store_groups(dst, c_sd, x, m, (gi < NG) & ok, DIM, FMT, G, NGP)
+
+    @triton.jit
+    def _store_groups(dst, c_sd, x, m, gm, DIM: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr,
+                      NGP: tl.constexpr):
+        """One row's record of a quantized format FMT (records' id: 1 fp8, 2 nvfp4, 3 mxfp4) stored at dst (element
+        stride c_sd): x fp32 [NGP, G], the row's groups of G values a tile row, m [NGP, G] / gm [NGP] the groups
+        stored (the row's, and only where it is written)."""
+        gi = tl.arange(0, NGP)
+        if FMT == 1:  # fp8: DIM E4M3 codes, then NG UE8M0 scales (G = 32)
+            code, e = _fp8_record(x)
+            tl.store(dst + (gi[:, None] * G + tl.arange(0, G)[None, :]) * c_sd, code.to(tl.uint8), mask=m)
+            tl.store(dst + (DIM + gi) * c_sd, e.to(tl.uint8), mask=gm)
+        else:  # nvfp4 (G = 16, E4M3 scales) / mxfp4 (G = 32, UE8M0 scales): DIM/2 packed bytes, NG scales
+            ax = tl.abs(x)
+            amax = tl.max(ax, axis=1)
+            sign = x.to(tl.int32, bitcast=True) < 0  # x / scale has x's sign (scale > 0), -0.0 included
+            if FMT == 2:
+                # scale = e4m3(min(max(amax, 6 * 2^-9) / 6, 448)) (>= 2^-9), E4M3 RNE as _fp8_record rounds
+                y = tl.minimum(tl.math.div_rn(tl.maximum(amax, _NVFP4_FLOOR), 6.0), 448.0)
+                yb = y.to(tl.int32, bitcast=True)
+                rn = (yb + 0x7FFFF + ((yb >> 20) & 1)) >> 20
+                sub = (y + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+                is_sub = y < 0.015625
+                sbyte = tl.where(is_sub, sub, rn - (120 << 3))
+                scale = tl.where(is_sub, sub.to(tl.float32) * 0.001953125, (rn << 20).to(tl.float32, bitcast=True))
+                a = tl.math.div_rn(ax, scale[:, None])  # correctly rounded, as torch's division
+            else:
+                sbyte = _mxfp4_scale_byte(amax)
+                a = ax * ((254 - sbyte) << 23).to(tl.float32, bitcast=True)[:, None]  # exactly |x| / scale
+            code = _e2m1_magnitude(a) | tl.where(sign, 8, 0)  # bit 3 = sign
+            even, odd = tl.split(tl.reshape(code, (NGP, G // 2, 2)))
+            k = tl.arange(0, G // 2)
+            tl.store(dst + (gi[:, None] * (G // 2) + k[None, :]) * c_sd, (even | (odd << 4)).to(tl.uint8),
+                     mask=gm[:, None])  # element 2k in the low nibble
+            tl.store(dst + (DIM // 2 + gi) * c_sd, sbyte.to(tl.uint8), mask=gm)
 
 
 def record_write_triton(cache: Tensor, rows: Tensor, slots: Tensor, fmt: str) -> None:

@@ -9,7 +9,6 @@ top-k are `dsflash` ops.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import custom_ops  # noqa: F401  (registers torch.ops.dsflash)
@@ -17,6 +16,7 @@ from .cache import LayerCache
 from .configuration_deepseek_v41 import DeepseekV41TextConfig, LayerRole
 from .context import ForwardContext, GroupRows
 from .layers import Linear, RMSNorm, keep_fused, quant_linear, view_outputs
+from .pooling import softmax_pool
 from .quant import fp4_qdq_e4m3, fp4_qdq_ue8m0
 from .rope import apply_rope
 
@@ -61,36 +61,20 @@ class Compressor(nn.Module):
             view_outputs(self.wkv_gate, (self.wkv, self.wgate))
         return self
 
-    def forward(self, x: torch.Tensor, rows: GroupRows, state: LayerCache) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(kv, score) of the chunk's tokens: ratio 1 wkv(x) alone (bf16), else both fp32 (views of one
+        projection where fused)."""
         if self.ratio == 1:
-            return self.norm(self.wkv(x))
-        return self._pool(x, rows, state.pending_kv, state.pending_score)
-
-    def _pool(self, x, rows: GroupRows, pending_kv, pending_score):
-        r, batch = self.ratio, x.shape[0]
+            return self.wkv(x), None
         if self.wkv_gate is not None:
-            kv, score = self.wkv_gate(x).split(self.wkv.out_features, dim=-1)
-        else:
-            kv, score = self.wkv(x), self.wgate(x)
-        # The row's buffer from its first open group: each slot the chunk's token rows.source names, else the
-        # pending group as cached (its empty slots 0 / -inf), past it empty. Gathered, not scattered: a compiled
-        # step reads the tokens where it pools them.
-        width = rows.source.shape[1]
-        taken = (rows.source >= 0).unsqueeze(-1)
-        column = rows.source.clamp_min(0).unsqueeze(-1).expand(-1, -1, kv.shape[-1])
-        buf_kv = torch.where(taken, kv.gather(1, column), F.pad(pending_kv[:batch], (0, 0, 0, width - r)))
-        buf_score = torch.where(taken, score.gather(1, column),
-                                F.pad(pending_score[:batch], (0, 0, 0, width - r), value=-torch.inf))
-        buf_kv, buf_score = buf_kv.unflatten(1, (-1, r)), buf_score.unflatten(1, (-1, r))
+            return self.wkv_gate(x).split(self.wkv.out_features, dim=-1)
+        return self.wkv(x), self.wgate(x)
 
-        pooled = (buf_kv * buf_score.softmax(dim=2)).sum(dim=2)  # [B, groups, d]
-        done = torch.arange(pooled.shape[1], device=x.device) < rows.complete.unsqueeze(1)
-        pooled = torch.where(done.unsqueeze(-1), pooled, 0.0)
-
-        # The group left open becomes the new pending state (its empty slots 0 / -inf).
-        open_group = rows.complete.view(batch, 1, 1, 1).expand(-1, 1, r, kv.shape[-1])
-        pending_kv[:batch] = buf_kv.gather(1, open_group).squeeze(1)
-        pending_score[:batch] = buf_score.gather(1, open_group).squeeze(1)
+    def forward(self, x: torch.Tensor, rows: GroupRows, state: LayerCache) -> torch.Tensor:
+        kv, score = self.project(x)
+        if self.ratio == 1:
+            return self.norm(kv)
+        pooled = softmax_pool(kv, score, rows.source, rows.complete, state.pending_kv, state.pending_score)
         return self.norm(pooled.to(x.dtype))
 
 
@@ -168,6 +152,7 @@ class Attention(nn.Module):
         self.norms_op = False  # q's norm in kv's launch, dsflash::qkv_norm_rope, where no query is trimmed (same)
         self.ring_write_op = False  # one-token steps write the ring in kv's launch, dsflash::kv_norm_rope_write_ (same)
         self.own_key_op = False  # one-token steps leave the key row to the attention's launch (same bits)
+        self.compress_op = False  # one-token steps run the compressor after its projection as dsflash::compress_token_
 
     def fuse_input_projections(self, fuse: bool = True) -> None:
         """wq_a and wkv read the same quantized input: hold them as one projection (their tensors become views of
@@ -272,6 +257,15 @@ class Attention(nn.Module):
         """New compressed rows: index keys from the unrotated latent, then RoPE at the group's first
         position, FP4 quantize-dequantize, and both written to the cache."""
         cache, rows = ctx.cache, ctx.group_rows(self.role.ratio)
+        if self.compress_op and x.shape[1] == 1 and x.dtype == torch.bfloat16:  # all of it in one launch
+            kv, score = self.compressor.project(x)
+            keys = self.indexer
+            ops.compress_token_(state.compressed, state.index_keys if keys else None, state.pending_kv,
+                                state.pending_score, kv, score, rows.source, rows.complete, rows.row_ids, rows.rot,
+                                self.compressor.norm.weight, self.compressor.norm.eps, keys.wk.weight if keys else None,
+                                keys.k_norm.weight if keys else None, keys.k_norm.eps if keys else 0.0, self.quantize,
+                                cache.compressed_format, cache.index_format)
+            return rows.row_ids >= 0
         latent = self.compressor(x, rows, state)
         if self.indexer is not None:
             keys = self.indexer.keys(latent, rows.rot, cache.index_format)

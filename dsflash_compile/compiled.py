@@ -183,6 +183,12 @@ class CompileOptions:
     # norm is then an Inductor kernel, or with linear_norm wq_b's prologue where wq_b is its only reader (qkv_norm_op
     # has nothing to join). Same bits. Off: not measured yet (12-05 h: no GPU; variant own-key, with linear_norm)
     attention_own_key: bool = False
+    # issue 5: one-token steps run each KV source's compressor after its projection as one launch
+    # (dsflash::compress_token_: the pooling, norm, the index keys' projection, norm, RoPE and record, the compressed
+    # row's RoPE and record, one program a batch row), where seven kernels of a few programs each took 14.4 us of the
+    # H200's B1 step path in each of the 4 KV sources (12-05 g3 trace, layer 2). Records within the keys' projection's
+    # summation order of the split path. Off: not measured yet (12-05 i: no GPU; variant compress-op)
+    compress_token_op: bool = False
     # issue 5: one-token steps (decode) write each layer's window ring in kv_norm_rope's launch
     # (dsflash::kv_norm_rope_write_, before the attention: the slot the token goes to holds no key of its window),
     # where the ring write's own launch took 1.0-1.1 us of every layer's path in the H200's B1 step (12-04 d5); with
@@ -420,6 +426,7 @@ class CompiledRunner:
             layer.attn.norms_op = options.qkv_norm_op
             layer.attn.ring_write_op = options.decode_ring_write_op
             layer.attn.own_key_op = options.attention_own_key
+            layer.attn.compress_op = options.compress_token_op
             if layer.attn.compressor is not None:
                 layer.attn.compressor.fuse_projections(options.compressor_gemv)
             if layer.engram is not None:

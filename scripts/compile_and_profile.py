@@ -144,6 +144,13 @@ VARIANTS = {
     # 12-05 h's five together
     "h-all": {"attention_own_key": True, "linear_norm": True, "setup_combo_kernels": True, "decode_graph_pieces": 3,
               "decode_graph_growth": 10.0},
+    # 12-05 i: each KV source's compressor after its projection in one launch (dsflash::compress_token_), where
+    # seven few-program kernels took 14.4 us of the path in each of the 4 sources; without its wk L2 prefetch; h-all
+    # with it
+    "compress-op": {"compress_token_op": True},
+    "compress-op-no-prefetch": {"compress_token_op": True},
+    "i-all": {"attention_own_key": True, "linear_norm": True, "setup_combo_kernels": True, "decode_graph_pieces": 3,
+              "decode_graph_growth": 10.0, "compress_token_op": True},
     "passes": {},
     "warm": {},
 }
@@ -154,6 +161,7 @@ TMA, ROUTED = "dsflash_compile.custom_ops.bf16_linear_tma_triton", "dsflash_comp
 GEMV, MHC = "dsflash_compile.custom_ops.bf16_linear_gemv_triton", "dsflash_compile.custom_ops.mhc_triton"
 KV, TOPK = "dsflash_compile.custom_ops.kv_norm_rope_triton", "dsflash_compile.custom_ops.topk_triton"
 ATTENTION = "dsflash_compile.custom_ops.attention_triton"
+COMPRESS = "dsflash_compile.custom_ops.compress_token_triton"
 KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "shared-first": {ROUTED: {"SHARED_FIRST": True}},
                    "shared-first-128": {ROUTED: {"SHARED_FIRST": True, "UP_MAXNREG": 128}},
@@ -183,6 +191,8 @@ KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "setup-combo-cos-sin": {"dsflash_compile.rope": {"COS_SIN": True}},
                    "single-split": {TOPK: {"SINGLE_SPLIT": True}},
                    "h-all": {TOPK: {"SINGLE_SPLIT": True}},
+                   "i-all": {TOPK: {"SINGLE_SPLIT": True}},
+                   "compress-op-no-prefetch": {COMPRESS: {"PREFETCH": False}},
                    "attention-prefetch": {ATTENTION: {"PREFETCH_KEYS": True}},
                    "attention-prefetch-kv-first": {ATTENTION: {"PREFETCH_KEYS": True}}}
 

@@ -236,9 +236,11 @@ def test_release_decode_launch_compiles_for_hopper(early):
 
 def test_the_models_decode_graphs_take_it_through_inductor(fresh_dynamo, monkeypatch):  # noqa: F811
     """The tiny model through Inductor with attention_own_key and linear_norm (its wq_b taken as TMA-sized, as the
-    release's): every one-row decode graph calls dsflash::attention_own_key_ with early set and no key-row op
-    (kv_norm_rope*), the query's norm folds into wq_b in the 4 decode graphs where wq_b is its only reader (not the
-    3 index layers', whose indexer reads it too), and generate() gives the eager model's tokens."""
+    release's), and compress_token_op (test_compress_token.py: one compile for the two one-token launches): every
+    one-row decode graph calls dsflash::attention_own_key_ with early set and no key-row op (kv_norm_rope*), the
+    query's norm folds into wq_b in the 4 decode graphs where wq_b is its only reader (not the 3 index layers', whose
+    indexer reads it too), each KV source's decode graph calls dsflash::compress_token_ once, and generate() gives the
+    eager model's tokens."""
     from torch._inductor.utils import run_and_get_code
 
     from dsflash_compile.custom_ops import bf16_linear_tma_triton as tma
@@ -246,11 +248,12 @@ def test_the_models_decode_graphs_take_it_through_inductor(fresh_dynamo, monkeyp
     monkeypatch.setattr(tma, "MIN_K", 64)
     monkeypatch.setattr(tma, "MIN_BYTES", 0)
     model = tiny_model()
+    sources = sum(layer.attn.compressor is not None for layer in model.model.layers)
     ids = torch.randint(3, 500, (1, 12), generator=torch.Generator().manual_seed(1))
     want = model.generate(ids, max_new_tokens=3, do_sample=False)
     with graph_caches_off():  # so the passes run (and count) here
         dsflash_compile.compile(model, max_batch=1, max_length=64, batch_buckets=(1,), prefill_buckets=(16,),
-                                attention_own_key=True, linear_norm=True)
+                                attention_own_key=True, linear_norm=True, compress_token_op=True)
         got, codes = run_and_get_code(lambda: model.generate(ids, max_new_tokens=3, do_sample=False))
     assert torch.equal(got, want)
     decode = [code for code in codes if "attention_own_key_" in code]
@@ -259,3 +262,5 @@ def test_the_models_decode_graphs_take_it_through_inductor(fresh_dynamo, monkeyp
     assert len(decode) == 7 and len(calls) == 7 and all(line.endswith(", True)") for line in calls)  # early
     assert not any("kv_norm_rope" in code or "dsflash.attention_.default" in code for code in decode)
     assert model.compiled_runner.pass_manager.matches["linear_norm"] == 4
+    compress = [code.count("torch.ops.dsflash.compress_token_.default(") for code in decode]
+    assert sources >= 2 and sorted(compress) == [0] * (7 - sources) + [1] * sources, compress
