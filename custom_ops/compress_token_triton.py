@@ -2,9 +2,9 @@
 
 The row's D values (a power of two) stay in registers from the projection to the records: the pooling over the
 open group's R slots (the token's projection in its slot, the others from the pending state, which the program
-then rewrites with the same tile layout, so each value is read and written by one thread), the RMSNorm and the RoPE
-(kv_norm_rope_triton's formula and bf16 rounding), the keys' projection (key_weight DK x D read in column blocks of
-BLOCK_K, each against the latent's matching block), their norm and RoPE, and the records (records._store_groups, the
+then rewrites, after a barrier: every thread has read the slots first), the RMSNorm (the seam's formula), the keys'
+projection (key_weight DK x D read in column blocks of BLOCK_K, each against the latent's matching block), their
+norm, the RoPE of both rows (rope.apply_rope's bf16 rounding) and the records (records._store_groups, the
 record_write_ kernel's encoders). The softmax is Inductor's form, exp(s - max) / sum, the division correctly rounded.
 
 PREFETCH (the launch's PREFETCH_K): each program asks L2 for key_weight's rows before its PDL wait (a weight, which
@@ -76,6 +76,7 @@ def _pool(kv_ptr, score_ptr, pkv_ptr, pscore_ptr, source_ptr, complete_ptr, D: t
     e = tl.exp(buf_score - tl.max(buf_score, 0)[None, :])
     pooled = tl.sum(buf_kv * tl.math.div_rn(e, tl.sum(e, 0)[None, :]), 0)
     closed = tl.load(complete_ptr) > 0
+    tl.debug_barrier()  # the slots are read (by whichever thread holds them) before any is rewritten
     tl.store(pkv_ptr + at, tl.where(closed, 0.0, buf_kv), mask=live)
     tl.store(pscore_ptr + at, tl.where(closed, -float("inf"), buf_score), mask=live)
     return pooled
