@@ -27,6 +27,7 @@ import os
 import statistics
 import tempfile
 import time
+import traceback
 from contextlib import contextmanager
 
 import torch
@@ -375,50 +376,61 @@ def main() -> None:
     for variant in [v for v in VARIANTS if v in variants or (v == "warm" and "passes" in variants)]:
         with kernel_settings(KERNEL_SETTINGS.get(variant, {})):
             key = variant.replace("-", "_")
-            torch._dynamo.reset()
-            counters.clear()
-            model.compiled_runner = None
-            dsflash_compile.compile(model, max_batch=max_batch, max_length=max_length, batch_buckets=tuple(args.batch),
-                                    **VARIANTS[variant])
-            runner = model.compiled_runner
-            for batch, (ids, mask) in inputs.items():
-                row = rows[batch]
-                runner.cache.reset()
-                # the same cache for every variant, so their logits compare
-                fill_cache(runner.cache, batch, args.context, torch.Generator(device="cuda").manual_seed(batch))
-                compiled_step = decode_step(runner, ids, mask, args.context)
-                if variant != "warm":
-                    steps.setdefault(key, {})[batch] = compiled_step
-                start = time.perf_counter()
-                for _ in range(3):  # compile, record the CUDA graph, first replay
-                    logits = compiled_step()
-                torch.cuda.synchronize()
-                row[f"{key}_compile_s"] = time.perf_counter() - start
-                print(f"{variant} batch {batch}: first three calls (compile + capture) {row[f'{key}_compile_s']:.1f} s",
-                      flush=True)
-                if variant == "warm":
-                    continue
-                all_logits[batch][key] = logits[:batch].clone()
-                first, first_logits = next(iter(all_logits[batch].items()))
-                row[f"{key}_logits_vs_{first}"] = compare_logits(logits[:batch], first_logits)
-                graphs = counters["stats"]["unique_graphs"]
-                step_time(compiled_step, args.steps)  # steps after warm-up for the recompiles; the rounds time them
-                # every variant's trace (the passes' without a suffix): two compiles' kernels side by side
-                suffix = "" if variant == "passes" else f"-{variant}"
-                trace = os.path.join(args.out, f"decode-trace-{args.preset}-b{batch}{suffix}.json")
-                row[f"{key}_profile"] = profile_step(compiled_step, trace, top=15 if variant == "passes" else 0)
-                row[f"{key}_recompiles_after_warmup"] = counters["stats"]["unique_graphs"] - graphs
-                row[f"{key}_graph_breaks"] = sum(counters["graph_break"].values())
-                if runner.pass_manager is not None:
-                    # a variant compiled after another with the same passes can hit Inductor's FX graph cache: its
-                    # passes do not run again and count 0, so pass_matches keeps the largest count (a cold compile's)
-                    matches = dict(runner.pass_manager.matches)
-                    row[f"{key}_pass_matches"] = matches
-                    if sum(matches.values()) >= sum(row.get("pass_matches", {}).values()):
-                        row["pass_matches"] = matches
-                print(f"{variant} batch {batch}: {row[f'{key}_profile']['kernels']} kernels, "
-                      f"{row[f'{key}_profile']['device_us']:.0f} us of kernel time", flush=True)
-                save_results(result, summary, args.out)  # partial results survive a timeout
+            try:  # a variant that fails (an op's kernel on a GPU first seen here) must not lose the others' numbers
+                torch._dynamo.reset()
+                counters.clear()
+                model.compiled_runner = None
+                dsflash_compile.compile(model, max_batch=max_batch, max_length=max_length,
+                                        batch_buckets=tuple(args.batch), **VARIANTS[variant])
+                runner = model.compiled_runner
+                for batch, (ids, mask) in inputs.items():
+                    row = rows[batch]
+                    runner.cache.reset()
+                    # the same cache for every variant, so their logits compare
+                    fill_cache(runner.cache, batch, args.context, torch.Generator(device="cuda").manual_seed(batch))
+                    compiled_step = decode_step(runner, ids, mask, args.context)
+                    if variant != "warm":
+                        steps.setdefault(key, {})[batch] = compiled_step
+                    start = time.perf_counter()
+                    for _ in range(3):  # compile, record the CUDA graph, first replay
+                        logits = compiled_step()
+                    torch.cuda.synchronize()
+                    row[f"{key}_compile_s"] = time.perf_counter() - start
+                    print(f"{variant} batch {batch}: first three calls (compile + capture) "
+                          f"{row[f'{key}_compile_s']:.1f} s", flush=True)
+                    if variant == "warm":
+                        continue
+                    all_logits[batch][key] = logits[:batch].clone()
+                    first, first_logits = next(iter(all_logits[batch].items()))
+                    row[f"{key}_logits_vs_{first}"] = compare_logits(logits[:batch], first_logits)
+                    graphs = counters["stats"]["unique_graphs"]
+                    step_time(compiled_step, args.steps)  # steps after warm-up for the recompiles; the rounds time them
+                    # every variant's trace (the passes' without a suffix): two compiles' kernels side by side
+                    suffix = "" if variant == "passes" else f"-{variant}"
+                    trace = os.path.join(args.out, f"decode-trace-{args.preset}-b{batch}{suffix}.json")
+                    row[f"{key}_profile"] = profile_step(compiled_step, trace, top=15 if variant == "passes" else 0)
+                    row[f"{key}_recompiles_after_warmup"] = counters["stats"]["unique_graphs"] - graphs
+                    row[f"{key}_graph_breaks"] = sum(counters["graph_break"].values())
+                    if runner.pass_manager is not None:
+                        # a variant compiled after another with the same passes can hit Inductor's FX graph cache:
+                        # its passes do not run again and count 0, so pass_matches keeps the largest count (a cold
+                        # compile's)
+                        matches = dict(runner.pass_manager.matches)
+                        row[f"{key}_pass_matches"] = matches
+                        if sum(matches.values()) >= sum(row.get("pass_matches", {}).values()):
+                            row["pass_matches"] = matches
+                    print(f"{variant} batch {batch}: {row[f'{key}_profile']['kernels']} kernels, "
+                          f"{row[f'{key}_profile']['device_us']:.0f} us of kernel time", flush=True)
+                    save_results(result, summary, args.out)  # partial results survive a timeout
+            except Exception as error:  # noqa: BLE001 - recorded against the variant, the run goes on
+                traceback.print_exc()
+                steps.pop(key, None)
+                for batch in inputs:
+                    all_logits[batch].pop(key, None)
+                    rows[batch][f"{key}_error"] = f"{type(error).__name__}: {error}"
+                print(f"{variant}: failed ({type(error).__name__}: {error}); the other variants go on", flush=True)
+                save_results(result, summary, args.out)
+                continue
         alive.append([*model.parameters(), *model.buffers()])
 
     if args.eager_logits and model.compiled_runner is not None:
