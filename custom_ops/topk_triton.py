@@ -130,6 +130,10 @@ SINGLE_ON = True
 # 4120-wide rows took ~17 us of the path each, 85 of the step's 117 in top-k). Same picks. Off: not measured yet
 # (12-05 h: no GPU; variant single-split)
 SINGLE_SPLIT = False
+# Its k-th largest key by 8-bit digits, a histogram each (tl.histogram, over the keys that share the digits found so
+# far: 2 for bf16 scores), where the bisection takes one block sum a bit (16): fewer barriers on the row's path. Same
+# picks. Off: not measured yet (12-05 i: no GPU; sweep_topk.py --single times it, variant single-radix)
+SINGLE_RADIX = False
 _KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 KEY_DTYPES = tuple(_KEY_BITS)  # score dtypes the kernels rank
 _BITS_VIEW = {16: torch.int16, 32: torch.int32}
@@ -167,24 +171,58 @@ def _unsigned_key(bits, live, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest(u, k, KEY_BITS: tl.constexpr, u_tail=None, TAIL: tl.constexpr = False):
+def _kth_largest(u, k, KEY_BITS: tl.constexpr, u_tail=None, TAIL: tl.constexpr = False, RADIX: tl.constexpr = False):
     """The largest t with #(u >= t) >= k by bisection on its bits, one block sum per bit (0 if fewer than
-    k keys are >= 1). TAIL: the row is u then u_tail, and the sums count both."""
-    t = tl.zeros((), tl.uint32)
-    for b in tl.static_range(KEY_BITS):
-        cand = t | (1 << (KEY_BITS - 1 - b))
-        count = tl.sum((u >= cand).to(tl.int32))
-        if TAIL:
-            count += tl.sum((u_tail >= cand).to(tl.int32))
-        t = tl.where(count >= k, cand, t)
+    k keys are >= 1). TAIL: the row is u then u_tail, and the sums count both. RADIX: by digits instead
+    (_kth_largest_radix)."""
+    if RADIX:
+        t = _kth_largest_radix(u, k, KEY_BITS, u_tail, TAIL)
+    else:
+        t = tl.zeros((), tl.uint32)
+        for b in tl.static_range(KEY_BITS):
+            cand = t | (1 << (KEY_BITS - 1 - b))
+            count = tl.sum((u >= cand).to(tl.int32))
+            if TAIL:
+                count += tl.sum((u_tail >= cand).to(tl.int32))
+            t = tl.where(count >= k, cand, t)
     return t
 
 
 @triton.jit
-def _take(u, live, k, KEY_BITS: tl.constexpr):
+def _kth_largest_radix(u, k, KEY_BITS: tl.constexpr, u_tail=None, TAIL: tl.constexpr = False):
+    """_kth_largest by 8-bit digits, most significant first: a histogram of the digit over the keys that share the
+    digits found so far, and the largest digit whose count from the top reaches what is still needed (KEY_BITS / 8
+    histograms in place of KEY_BITS block sums; every key counts, 0s too, so t is 0 where fewer than k are >= 1)."""
+    bins = tl.arange(0, 256)
+    t = tl.zeros((), tl.uint32)
+    need = k
+    for p in tl.static_range(KEY_BITS // 8):
+        h = _digit_histogram(u, t, p, KEY_BITS)
+        if TAIL:
+            h += _digit_histogram(u_tail, t, p, KEY_BITS)
+        above = tl.sum(h) - tl.cumsum(h)  # keys whose digit is larger than each bin's
+        digit = tl.maximum(tl.max(tl.where(above + h >= need, bins, -1)), 0)
+        need -= tl.sum(tl.where(bins > digit, h, 0))
+        t = t | (digit.to(tl.uint32) << (KEY_BITS - 8 * (p + 1)))
+    return t
+
+
+@triton.jit
+def _digit_histogram(u, t, p: tl.constexpr, KEY_BITS: tl.constexpr):
+    """Counts of digit p (8 bits, most significant first) over the keys u whose higher digits are t's."""
+    shift: tl.constexpr = KEY_BITS - 8 * (p + 1)
+    digit = ((u >> shift) & 255).to(tl.int32)
+    if p == 0:
+        return tl.histogram(digit, 256)
+    else:
+        return tl.histogram(digit, 256, mask=(u >> (shift + 8)) == (t >> (shift + 8)))
+
+
+@triton.jit
+def _take(u, live, k, KEY_BITS: tl.constexpr, RADIX: tl.constexpr = False):
     """0/1 (int32): the k best of the unsigned keys u, every key above the k-th largest and the first
     (by position) of those equal to it."""
-    return _take_at(u, live, _kth_largest(u, k, KEY_BITS), k, 0)
+    return _take_at(u, live, _kth_largest(u, k, KEY_BITS, RADIX=RADIX), k, 0)
 
 
 @triton.jit
@@ -199,10 +237,10 @@ def _take_at(u, live, t, need, before):
 
 
 @triton.jit
-def _take_parts(u, live, u_tail, live_tail, k, KEY_BITS: tl.constexpr):
+def _take_parts(u, live, u_tail, live_tail, k, KEY_BITS: tl.constexpr, RADIX: tl.constexpr = False):
     """_take over a row held as two parts, the head u then the tail u_tail: (take, take_tail). The bisection's
     block sums add both parts' counts; a tie's rank counts the head's ties before the tail's."""
-    t = _kth_largest(u, k, KEY_BITS, u_tail, True)
+    t = _kth_largest(u, k, KEY_BITS, u_tail, True, RADIX)
     need_head = k - tl.sum((u_tail > t).to(tl.int32))  # k less the tail's keys above t (_take_at takes the head's)
     need_tail = k - tl.sum((u > t).to(tl.int32))
     return (_take_at(u, live, t, need_head, 0),
@@ -456,7 +494,7 @@ def _finish_kernel(picks_ptr, values_ptr, visible_ptr, blocks_ptr, out_ptr, widt
 @triton.jit
 def _row_topk_kernel(bits_ptr, visible_ptr, blocks_ptr, out_ptr, width, k, NB, BS, NEG_INF, MODE: tl.constexpr,
                      KEY_BITS: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, K_P2: tl.constexpr,
-                     NB_P2: tl.constexpr, PDL: tl.constexpr):
+                     NB_P2: tl.constexpr, RADIX: tl.constexpr, PDL: tl.constexpr):
     """Single path, one row per program: the row's k best (_take) and _finish_kernel's mapping in one launch.
     The row is one tile of HEAD entries (padded), or with TAIL > 0 its first HEAD entries and a TAIL-long part
     after them (padded: single_parts), ranked together (_take_parts). The picks come out in index order, so
@@ -475,9 +513,9 @@ def _row_topk_kernel(bits_ptr, visible_ptr, blocks_ptr, out_ptr, width, k, NB, B
         live_tail = pos_tail < width
         bits_tail = tl.load(src + pos_tail, mask=live_tail, other=0).to(tl.int32)
         take, take_tail = _take_parts(_unsigned_key(bits, live, KEY_BITS), live,
-                                      _unsigned_key(bits_tail, live_tail, KEY_BITS), live_tail, k, KEY_BITS)
+                                      _unsigned_key(bits_tail, live_tail, KEY_BITS), live_tail, k, KEY_BITS, RADIX)
     else:
-        take = _take(_unsigned_key(bits, live, KEY_BITS), live, k, KEY_BITS)
+        take = _take(_unsigned_key(bits, live, KEY_BITS), live, k, KEY_BITS, RADIX)
     out = out_ptr + row.to(tl.int64) * k
     s = tl.arange(0, K_P2)
     if MODE == VISIBLE:  # ascending: the picks past visible are the last ones
@@ -543,7 +581,7 @@ def row_topk(scores: torch.Tensor, k: int, mode: int, visible: torch.Tensor | No
     _row_topk_kernel[(rows,)](scores.contiguous().view(_BITS_VIEW[key_bits]), visible, blocks, out, width, k, nb,
                               block_size, _NEG_INF_BITS[scores.dtype], MODE=mode.value, KEY_BITS=key_bits,
                               HEAD=head, TAIL=tail, K_P2=max(16, triton.next_power_of_2(k)),
-                              NB_P2=max(16, triton.next_power_of_2(nb)),
+                              NB_P2=max(16, triton.next_power_of_2(nb)), RADIX=SINGLE_RADIX,
                               num_warps=single_warps(head), **launch_options(scores.device))
     return out
 

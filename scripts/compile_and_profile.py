@@ -145,6 +145,9 @@ VARIANTS = {
     # 12-05 h's five together
     "h-all": {"attention_own_key": True, "linear_norm": True, "setup_combo_kernels": True, "decode_graph_pieces": 3,
               "decode_graph_growth": 10.0},
+    # 12-05 i: the single top-k's k-th key by 8-bit digits (topk_triton.SINGLE_RADIX, a histogram a digit: 2 for bf16
+    # scores, where the bisection takes 16 block sums), with the split row
+    "single-split-radix": {},
     # 12-05 i: each KV source's compressor after its projection in one launch (dsflash::compress_token_), where
     # seven few-program kernels took 14.4 us of the path in each of the 4 sources; without its wk L2 prefetch; h-all
     # with it
@@ -193,6 +196,7 @@ KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "single-split": {TOPK: {"SINGLE_SPLIT": True}},
                    "h-all": {TOPK: {"SINGLE_SPLIT": True}},
                    "i-all": {TOPK: {"SINGLE_SPLIT": True}},
+                   "single-split-radix": {TOPK: {"SINGLE_SPLIT": True, "SINGLE_RADIX": True}},
                    "compress-op-no-prefetch": {COMPRESS: {"PREFETCH": False}},
                    "attention-prefetch": {ATTENTION: {"PREFETCH_KEYS": True}},
                    "attention-prefetch-kv-first": {ATTENTION: {"PREFETCH_KEYS": True}}}

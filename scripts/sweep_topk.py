@@ -73,8 +73,10 @@ def sweep(rows: int, width: int) -> list[dict]:
 SINGLE_ROWS = [(topk_triton.FINITE, 515, 512), (topk_triton.VISIBLE, 2060, 512),
                (topk_triton.CANDIDATE_ROWS, 4120, 512)]
 # the launch settings swept (topk_triton's constants), each value after the module's own
-SINGLE_SETTINGS = {"SINGLE_SPLIT": [False, True], "SINGLE_MAX_WARPS": [4, 8, 16], "SINGLE_KEYS_PER_THREAD": [8, 16]}
+SINGLE_SETTINGS = {"SINGLE_SPLIT": [False, True], "SINGLE_RADIX": [False, True], "SINGLE_MAX_WARPS": [4, 8, 16],
+                   "SINGLE_KEYS_PER_THREAD": [8, 16]}
 SINGLE_COLUMNS = [("mode", "mode", "d"), ("width", "width", "d"), ("split", "SINGLE_SPLIT", ""),
+                  ("radix", "SINGLE_RADIX", ""),
                   ("max warps", "SINGLE_MAX_WARPS", "d"), ("keys a thread", "SINGLE_KEYS_PER_THREAD", "d"),
                   ("warps", "num_warps", "d"), ("us", "s", ".2f", 1e6), ("agrees", "agrees", "")]
 
@@ -94,13 +96,13 @@ def single_launches() -> list[dict]:
 
 
 def _launch(settings: dict, width: int) -> tuple:
-    """(HEAD, TAIL, warps) of row_topk at `width` under `settings`."""
+    """(HEAD, TAIL, warps, RADIX) of row_topk at `width` under `settings`."""
     saved = {name: getattr(topk_triton, name) for name in settings}
     try:
         for name, value in settings.items():
             setattr(topk_triton, name, value)
         head, tail = topk_triton.single_parts(width)
-        return head, tail, topk_triton.single_warps(head)
+        return head, tail, topk_triton.single_warps(head), topk_triton.SINGLE_RADIX
     finally:
         for name, value in saved.items():
             setattr(topk_triton, name, value)

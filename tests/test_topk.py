@@ -146,8 +146,11 @@ def interpreter_checks():
     from dsflash_compile.custom_ops.indexer import candidate_blocks_reference, candidate_topk_reference
     from dsflash_compile.custom_ops.indexer_triton import candidate_blocks_triton
     topk_triton.SINGLE_ON = True
-    for split in (False, True):  # one tile of the next power of two; a power-of-two head and a tail
-        topk_triton.SINGLE_SPLIT, suffix = split, "_split" if split else ""
+    # one tile of the next power of two; a power-of-two head and a tail; each with the k-th key by bisection or by
+    # digits (radix: the three ops share the kernel's take, so only topk_indices' cases)
+    for split, radix in ((False, False), (True, False), (False, True), (True, True)):
+        topk_triton.SINGLE_SPLIT, topk_triton.SINGLE_RADIX = split, radix
+        suffix = ("_split" if split else "") + ("_radix" if radix else "")
         for name, (rows, width, k, dtype) in SINGLE_CASES.items():
             scores = make_scores(rows, width, dtype, seed=11).view(1, rows, width)
             visible = make_visible(rows, width, k, seed=11).view(1, rows)
@@ -158,6 +161,8 @@ def interpreter_checks():
             report(dict(name=name + suffix, parts=topk_triton.single_parts(width),
                         same_op=bool(torch.equal(topk_indices_triton(scores, k, visible),
                                                  topk_indices_reference(scores, k, visible)))))
+        if radix:
+            continue
         for layout in CANDIDATE_LAYOUTS:
             scores, blocks = make_candidates(3, 40, 20, 4, layout)
             out = topk_triton.candidate_topk_triton(scores, blocks, 4, 30)
@@ -168,7 +173,7 @@ def interpreter_checks():
         report(dict(name="single_candidate_blocks" + suffix, same_op=all(
             torch.equal(candidate_blocks_triton(scores, visible, kept, 8),
                         candidate_blocks_reference(scores, visible, kept, 8)) for kept in (2048, 100))))
-    topk_triton.SINGLE_SPLIT = False
+    topk_triton.SINGLE_SPLIT = topk_triton.SINGLE_RADIX = False
     # tie-free random rows, the path chosen by shape (the interpreter's 8 "SMs"): row-wise for 16 rows of
     # one chunk, filter (FILTER_ON) for 16 rows wider than one (the default launch), segmented for 2 rows
     # (SEGMENTED_ON, segments of at least 2048 entries here)
@@ -193,6 +198,7 @@ SINGLE_NAMES = list(SINGLE_CASES) + [f"single_candidates_{layout}" for layout in
 @requires_interpreter
 @pytest.mark.parametrize("name", list(CASES) + list(ROWWISE_CASES) + list(FILTER_CASES) + list(SEGMENTED_CASES) +
                          SINGLE_NAMES + [f"{name}_split" for name in SINGLE_NAMES] +
+                         [f"{name}{radix}" for radix in ("_radix", "_split_radix") for name in SINGLE_CASES] +
                          ["rowwise_auto_tie_free", "filter_auto_tie_free", "segmented_auto_tie_free"])
 def test_topk_kernel_matches_reference(interpreted, name):
     """The same k indices as top_k_stable (ties to the lower index, -0 == +0, all -inf rows), and the op's
@@ -204,11 +210,11 @@ def test_topk_kernel_matches_reference(interpreted, name):
     three ops that finish on the single path (topk_indices; candidate_topk over ascending, reversed and -1
     blocks with finite scores; candidate_blocks with fewer and more blocks than it keeps) equal the reference,
     the row as one tile and (_split, SINGLE_SPLIT) as a power-of-two head and a tail, a tie run at the cut across
-    the two."""
+    the two, the k-th largest key by bisection and (_radix, SINGLE_RADIX) by digits."""
     result = interpreted[name]  # (the single path's cases finish their picks: only the op's output is checked)
     assert result.get("same_picks", True) and result.get("same_op", True), result
     if "parts" in result:  # one tile, or (split) a power-of-two head and a tail
-        assert (result["parts"][1] > 0) == name.endswith("_split"), result
+        assert (result["parts"][1] > 0) == ("_split" in name), result
     if name.endswith("_auto_tie_free"):  # the path the name says was the one chosen
         assert result["path"] == name.split("_")[0], result
     if name in FILTER_CASES or name in SEGMENTED_CASES:
@@ -254,13 +260,22 @@ TOPK_KERNELS = {  # name: (kernel, args, constexprs, num_warps), as select_topk 
         "_row_topk_kernel", dict(bits_ptr=f"*i{bits}", visible_ptr="*i64", blocks_ptr="*i32", out_ptr="*i32",
                                  width="i32", k="i32", NB="i32", BS="i32", NEG_INF="i32"),
         dict(MODE=mode, KEY_BITS=bits, HEAD=head, TAIL=tail, K_P2=512 if mode != 1 else 1024,
-             NB_P2=2048 if mode == 2 else 16), warps)
+             NB_P2=2048 if mode == 2 else 16, RADIX=False), warps)
     for bits in (16, 32) for mode in (0, 1, 2)
     # as row_topk launches the 4K context's 515-, 2060- and 4120-wide rows (single_warps), as one tile and split,
     # and the other warps scripts/sweep_topk.py --single launches (but a 4096 tile on 16 warps: 16 bytes of stack
     # on sm_90, a sweep's point only)
     for head, tail, warps in ((1024, 0, 4), (4096, 0, 8), (8192, 0, 8), (8192, 0, 16), (512, 16, 4), (2048, 16, 4),
                               (2048, 16, 8), (4096, 32, 8), (4096, 32, 16))
+} | {
+    f"row_topk_radix_{bits}bit_mode{mode}_head{head}_tail{tail}_warps{warps}": (
+        "_row_topk_kernel", dict(bits_ptr=f"*i{bits}", visible_ptr="*i64", blocks_ptr="*i32", out_ptr="*i32",
+                                 width="i32", k="i32", NB="i32", BS="i32", NEG_INF="i32"),
+        dict(MODE=mode, KEY_BITS=bits, HEAD=head, TAIL=tail, K_P2=512 if mode != 1 else 1024,
+             NB_P2=2048 if mode == 2 else 16, RADIX=True), warps)
+    # SINGLE_RADIX at the 4K context's rows as row_topk launches them split (and one 32-bit tile)
+    for bits, mode, head, tail, warps in ((16, 1, 512, 16, 4), (16, 0, 2048, 16, 4), (16, 2, 4096, 32, 8),
+                                          (32, 2, 8192, 0, 8))
 }
 
 
@@ -340,28 +355,32 @@ def test_topk_indices_cuda_equals_reference(monkeypatch, rows, width, dtype):
     ref = topk_indices_reference(scores, 512, visible)
     # the single path where it fits (decode's narrow rows; its row as one tile or, split, a head and a tail), else
     # the same path
-    for single, split in ((False, False), (True, False), (True, True)):
+    for single, split, radix in ((False, False, False), (True, False, False), (True, True, False),
+                                 (True, False, True), (True, True, True)):
         monkeypatch.setattr(topk_triton, "SINGLE_ON", single)
         monkeypatch.setattr(topk_triton, "SINGLE_SPLIT", split)
+        monkeypatch.setattr(topk_triton, "SINGLE_RADIX", radix)
         bad = (ops.topk_indices(scores, 512, visible) != ref).any(-1).sum().item()
-        print(f"topk {rows}x{width} {dtype} single {single} split {split}: {'PASS' if bad == 0 else 'FAIL'} "
-              f"({bad} rows differ)")
+        print(f"topk {rows}x{width} {dtype} single {single} split {split} radix {radix}: "
+              f"{'PASS' if bad == 0 else 'FAIL'} ({bad} rows differ)")
         assert bad == 0
 
 
 @requires_cuda
+@pytest.mark.parametrize("radix", [False, True])
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("layout", CANDIDATE_LAYOUTS)
 @pytest.mark.parametrize("rows", [1, 8])
-def test_single_path_cuda_candidates_equal_reference(monkeypatch, layout, rows, split):
+def test_single_path_cuda_candidates_equal_reference(monkeypatch, layout, rows, split, radix):
     """candidate_blocks (515 blocks of 8, topk_blocks 2048 and 256) and candidate_topk (k = 512 over 515 blocks)
-    at the decode shapes of a 4K context, on the single path (its rows as one tile, or split: SINGLE_SPLIT): the
-    reference's ids exactly, each block layout."""
+    at the decode shapes of a 4K context, on the single path (its rows as one tile, or split: SINGLE_SPLIT; the
+    k-th key by bisection or by digits: SINGLE_RADIX): the reference's ids exactly, each block layout."""
     from dsflash_compile.custom_ops import topk_triton
     from dsflash_compile.custom_ops.indexer import candidate_blocks_reference, candidate_topk_reference
 
     monkeypatch.setattr(topk_triton, "SINGLE_ON", True)
     monkeypatch.setattr(topk_triton, "SINGLE_SPLIT", split)
+    monkeypatch.setattr(topk_triton, "SINGLE_RADIX", radix)
     scores = make_scores(rows, 4120, torch.bfloat16, device="cuda").view(1, rows, -1)
     visible = make_visible(rows, 4120, 512, device="cuda").view(1, rows)
     for kept in (2048, 256):
