@@ -256,26 +256,19 @@ TOPK_KERNELS = {  # name: (kernel, args, constexprs, num_warps), as select_topk 
     for bits, first, last in ((16, True, True), (16, True, False), (32, True, False), (32, False, True),
                               (32, False, False)) for kp in (512, 2048)
 } | {
-    f"row_topk_{bits}bit_mode{mode}_head{head}_tail{tail}_warps{warps}": (
+    f"row_topk_{'radix_' if radix else ''}{bits}bit_mode{mode}_head{head}_tail{tail}_warps{warps}": (
         "_row_topk_kernel", dict(bits_ptr=f"*i{bits}", visible_ptr="*i64", blocks_ptr="*i32", out_ptr="*i32",
                                  width="i32", k="i32", NB="i32", BS="i32", NEG_INF="i32"),
         dict(MODE=mode, KEY_BITS=bits, HEAD=head, TAIL=tail, K_P2=512 if mode != 1 else 1024,
-             NB_P2=2048 if mode == 2 else 16, RADIX=False), warps)
-    for bits in (16, 32) for mode in (0, 1, 2)
+             NB_P2=2048 if mode == 2 else 16, RADIX=radix), warps)
     # as row_topk launches the 4K context's 515-, 2060- and 4120-wide rows (single_warps), as one tile and split,
     # and the other warps scripts/sweep_topk.py --single launches (but a 4096 tile on 16 warps: 16 bytes of stack
-    # on sm_90, a sweep's point only)
-    for head, tail, warps in ((1024, 0, 4), (4096, 0, 8), (8192, 0, 8), (8192, 0, 16), (512, 16, 4), (2048, 16, 4),
-                              (2048, 16, 8), (4096, 32, 8), (4096, 32, 16))
-} | {
-    f"row_topk_radix_{bits}bit_mode{mode}_head{head}_tail{tail}_warps{warps}": (
-        "_row_topk_kernel", dict(bits_ptr=f"*i{bits}", visible_ptr="*i64", blocks_ptr="*i32", out_ptr="*i32",
-                                 width="i32", k="i32", NB="i32", BS="i32", NEG_INF="i32"),
-        dict(MODE=mode, KEY_BITS=bits, HEAD=head, TAIL=tail, K_P2=512 if mode != 1 else 1024,
-             NB_P2=2048 if mode == 2 else 16, RADIX=True), warps)
-    # SINGLE_RADIX at the 4K context's rows as row_topk launches them split (and one 32-bit tile)
-    for bits, mode, head, tail, warps in ((16, 1, 512, 16, 4), (16, 0, 2048, 16, 4), (16, 2, 4096, 32, 8),
-                                          (32, 2, 8192, 0, 8))
+    # on sm_90, a sweep's point only); SINGLE_RADIX at those rows as launched split (and one 32-bit tile)
+    for bits, mode, head, tail, warps, radix in [
+        (bits, mode, head, tail, warps, False) for bits in (16, 32) for mode in (0, 1, 2)
+        for head, tail, warps in ((1024, 0, 4), (4096, 0, 8), (8192, 0, 8), (8192, 0, 16), (512, 16, 4),
+                                  (2048, 16, 4), (2048, 16, 8), (4096, 32, 8), (4096, 32, 16))] + [
+        (16, 1, 512, 16, 4, True), (16, 0, 2048, 16, 4, True), (16, 2, 4096, 32, 8, True), (32, 2, 8192, 0, 8, True)]
 }
 
 
