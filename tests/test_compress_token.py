@@ -3,8 +3,9 @@ one-token step, as one launch.
 
 The reference is the model's compressor path (the tiny model's logits are the same bits with the op as without);
 the Triton launch (compress_token_triton) gives the reference's records bit for bit where the math is exact in any
-order (equal scores pool as halves, one-hot key weights), under the interpreter and on CUDA, and its pending state
-always; with random scores and key weights its rows are the reference's within bf16 rounding; rows whose row id is
+order (equal scores pool as halves, one-hot key weights) under the interpreter (on CUDA, with the GPU's own rsqrt and
+exp, within a bf16 ulp before the FP4 rounding), and its pending state always; with random scores and key weights
+its rows are the reference's within bf16 rounding; rows whose row id is
 negative (a group still open, a padding row, a row below the write floor) write no record and leave every other row
 as it was; a CUDA graph replays it with new inputs; it compiles for sm_90 without spills; opcheck and errors. The
 tiny model's decode graphs through Inductor take it: test_attention_own_key.py (one compile for both one-token
@@ -92,8 +93,19 @@ def args_of(inp, fresh=True):
                  for name in OP_ARGS)
 
 
-def decoded(cache, fmt, dim):
-    return cache.float() if fmt == "bf16" else records.decode_reference(cache, fmt, dim, torch.float32)
+def record_errors(got, want, fmt, width) -> tuple[float, float]:
+    """(largest |difference| beyond its allowance, share of values that differ) of written records, decoded. The
+    allowance: a bf16 row's 2 ulps of its largest value; a quantized group's one E2M1 step at the top of its grid
+    (amax / 3), what a one-ulp difference before the FP4 rounding (the GPU's rsqrt, exp, summation order) can move a
+    code by."""
+    a, b = (c.float() if fmt == "bf16" else records.decode_reference(c, fmt, width, torch.float32) for c in (got, want))
+    if fmt == "bf16":
+        allowed = 2 ** -7 * b.abs().amax(-1, keepdim=True)
+    else:
+        groups = b.unflatten(-1, (-1, records._BLOCK[fmt]))
+        allowed = (groups.abs().amax(-1, keepdim=True) / 3).expand_as(groups).flatten(-2)
+    diff = (a - b).abs()
+    return (diff - allowed).max().item(), (diff > 0).float().mean().item()
 
 
 CASES = {  # step_inputs kwargs + exact: records compared bit for bit (else within bf16 rounding)
@@ -112,7 +124,7 @@ def compare_case(spec, device="cpu") -> dict:
     from dsflash_compile.custom_ops.compress_token_triton import compress_token_triton
 
     spec = dict(spec)
-    exact = spec.pop("exact")
+    result = dict(exact=spec.pop("exact"))
     inp = step_inputs(device=device, **spec)
     want, got = args_of(inp), args_of(inp)
     compress_token_reference(*want)
@@ -120,22 +132,18 @@ def compare_case(spec, device="cpu") -> dict:
     written = inp["row_ids"][:, 0] >= 0
     rows = inp["row_ids"][written, 0]
     batch = len(written)
-    result = dict(writes=int(written.sum()), batch=batch)
+    result.update(writes=int(written.sum()), batch=batch)
     dim = inp["kv"].shape[-1]
     for i, (name, fmt) in enumerate((("compressed", inp["compressed_fmt"]), ("index_keys", inp["index_fmt"]))):
         if want[i] is None:
             continue
         mask = torch.zeros(want[i].shape[:2], dtype=torch.bool, device=want[i].device)
         mask[written.nonzero()[:, 0], rows] = True
-        result[f"{name}_others_kept"] = torch.equal(got[i][~mask], inp[name][~mask])
-        result[f"{name}_changed"] = not torch.equal(want[i][mask], inp[name][mask])
-        if exact:
-            result[f"{name}_same"] = torch.equal(got[i], want[i])
-        else:
-            width = dim if name == "compressed" else inp["key_weight"].shape[0]
-            a, b = decoded(got[i][mask], fmt, width), decoded(want[i][mask], fmt, width)
-            result[f"{name}_err"] = (a - b).abs().max().item()
-            result[f"{name}_tol"] = 2 ** -7 * b.abs().max().item()  # 2 bf16 ulps of the largest value
+        width = dim if name == "compressed" else inp["key_weight"].shape[0]
+        result[name] = dict(others_kept=torch.equal(got[i][~mask], inp[name][~mask]),
+                            changed=not torch.equal(want[i][mask], inp[name][mask]), same=torch.equal(got[i], want[i]),
+                            quantized=fmt != "bf16")
+        result[name]["excess"], result[name]["differ"] = record_errors(got[i][mask], want[i][mask], fmt, width)
     if inp["score"] is not None:
         result["pending_same"] = torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
         result["pending_changed"] = not torch.equal(want[2][:batch], inp["pending_kv"][:batch])
@@ -152,16 +160,17 @@ def interpreted():
     return run_interpreted("test_compress_token", "interpreter_checks")
 
 
-def check_case(result):
+def check_case(result, bitwise):
+    """bitwise (the interpreter, IEEE arithmetic): the exact cases' records are the reference's bits; else (the GPU's
+    own rsqrt, exp and FMAs) within record_errors' allowance, few quantized values moved."""
     assert "error" not in result, result["error"]
     assert result["writes"] >= 2 and result["writes"] < result["batch"] - 1, result  # rows with and without one
     for name in ("compressed", "index_keys"):
-        if f"{name}_others_kept" in result:
-            assert result[f"{name}_others_kept"] and result[f"{name}_changed"], result
-            if f"{name}_same" in result:
-                assert result[f"{name}_same"], result
-            else:
-                assert result[f"{name}_err"] <= result[f"{name}_tol"], result
+        if name in result:
+            records_of = result[name]
+            assert records_of["others_kept"] and records_of["changed"], result
+            assert records_of["same"] if bitwise and result["exact"] else records_of["excess"] <= 0, result
+            assert not records_of["quantized"] or records_of["differ"] <= 0.05, result
     if "pending_same" in result:
         assert result["pending_same"] and result["pending_changed"], result
 
@@ -169,13 +178,13 @@ def check_case(result):
 @requires_interpreter
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel_gives_the_reference_interpreted(interpreted, name):
-    check_case(interpreted[name])
+    check_case(interpreted[name], bitwise=True)
 
 
 @requires_cuda
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel_gives_the_reference_cuda(name):
-    check_case(compare_case(CASES[name], device="cuda"))
+    check_case(compare_case(CASES[name], device="cuda"), bitwise=False)
 
 
 @requires_cuda
