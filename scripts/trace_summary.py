@@ -14,7 +14,8 @@ the step's first and last kernel: launch gaps inside a CUDA graph, or host waits
 one graph), the largest gaps, whether the step was a CUDA-graph replay (cudaGraphLaunch), and the
 slowest launch configurations (kernel + grid) of each family, which tell the GEMM shapes apart. --layer lists one
 layer's kernels in order (--median: over the layers launching the same ones); --layers every layer's path and what
-it launches beyond the common layer (the compressor, indexer and Engram layers' extra kernels).
+it launches beyond the common layer (the compressor, indexer and Engram layers' extra kernels); --against another
+trace of the step (a variant's): the span, each family's and each layer's path in both and the difference.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ FAMILIES = (
     ("attention", r"_attention_kernel|_merge_kernel"),
     ("cache_write", r"_record_write"),
     ("indexer", r"_scores_kernel|_candidate_union_kernel|_block_max_kernel"),
-    ("topk", r"_histogram_kernel|_compact_kernel|_chunk_select_kernel|_finish_kernel"),
+    ("topk", r"_histogram_kernel|_compact_kernel|_chunk_select_kernel|_finish_kernel|_row_topk_kernel"),
+    ("compressor", r"_compress_token_kernel"),
     ("inductor", r"^triton_"),
     ("aten", r"at::|at_cuda_detail|cub::"),
 )
@@ -186,6 +188,36 @@ def layer_overview(events: list[dict], marker: str = "_router_kernel", extra: in
     return overview
 
 
+def compare_traces(events: list[dict], other: list[dict], marker: str = "_router_kernel") -> dict:
+    """Two traces of the same step (two builds: a variant against the defaults): the span, each family's path and
+    each layer's path in both, and `other`'s less this one's (where a variant's time went)."""
+    mine, theirs = summarize(events), summarize(other)
+    paths = [{row["family"]: row["path_us"] for row in s["families"]} for s in (mine, theirs)]
+    families = [{"family": fam, "path_us": paths[0].get(fam, 0.0), "other_path_us": paths[1].get(fam, 0.0),
+                 "delta_us": paths[1].get(fam, 0.0) - paths[0].get(fam, 0.0)}
+                for fam in sorted(set(paths[0]) | set(paths[1]), key=lambda f: -max(paths[0].get(f, 0.0),
+                                                                                   paths[1].get(f, 0.0)))]
+    layers = [{"layer": a["layer"], "path_us": a["path_us"], "other_path_us": b["path_us"], "kernels": a["kernels"],
+               "other_kernels": b["kernels"], "delta_us": b["path_us"] - a["path_us"]}
+              for a, b in zip(layer_overview(events, marker), layer_overview(other, marker))]
+    return {"span_us": mine["span_us"], "other_span_us": theirs["span_us"], "kernels": mine["kernels"],
+            "other_kernels": theirs["kernels"], "families": families, "layers": layers}
+
+
+def print_comparison(comparison: dict, other_name: str) -> None:
+    from dsflash_compile.benchmarking import print_table
+
+    c = comparison
+    print(f"\nagainst {other_name}: span {c['span_us']:.1f} -> {c['other_span_us']:.1f} us "
+          f"({c['other_span_us'] - c['span_us']:+.1f}), kernels {c['kernels']} -> {c['other_kernels']}")
+    print_table(c["families"], [("family", "family", ""), ("path us", "path_us", ".1f"),
+                                ("other path us", "other_path_us", ".1f"), ("delta us", "delta_us", "+.1f")])
+    print()
+    print_table(c["layers"], [("layer", "layer", "d"), ("path us", "path_us", ".1f"),
+                              ("other path us", "other_path_us", ".1f"), ("delta us", "delta_us", "+.1f"),
+                              ("kernels", "kernels", "d"), ("other kernels", "other_kernels", "d")])
+
+
 def model_floor_bytes(preset: str, batch: int, context: int, weights: str) -> dict:
     """benchmarking.decode_traffic's bytes per family for a preset, its model built on the meta device."""
     import torch
@@ -242,6 +274,8 @@ def main(argv=None) -> None:
                         help="--layer: each kernel's median over the layers launching the same kernels")
     parser.add_argument("--layers", action="store_true",
                         help="every layer's path, and the kernels it launches beyond the common layer's")
+    parser.add_argument("--against", metavar="TRACE",
+                        help="another trace of the step (a variant's): span, families' and layers' paths side by side")
     args = parser.parse_args(argv)
     floor_bytes = model_floor_bytes(args.preset, args.batch, args.context, args.weights) if args.preset else None
     events = load_events(args.trace)
@@ -266,6 +300,9 @@ def main(argv=None) -> None:
         for row in summary["layers"]:
             largest = ", ".join(f"{name[:40]} {us:.1f}" for name, us in row["extra"])
             print(f"{row['layer']:5d} {row['path_us']:8.1f} {row['kernels']:8d} {row['extra_path_us']:8.1f}  {largest}")
+    if args.against:
+        summary["against"] = compare_traces(events, load_events(args.against), args.marker)
+        print_comparison(summary["against"], args.against)
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
         print("wrote", args.out)

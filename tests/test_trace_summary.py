@@ -153,3 +153,30 @@ def test_floor_bytes_put_the_stacked_shared_expert_with_the_moe(trace_summary):
                  if ".ffn.shared_experts." in name)
     assert shared and stacked["moe"] == apart["moe"] + shared and stacked["gemm"] == apart["gemm"] - shared
     assert sum(stacked.values()) == sum(apart.values())
+
+
+def test_against_another_trace_sets_families_and_layers_side_by_side(trace_summary, tmp_path, capsys):
+    """--against: a variant's trace where layer 1's seam takes 4 us less and a compressor kernel of 2 us replaces an
+    Inductor one of 5: the span 7 us shorter, each family's and layer's path difference."""
+    def step(seam, extra):
+        events, ts = [], 0
+        for layer in range(3):
+            events += [kernel("_router_kernel", ts, 7), kernel("_seam_kernel", ts + 7, seam if layer == 1 else 10)]
+            ts += 7 + (seam if layer == 1 else 10)
+            if layer == 1:
+                events.append(kernel(extra[0], ts, extra[1]))
+                ts += extra[1]
+        return events + [kernel("_router_kernel", ts, 7)]
+
+    base, variant = step(10, ("triton_red_fused_softmax_0", 5)), step(6, ("_compress_token_kernel", 2))
+    c = trace_summary.compare_traces(base, variant)
+    assert c["other_span_us"] - c["span_us"] == pytest.approx(-7)
+    deltas = {row["family"]: row["delta_us"] for row in c["families"]}
+    assert deltas["mhc"] == pytest.approx(-4) and deltas["inductor"] == pytest.approx(-5)
+    assert deltas["compressor"] == pytest.approx(2) and deltas["router"] == pytest.approx(0)
+    assert [round(row["delta_us"], 3) for row in c["layers"]] == [0.0, -7.0, 0.0]
+    paths = [tmp_path / "base.json", tmp_path / "variant.json"]
+    for path, events in zip(paths, (base, variant)):
+        path.write_text(json.dumps(events))
+    trace_summary.main([str(paths[0]), "--against", str(paths[1])])
+    assert "(-7.0)" in capsys.readouterr().out
