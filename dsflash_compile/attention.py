@@ -259,11 +259,11 @@ class Attention(nn.Module):
         cache, rows = ctx.cache, ctx.group_rows(self.role.ratio)
         if self.compress_op and x.shape[1] == 1 and x.dtype == torch.bfloat16:  # all of it in one launch
             kv, score = self.compressor.project(x)
-            keys = self.indexer
-            ops.compress_token_(state.compressed, state.index_keys if keys else None, state.pending_kv,
+            idx = self.indexer  # its keys' projection and norm (a KV source without one writes no keys)
+            ops.compress_token_(state.compressed, state.index_keys if idx else None, state.pending_kv,
                                 state.pending_score, kv, score, rows.source, rows.complete, rows.row_ids, rows.rot,
-                                self.compressor.norm.weight, self.compressor.norm.eps, keys.wk.weight if keys else None,
-                                keys.k_norm.weight if keys else None, keys.k_norm.eps if keys else 0.0, self.quantize,
+                                self.compressor.norm.weight, self.compressor.norm.eps, idx.wk.weight if idx else None,
+                                idx.k_norm.weight if idx else None, idx.k_norm.eps if idx else 0.0, self.quantize,
                                 cache.compressed_format, cache.index_format)
             return rows.row_ids >= 0
         latent = self.compressor(x, rows, state)
