@@ -11,7 +11,6 @@ PREFETCH (the launch's PREFETCH_K): each program asks L2 for key_weight's rows b
 no kernel writes; prefetch_l2.py), so the 128 KB of the release's wk are read from L2 by the one program a row.
 """
 
-import torch
 import triton
 import triton.language as tl
 
@@ -20,7 +19,7 @@ from .kv_norm_rope_triton import _rotation
 from .mhc_finish_triton import _rms_norm_f32
 from .pdl import launch_options, pdl_wait
 from .prefetch_l2 import prefetch_rows_l2
-from .records import _FMT_ID, _store_groups
+from .records import _BLOCK, _FMT_ID, _store_groups, kernel_view
 
 MAX_DIM = 4096  # a row in registers
 MAX_RATIO = 16  # the pooled group's slots in registers beside it
@@ -33,7 +32,8 @@ def _compress_token_kernel(kv_ptr, kv_sb, score_ptr, score_sb, pkv_ptr, pscore_p
                            complete_ptr, row_ptr, row_sb, rot_ptr, rot_sb, norm_w_ptr, eps, w_ptr, key_norm_w_ptr,
                            key_eps, comp_ptr, comp_sb, comp_sn, keys_ptr, keys_sb, keys_sn, rows,
                            D: tl.constexpr, DK: tl.constexpr, PAIRS: tl.constexpr, R: tl.constexpr,
-                           RP: tl.constexpr, COMP_FMT: tl.constexpr, KEY_FMT: tl.constexpr, BLOCK_K: tl.constexpr,
+                           RP: tl.constexpr, COMP_FMT: tl.constexpr, COMP_G: tl.constexpr, KEY_FMT: tl.constexpr,
+                           KEY_G: tl.constexpr, BLOCK_K: tl.constexpr,
                            PREFETCH_K: tl.constexpr, PDL: tl.constexpr):
     """kv (bf16 at R = 1, else fp32 with score) [B, D] rows (strides kv_sb / score_sb); pending fp32 [Bmax, R, D]
     (row stride pend_sb, contiguous within); source [B, 2R], complete [B]; row_ids [B, groups] (row stride row_sb,
@@ -57,8 +57,8 @@ def _compress_token_kernel(kv_ptr, kv_sb, score_ptr, score_sb, pkv_ptr, pscore_p
             k = _round_bf16(_project(latent, w_ptr, D, DK, BLOCK_K))
             k = _round_bf16(_rms_norm_f32(k, _bf16_as_f32(tl.load(key_norm_w_ptr + tl.arange(0, DK))),
                                           tl.sum(k * k, 0), key_eps, DK))
-            _store_record(keys_ptr + b * keys_sb + row * keys_sn, _rope(k, rot, DK, PAIRS), DK, KEY_FMT)
-        _store_record(comp_ptr + b * comp_sb + row * comp_sn, _rope(latent, rot, D, PAIRS), D, COMP_FMT)
+            _store_record(keys_ptr + b * keys_sb + row * keys_sn, _rope(k, rot, DK, PAIRS), DK, KEY_FMT, KEY_G)
+        _store_record(comp_ptr + b * comp_sb + row * comp_sn, _rope(latent, rot, D, PAIRS), D, COMP_FMT, COMP_G)
 
 
 @triton.jit
@@ -115,21 +115,15 @@ def _rope(y, rot_ptr, N: tl.constexpr, PAIRS: tl.constexpr):
 
 
 @triton.jit
-def _store_record(dst, y, N: tl.constexpr, FMT: tl.constexpr):
-    """y (fp32 [N], on bf16's grid) stored at dst as a record of format FMT (records' ids; 0: a bf16 cache row)."""
+def _store_record(dst, y, N: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr):
+    """y (fp32 [N], on bf16's grid) stored at dst as a record of format FMT (records' ids; 0: a bf16 cache row) in
+    groups of G values (records._BLOCK)."""
     if FMT == 0:
         tl.store(dst + tl.arange(0, N), _f32_to_bf16(y))
-    elif FMT == 2:  # nvfp4: groups of 16 (records._BLOCK)
-        _store_row_groups(dst, y, N, FMT, 16)
-    else:  # fp8, mxfp4: groups of 32
-        _store_row_groups(dst, y, N, FMT, 32)
-
-
-@triton.jit
-def _store_row_groups(dst, y, N: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr):
-    every = tl.arange(0, N // G) >= 0
-    _store_groups(dst, 1, tl.reshape(y, (N // G, G)), every[:, None] & (tl.arange(0, G) >= 0)[None, :], every, N,
-                  FMT, G, N // G)
+    else:
+        every = tl.arange(0, N // G) >= 0
+        _store_groups(dst, 1, tl.reshape(y, (N // G, G)), every[:, None] & (tl.arange(0, G) >= 0)[None, :], every,
+                      N, FMT, G, N // G)
 
 
 def kernel_fits(kv, pending_kv, key_weight) -> bool:
@@ -160,10 +154,10 @@ def compress_token_triton(compressed, index_keys, pending_kv, pending_score, kv,
     key_weight, key_norm_weight = (key_weight.contiguous(), key_norm_weight) if keyed else (weight, weight)
     if pooled and not (pending_kv.is_contiguous() and pending_score.is_contiguous()):
         raise ValueError("compress_token_triton: the pending state must be contiguous (the cache's)")
-    comp = _cache(compressed, compressed_fmt)
-    keys = _cache(index_keys, index_fmt) if keyed else comp
+    comp = kernel_view(compressed, compressed_fmt)
+    keys = kernel_view(index_keys, index_fmt) if keyed else comp
     prefetch = (PREFETCH if prefetch is None else prefetch) and keyed and kv.device.type == "cuda" \
-        and key_weight.data_ptr() % 16 == 0 and dim % 8 == 0
+        and key_weight.data_ptr() % 16 == 0
     rot = rot.contiguous()
     ratio = pending_kv.shape[1] if pooled else 1
     _compress_token_kernel[(batch,)](
@@ -172,7 +166,8 @@ def compress_token_triton(compressed, index_keys, pending_kv, pending_score, kv,
         key_weight, key_norm_weight.contiguous(), key_eps, comp, comp.stride(0), comp.stride(1), keys, keys.stride(0),
         keys.stride(1), compressed.shape[1],
         D=dim, DK=key_weight.shape[0] if keyed else 1, PAIRS=rot.shape[-2], R=ratio, RP=triton.next_power_of_2(ratio),
-        COMP_FMT=_FMT_ID[compressed_fmt], KEY_FMT=_FMT_ID[index_fmt] if keyed else -1, BLOCK_K=min(block_k, dim),
+        COMP_FMT=_FMT_ID[compressed_fmt], COMP_G=_BLOCK[compressed_fmt], KEY_FMT=_FMT_ID[index_fmt] if keyed else -1,
+        KEY_G=_BLOCK[index_fmt], BLOCK_K=min(block_k, dim),
         PREFETCH_K=dim if prefetch else 0, num_warps=4 if dim <= 1024 else 8, **launch_options(kv.device))
 
 
@@ -180,8 +175,3 @@ def _rows(t):
     """[B, 1, D] -> [B, D] rows with unit column stride (a view where it has one)."""
     rows = t.reshape(t.shape[0], t.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
-def _cache(cache, fmt):
-    """The cache as the kernel indexes it: a bf16 tensor for "bf16" records (uint8 storage viewed), else bytes."""
-    return cache.view(torch.bfloat16) if fmt == "bf16" and cache.dtype == torch.uint8 else cache

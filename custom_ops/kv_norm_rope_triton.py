@@ -19,7 +19,7 @@ from .bf16_bits import _round_bf16
 from .fp8_qdq_triton import _fp8_qdq_groups
 from .mhc_finish_triton import _rms_norm_f32
 from .pdl import launch_options, pdl_release, pdl_wait, pdl_wait_only
-from .records import _FMT_ID, _fp8_record
+from .records import _FMT_ID, _fp8_record, kernel_view
 
 MAX_DIM = 4096  # a row in registers (the release's 512 at 4 warps: 4 values a thread)
 # The rotation's cos / sin loaded with the row and the norm weight (ROT_FIRST): else they come after the norm's
@@ -160,8 +160,7 @@ def _ring_arguments(rows, kv, ring, slots, fmt) -> tuple[tuple, int]:
     kernel never reads)."""
     if ring is None:
         return (rows, rows, 1, 0, 0, 0, 0, 0), -1
-    if fmt == "bf16" and ring.dtype == torch.uint8:
-        ring = ring.view(torch.bfloat16)  # same bytes (little-endian), 2 per value
+    ring = kernel_view(ring, fmt)
     return (ring, slots, kv.shape[-2], ring.shape[1], ring.stride(0), ring.stride(1), slots.stride(0),
             slots.stride(1)), _FMT_ID[fmt]
 

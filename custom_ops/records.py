@@ -357,6 +357,12 @@ if triton is not None:  # defined only with triton (its annotations need tl)
             tl.store(dst + (DIM // 2 + gi) * c_sd, sbyte.to(tl.uint8), mask=gm)
 
 
+def kernel_view(cache: Tensor, fmt: str) -> Tensor:
+    """The cache as the Triton kernels index it: "bf16" records held as uint8 viewed as bf16 (the same bytes,
+    little-endian, 2 a value), any other cache as it is."""
+    return cache.view(torch.bfloat16) if fmt == "bf16" and cache.dtype == torch.uint8 else cache
+
+
 def record_write_triton(cache: Tensor, rows: Tensor, slots: Tensor, fmt: str) -> None:
     """The Triton implementation of record_write_ (same arguments). Launch only: no sync, no allocation.
 
@@ -368,8 +374,7 @@ def record_write_triton(cache: Tensor, rows: Tensor, slots: Tensor, fmt: str) ->
     batch, seq = slots.shape
     if batch * seq == 0:
         return
-    if fmt == "bf16" and cache.dtype == torch.uint8:
-        cache = cache.view(torch.bfloat16)  # same bytes (little-endian), 2 per value
+    cache = kernel_view(cache, fmt)
     block = _BLOCK[fmt]
     groups = dim // block
     _record_write_kernel[(batch * seq,)](

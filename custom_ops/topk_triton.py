@@ -193,18 +193,25 @@ def _kth_largest_radix(u, k, KEY_BITS: tl.constexpr, u_tail=None, TAIL: tl.const
     """_kth_largest by 8-bit digits, most significant first: a histogram of the digit over the keys that share the
     digits found so far, and the largest digit whose count from the top reaches what is still needed (KEY_BITS / 8
     histograms in place of KEY_BITS block sums; every key counts, 0s too, so t is 0 where fewer than k are >= 1)."""
-    bins = tl.arange(0, 256)
     t = tl.zeros((), tl.uint32)
     need = k
     for p in tl.static_range(KEY_BITS // 8):
         h = _digit_histogram(u, t, p, KEY_BITS)
         if TAIL:
             h += _digit_histogram(u_tail, t, p, KEY_BITS)
-        above = tl.sum(h) - tl.cumsum(h)  # keys whose digit is larger than each bin's
-        digit = tl.maximum(tl.max(tl.where(above + h >= need, bins, -1)), 0)
-        need -= tl.sum(tl.where(bins > digit, h, 0))
+        digit, need = _digit_reaching(h, need)
         t = t | (digit.to(tl.uint32) << (KEY_BITS - 8 * (p + 1)))
     return t
+
+
+@triton.jit
+def _digit_reaching(h, need):
+    """From a digit's histogram h [256] over the keys still in the race: the largest digit whose count from the top
+    reaches `need` (0 where none does), and what is still needed among the keys with that digit."""
+    bins = tl.arange(0, 256)
+    above = tl.sum(h) - tl.cumsum(h)  # keys whose digit is larger than each bin's
+    digit = tl.maximum(tl.max(tl.where(above + h >= need, bins, -1)), 0)
+    return digit, need - tl.sum(tl.where(bins > digit, h, 0))
 
 
 @triton.jit
@@ -266,9 +273,7 @@ def _threshold(hist_ptr, row, k, PASSES: tl.constexpr, NPASS: tl.constexpr, KEY_
     need = k
     for p in tl.static_range(PASSES):
         h = tl.load(hist_ptr + (row.to(tl.int64) * NPASS + p) * 256 + bins)
-        above = tl.sum(h) - tl.cumsum(h)  # entries whose digit is larger than each bin's
-        digit = tl.max(tl.where(above + h >= need, bins, -1))
-        need -= tl.sum(tl.where(bins > digit, h, 0))
+        digit, need = _digit_reaching(h, need)
         if p == 0:
             prefix = (digit - 128) << (KEY_BITS - 8)
         else:

@@ -274,6 +274,6 @@ def test_release_launch_compiles_for_hopper(ratio):
                                      "comp_sn", "keys_sb", "keys_sn", "rows")}
     args = dict(ptr, **ints, eps="fp32", key_eps="fp32")
     ordered = {name: args[name] for name in module._compress_token_kernel.arg_names if name in args}
-    constexprs = dict(D=512, DK=128, PAIRS=32, R=ratio, RP=ratio, COMP_FMT=2, KEY_FMT=3, BLOCK_K=module.BLOCK_K,
-                      PREFETCH_K=512)
+    constexprs = dict(D=512, DK=128, PAIRS=32, R=ratio, RP=ratio, COMP_FMT=2, COMP_G=16, KEY_FMT=3, KEY_G=32,
+                      BLOCK_K=module.BLOCK_K, PREFETCH_K=512)
     check_compiles_for_hopper(module, ("_compress_token_kernel", ordered, constexprs, 4))
