@@ -371,16 +371,17 @@ def _merge_in_launch(part_acc_ptr, part_ml_ptr, sink_ptr, pos_ptr, freq_ptr, out
     last = tl.atomic_add(counter, 1, sem="acq_rel") == nsplit - 1
     if last:
         tl.atomic_xchg(counter, 0)
+    heads_here = tl.minimum(HG, H - group * HG)  # a group may run past H
     if SHARED:
         if last:
             tl.atomic_add(counter + 1, 1, sem="release")
-        else:
+        elif split < heads_here:  # a program with a head to merge waits for the last
             while tl.atomic_add(counter + 1, 0, sem="acquire") == generation:
                 pass
         first, step = split, nsplit
     else:
         first, step = tl.where(last, 0, HG), 1
-    for h in range(first, tl.minimum(HG, H - group * HG), step):  # a group may run past H
+    for h in range(first, heads_here, step):
         heads = group * HG + h + tl.arange(0, 1)
         _merge_heads(part_acc_ptr, part_ml_ptr, sink_ptr, pos_ptr, freq_ptr, out_ptr, tok, heads, nsplit, H, D,
                      HALF_ROPE, NSPLIT)
