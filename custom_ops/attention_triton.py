@@ -253,8 +253,8 @@ def _attention_kernel(q_ptr, ring_ptr, chunk_ptr, widx_ptr, comp_ptr, cidx_ptr, 
             _ring_write(own, tok.to(tl.int64), ring_ptr, slots_ptr, 1, W, ring_sb, ring_sr, slots_sb, 1, D, WIN_FMT)
     counter = counter_ptr + 2 * (tok * tl.num_programs(1) + group)
     generation = 0
-    if SPLIT and MERGE == 2:  # read before this program arrives: it can only change once every program has
-        generation = tl.atomic_add(counter + 1, 0, sem="acquire")
+    if SPLIT and MERGE == 2:  # read before this program arrives (it only changes once all have): a plain load from
+        generation = tl.load(counter + 1, volatile=True)  # L2 that no barrier waits for, unlike a scalar atomic
     heads = group * HG + tl.arange(0, HG)  # a group may run past H (fewer heads than HG): masked
     d = tl.arange(0, D)
     q = tl.load(q_ptr + tok.to(tl.int64) * H * D + heads[:, None] * D + d[None, :], mask=(heads < H)[:, None],
