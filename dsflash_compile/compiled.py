@@ -187,8 +187,9 @@ class CompileOptions:
     # (dsflash::compress_token_: the pooling, norm, the index keys' projection, norm, RoPE and record, the compressed
     # row's RoPE and record, one program a batch row), where seven kernels of a few programs each took 14.4 us of the
     # H200's B1 step path in each of the 4 KV sources (12-05 g3 trace, layer 2). Records within the keys' projection's
-    # summation order of the split path. Off: not measured yet (12-05 i: no GPU; variant compress-op)
-    compress_token_op: bool = False
+    # summation order of the split path. H200 (12-05 j1, compile_and_profile.py compress-op against passes): B1 step
+    # 9943 us waited against 10008, back to back 9885 against 9941, lower in all 5 rounds, logits bit-equal
+    compress_token_op: bool = True
     # issue 5: one-token steps (decode) write each layer's window ring in kv_norm_rope's launch
     # (dsflash::kv_norm_rope_write_, before the attention: the slot the token goes to holds no key of its window),
     # where the ring write's own launch took 1.0-1.1 us of every layer's path in the H200's B1 step (12-04 d5); with
