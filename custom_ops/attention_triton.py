@@ -68,8 +68,9 @@ MERGE_PROGRAMS_PER_SM = 4
 PREFETCH_KEYS = False
 # Where a split launch merges its partials (attention_triton's `merge`): "kernel" (a launch of _merge_kernel), "last"
 # (the group's last program, all its heads) or "shared" (every program of the group, a head each, after a wait for
-# the last). A B1 layer's merge kernel took 2.0 us of its path (12-05 g3 trace, layer 2), ~80 us a step. Off: not
-# measured yet (12-05 j: no GPU; variants merge-last, merge-shared in scripts/compile_and_profile.py)
+# the last). A B1 layer's merge kernel took 2.0 us of its path (12-05 g3 trace, layer 2), ~80 us a step. Off: H200
+# (12-05 j1) "shared" made the B1 step slower (back to back 10130 us against 9941) and its CUDA test found other
+# bits than the merge kernel's (a bug not found yet)
 MERGE = "kernel"
 MERGE_SPLITS = tl.constexpr(8)  # splits' accumulators a merge loads at once (_merge_heads)
 _MERGE_ID = {"kernel": 0, "last": 1, "shared": 2}
