@@ -18,9 +18,9 @@ from its projection (kv_norm_rope_triton's row) instead of loaded, and one progr
 ring. With one split the program adds the sink, normalises, rotates the rope tail back and stores bf16; with
 several (decode: one token's 640 keys must fill 132 SMs) it stores (acc, max, sum) and the splits are combined by
 log-sum-exp: by a merge kernel, one program per (token, block of heads: merge_heads), or in this launch (`merge`):
-each program bumps its (token, head group)'s counter (block_counters.py, lane "attention"), then either the last one merges the
-group's heads ("last") or all of them wait for the last and merge a head each ("shared": every program of the
-launch resident at once, which the split count keeps on the GPU).
+each program bumps its (token, head group)'s counter (block_counters.py, lane "attention"), then either the last one
+merges the group's heads ("last") or all of them wait for the last and merge a head each ("shared": every program of
+the launch resident at once, which the split count keeps on the GPU).
 
 Where the time goes (H200, decode batch 64: ~51 us, ~104 TFLOP/s, 13% of a bf16 matmul; see
 benchmarks/results/attention-2026-11-29-allheads.json): one 255-register program per SM runs its steps
