@@ -180,8 +180,9 @@ def test_the_models_decode_graphs_take_the_ordering_passes(fresh_dynamo):  # noq
     ratio-1 source 5: its compressor's wkv there, weights_proj after the index keys' wk; layer 7: wq_a + wkv): 2 + 3 +
     2 early projections (prompt chunks run more rows: bf16_linear, not a GEMV). In every one-row decode graph the key
     row's kernel comes before the query's projection (passes/kv_first.py), 7 graphs, one a block role (qkv_norm_op
-    off: its joint kernel makes the key row and wq_b's input together, so the row comes first anyway). generate()
-    gives the eager model's tokens."""
+    off: its joint kernel makes the key row and wq_b's input together, so the row comes first anyway; the compressors
+    on their split path, where the index keys' wk is a projection of its own). generate() gives the eager model's
+    tokens."""
     from torch._inductor.utils import run_and_get_code
 
     model = tiny_model()
@@ -189,7 +190,7 @@ def test_the_models_decode_graphs_take_the_ordering_passes(fresh_dynamo):  # noq
     want = model.generate(ids, max_new_tokens=3, do_sample=False)
     with graph_caches_off():  # so the passes run (and count) here
         dsflash_compile.compile(model, max_batch=1, max_length=64, batch_buckets=(1,), prefill_buckets=(16,),
-                                early_gemv=True, kv_first=True, qkv_norm_op=False)
+                                early_gemv=True, kv_first=True, qkv_norm_op=False, compress_token_op=False)
         got, codes = run_and_get_code(lambda: model.generate(ids, max_new_tokens=3, do_sample=False))
     matches = model.compiled_runner.pass_manager.matches
     assert matches["early_reads"] == 2 + 3 + 2 and matches["kv_first"] == 7
