@@ -16,11 +16,8 @@ ones; a split owns a run of BLOCK_N-entry blocks and walks its window blocks, th
 (one-token steps, dsflash::attention_own_key_) the chunk's one row, the token's own key, is made by each program
 from its projection (kv_norm_rope_triton's row) instead of loaded, and one program a token writes it to the window
 ring. With one split the program adds the sink, normalises, rotates the rope tail back and stores bf16; with
-several (decode: one token's 640 keys must fill 132 SMs) it stores (acc, max, sum) and the splits are combined by
-log-sum-exp: by a merge kernel, one program per (token, block of heads: merge_heads), or in this launch (`merge`):
-each program bumps its (token, head group)'s counter (block_counters.py, lane "attention"), then either the last one
-merges the group's heads ("last") or all of them wait for the last and merge a head each ("shared": every program of
-the launch resident at once, which the split count keeps on the GPU).
+several (decode: one token's 640 keys must fill 132 SMs) it stores (acc, max, sum) and a merge kernel, one program
+per (token, block of heads: merge_heads), combines the splits by log-sum-exp.
 
 Where the time goes (H200, decode batch 64: ~51 us, ~104 TFLOP/s, 13% of a bf16 matmul; see
 benchmarks/results/attention-2026-11-29-allheads.json): one 255-register program per SM runs its steps
@@ -36,7 +33,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_counters import block_counters
 from .kv_norm_rope_triton import RING_FORMATS, _kv_row, _ring_write, kernel_fits as key_row_fits
 from .pdl import launch_options, pdl_wait
 from .prefetch_l2 import prefetch_rows_l2
@@ -66,14 +62,6 @@ MERGE_PROGRAMS_PER_SM = 4
 # the wait; nothing is stored before it. Records of a multiple of 16 bytes only (cp.async.bulk's rule: the
 # release's). Off: not measured yet (12-05 f: no GPU; variant attention-prefetch in scripts/compile_and_profile.py)
 PREFETCH_KEYS = False
-# Where a split launch merges its partials (attention_triton's `merge`): "kernel" (a launch of _merge_kernel), "last"
-# (the group's last program, all its heads) or "shared" (every program of the group, a head each, after a wait for
-# the last). A B1 layer's merge kernel took 2.0 us of its path (12-05 g3 trace, layer 2), ~80 us a step. Off: H200
-# (12-05 j1) "shared" made the B1 step slower (back to back 10130 us against 9941) and its CUDA test found other
-# bits than the merge kernel's (a bug not found yet)
-MERGE = "kernel"
-MERGE_SPLITS = tl.constexpr(8)  # splits' accumulators a merge loads at once (_merge_heads)
-_MERGE_ID = {"kernel": 0, "last": 1, "shared": 2}
 
 
 @triton.jit
@@ -221,20 +209,18 @@ def _finish(acc, m, l, sink_ptr, heads, pos, freq_ptr, out_ptr, out_row, H: tl.c
 
 @triton.jit
 def _attention_kernel(q_ptr, ring_ptr, chunk_ptr, widx_ptr, comp_ptr, cidx_ptr, sink_ptr, pos_ptr, freq_ptr,
-                      out_ptr, part_acc_ptr, part_ml_ptr, key_w_ptr, rot_ptr, slots_ptr, counter_ptr,
+                      out_ptr, part_acc_ptr, part_ml_ptr, key_w_ptr, rot_ptr, slots_ptr,
                       S, K, chunk_sb, ring_sb, ring_sr, comp_sb, comp_sr, scale, blocks_per_split, comp_rows,
                       ring_bytes, comp_bytes, eps, slots_sb,
                       H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, NW: tl.constexpr,
                       HALF_ROPE: tl.constexpr, HG: tl.constexpr, BLOCK_N: tl.constexpr,
                       WIN_FMT: tl.constexpr, CMP_FMT: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
                       PREFETCH: tl.constexpr, OWN_KEY: tl.constexpr, EARLY_KEY: tl.constexpr, PAIRS: tl.constexpr,
-                      QUANT: tl.constexpr, MERGE: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr):
+                      QUANT: tl.constexpr, PDL: tl.constexpr):
     """PREFETCH: the first block's key records asked of L2 before the PDL wait (PREFETCH_KEYS). OWN_KEY (S = 1):
     chunk_ptr holds the token's key projection (row stride chunk_sb), made into its key row with the norm weight
     key_w_ptr, eps, the rotation rot_ptr [tokens, PAIRS, 2] and QUANT (kv_norm_rope's row), and written to the
-    ring at slots_ptr[b * slots_sb] by the token's first program; EARLY_KEY: made before the PDL wait. MERGE (with
-    SPLIT; _MERGE_ID): the splits merged in this launch through counter_ptr's two words a (token, group): arrivals
-    and a generation the waiters watch ("shared"); NSPLIT: the split count's power of two."""
+    ring at slots_ptr[b * slots_sb] by the token's first program; EARLY_KEY: made before the PDL wait."""
     tok = tl.program_id(0)
     group = tl.program_id(1)
     split = tl.program_id(2)
@@ -252,10 +238,6 @@ def _attention_kernel(q_ptr, ring_ptr, chunk_ptr, widx_ptr, comp_ptr, cidx_ptr, 
             own = _kv_row(chunk_ptr, key_w_ptr, rot_ptr, tok.to(tl.int64), chunk_sb, eps, D, PAIRS, QUANT, False)
         if (group == 0) & (split == 0):  # its ring slot holds no key of this step (attention_own_key.py)
             _ring_write(own, tok.to(tl.int64), ring_ptr, slots_ptr, 1, W, ring_sb, ring_sr, slots_sb, 1, D, WIN_FMT)
-    counter = counter_ptr + 2 * (tok * tl.num_programs(1) + group)
-    generation = 0
-    if SPLIT and MERGE == 2:  # read before this program arrives (it only changes once all have): a plain load from
-        generation = tl.load(counter + 1, volatile=True)  # L2 that no barrier waits for, unlike a scalar atomic
     heads = group * HG + tl.arange(0, HG)  # a group may run past H (fewer heads than HG): masked
     d = tl.arange(0, D)
     q = tl.load(q_ptr + tok.to(tl.int64) * H * D + heads[:, None] * D + d[None, :], mask=(heads < H)[:, None],
@@ -294,9 +276,6 @@ def _attention_kernel(q_ptr, ring_ptr, chunk_ptr, widx_ptr, comp_ptr, cidx_ptr, 
         tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=live[:, None])
         tl.store(part_ml_ptr + part * 2, m, mask=live)
         tl.store(part_ml_ptr + part * 2 + 1, l, mask=live)
-        if MERGE != 0:
-            _merge_in_launch(part_acc_ptr, part_ml_ptr, sink_ptr, pos_ptr, freq_ptr, out_ptr, counter, generation,
-                             tok, group, split, H, D, HALF_ROPE, HG, NSPLIT, MERGE == 2)
     else:
         pos = tl.load(pos_ptr + tok)
         _finish(acc, m, l, sink_ptr, heads, pos, freq_ptr, out_ptr, tok.to(tl.int64) * H * D, H, D, HALF_ROPE)
@@ -321,71 +300,27 @@ def _prefetch_block(ring, widx, comp, cidx, blk, K, ring_sr, comp_sr, comp_rows,
 
 
 @triton.jit
-def _merge_heads(part_acc_ptr, part_ml_ptr, sink_ptr, pos_ptr, freq_ptr, out_ptr, tok, heads, nsplit,
-                 H: tl.constexpr, D: tl.constexpr, HALF_ROPE: tl.constexpr, NSPLIT: tl.constexpr):
-    """Heads `heads` [HEADS] of token `tok`: their splits' partials (NSPLIT a power of two >= the split count)
-    combined by log-sum-exp, the accumulators loaded MERGE_SPLITS splits at a time ([HEADS, MERGE_SPLITS, D]: in the
-    attention's own launch a whole [NSPLIT, D] tile spilled beside its registers), then finished like an unsplit
-    program (one set of rotation angles for all the heads: the token's)."""
-    CHUNK: tl.constexpr = MERGE_SPLITS if MERGE_SPLITS < NSPLIT else NSPLIT
+def _merge_kernel(part_acc_ptr, part_ml_ptr, sink_ptr, pos_ptr, freq_ptr, out_ptr, nsplit,
+                  H: tl.constexpr, D: tl.constexpr, HALF_ROPE: tl.constexpr, NSPLIT: tl.constexpr,
+                  HEADS: tl.constexpr, PDL: tl.constexpr):
+    """HEADS heads of one token (HEADS divides H): their splits' partials loaded at once ([HEADS, NSPLIT, D],
+    NSPLIT a power of two >= the split count), combined by log-sum-exp, then finished like an unsplit program
+    (one set of rotation angles for all HEADS heads: the token's)."""
+    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
+    tok = tl.program_id(0)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     i = tl.arange(0, NSPLIT)
     part = (tok.to(tl.int64) * H + heads[:, None]) * nsplit + i[None, :]  # [HEADS, NSPLIT]
     ok = (i < nsplit)[None, :]
     m_i = tl.load(part_ml_ptr + part * 2, mask=ok, other=-1e30)
     m = tl.max(m_i, axis=1)  # [HEADS]
-    l = tl.sum(tl.load(part_ml_ptr + part * 2 + 1, mask=ok, other=0.0) * tl.exp(m_i - m[:, None]), axis=1)
-    acc = tl.zeros((heads.shape[0], D), tl.float32)
-    for c in tl.static_range(NSPLIT // CHUNK):
-        j = c * CHUNK + tl.arange(0, CHUNK)
-        part = (tok.to(tl.int64) * H + heads[:, None]) * nsplit + j[None, :]  # [HEADS, CHUNK]
-        ok = (j < nsplit)[None, :]
-        w = tl.exp(tl.load(part_ml_ptr + part * 2, mask=ok, other=-1e30) - m[:, None])  # 0 past the splits
-        a = tl.load(part_acc_ptr + part[:, :, None] * D + tl.arange(0, D)[None, None, :], mask=ok[:, :, None],
-                    other=0.0)
-        acc += tl.sum(a * w[:, :, None], axis=1)  # [HEADS, D]
+    w = tl.exp(m_i - m[:, None])
+    l = tl.sum(tl.load(part_ml_ptr + part * 2 + 1, mask=ok, other=0.0) * w, axis=1)
+    acc = tl.load(part_acc_ptr + part[:, :, None] * D + tl.arange(0, D)[None, None, :], mask=ok[:, :, None],
+                  other=0.0)
+    acc = tl.sum(acc * w[:, :, None], axis=1)  # [HEADS, D]
     pos = tl.load(pos_ptr + tok)
     _finish(acc, m, l, sink_ptr, heads, pos, freq_ptr, out_ptr, tok.to(tl.int64) * H * D, H, D, HALF_ROPE)
-
-
-@triton.jit
-def _merge_kernel(part_acc_ptr, part_ml_ptr, sink_ptr, pos_ptr, freq_ptr, out_ptr, nsplit,
-                  H: tl.constexpr, D: tl.constexpr, HALF_ROPE: tl.constexpr, NSPLIT: tl.constexpr,
-                  HEADS: tl.constexpr, PDL: tl.constexpr):
-    """HEADS heads of one token (HEADS divides H) a program."""
-    pdl_wait(PDL)  # before any access to what earlier kernels wrote (pdl.py)
-    tok = tl.program_id(0)
-    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
-    _merge_heads(part_acc_ptr, part_ml_ptr, sink_ptr, pos_ptr, freq_ptr, out_ptr, tok, heads, nsplit, H, D,
-                 HALF_ROPE, NSPLIT)
-
-
-@triton.jit
-def _merge_in_launch(part_acc_ptr, part_ml_ptr, sink_ptr, pos_ptr, freq_ptr, out_ptr, counter, generation, tok,
-                     group, split, H: tl.constexpr, D: tl.constexpr, HALF_ROPE: tl.constexpr, HG: tl.constexpr,
-                     NSPLIT: tl.constexpr, SHARED: tl.constexpr):
-    """After a split program stored its partials: its arrival on the group's counter, then the merge of the group's
-    heads by the last program to arrive (SHARED off) or by all of them, a head each from `split` on, once the last
-    one bumped the generation they read before arriving (SHARED). The last one leaves the arrivals at 0 for the
-    next launch; the generation only ever changes, so no program has to reset it after the others saw it."""
-    nsplit = tl.num_programs(2)
-    tl.debug_barrier()  # every thread's partial stores are issued before the release below
-    last = tl.atomic_add(counter, 1, sem="acq_rel") == nsplit - 1
-    if last:
-        tl.atomic_xchg(counter, 0)
-    heads_here = tl.minimum(HG, H - group * HG)  # a group may run past H
-    if SHARED:
-        if last:
-            tl.atomic_add(counter + 1, 1, sem="release")
-        elif split < heads_here:  # a program with a head to merge waits for the last
-            while tl.atomic_add(counter + 1, 0, sem="acquire") == generation:
-                pass
-        first, step = split, nsplit
-    else:
-        first, step = tl.where(last, 0, HG), 1
-    for h in range(first, heads_here, step):
-        heads = group * HG + h + tl.arange(0, 1)
-        _merge_heads(part_acc_ptr, part_ml_ptr, sink_ptr, pos_ptr, freq_ptr, out_ptr, tok, heads, nsplit, H, D,
-                     HALF_ROPE, NSPLIT)
 
 
 class OwnKey(NamedTuple):
@@ -426,15 +361,12 @@ def _num_sms(device: torch.device) -> int:
 def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, positions, inv_freq, scale,
                      window_fmt, compressed_fmt, num_splits: int | None = None, block_n: int | None = None,
                      num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, head_group: int | None = None,
-                     heads_per_merge: int | None = None, prefetch: bool | None = None, own_key: OwnKey | None = None,
-                     merge: str | None = None):
+                     heads_per_merge: int | None = None, prefetch: bool | None = None, own_key: OwnKey | None = None):
     """Launch (the op's CUDA kernel; also callable directly, e.g. under TRITON_INTERPRET=1). num_splits,
     block_n, num_warps, num_stages and head_group (heads per program, a power of two >= 16) override the
     defaults (benchmark sweeps); heads_per_merge (a power of two dividing the heads) the merge's (`merge_heads`);
     prefetch: PREFETCH_KEYS (None: the module's), where the records allow it; own_key: the token's key made from
-    chunk_kv, its projection, and written to the ring in this launch (OwnKey); merge: where a split launch merges
-    (MERGE's choices; None: the module's, "shared" taken as "last" where the launch's programs outnumber the SMs or
-    run one after another: the interpreter)."""
+    chunk_kv, its projection, and written to the ring in this launch (OwnKey)."""
     batch, seq, heads, dim = q.shape
     if own_key is not None and not own_key_fits(q, chunk_kv, widx, window_fmt):
         raise ValueError(f"attention_triton: own_key takes one-token steps (q {tuple(q.shape)}, key projection "
@@ -479,14 +411,6 @@ def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, posit
     if heads % per_merge or per_merge & (per_merge - 1):
         raise ValueError(f"attention_triton: heads_per_merge={per_merge} must be a power of two dividing the "
                          f"{heads} heads")
-    resident = q.device.type == "cuda" and tokens * groups * num_splits <= _num_sms(q.device)
-    if merge is None:
-        merge = "last" if MERGE == "shared" and not resident else MERGE
-    if merge not in _MERGE_ID or (merge == "shared" and not resident):
-        raise ValueError(f"attention_triton: merge={merge!r} must be one of {'/'.join(_MERGE_ID)}; 'shared' needs "
-                         f"every program of the launch on the GPU at once ({tokens * groups * num_splits} programs, "
-                         f"device {q.device})")
-    in_launch = split and merge != "kernel"
     part_acc = q.new_empty((tokens * heads * num_splits, dim) if split else (1,), dtype=torch.float32)
     part_ml = q.new_empty((tokens * heads * num_splits, 2) if split else (1,), dtype=torch.float32)
     if own_key is None:  # the chunk's bf16 rows; the key's operands are never read
@@ -498,18 +422,16 @@ def attention_triton(out, q, ring, chunk_kv, widx, compressed, cidx, sink, posit
         chunk_sb, pairs = chunk.stride(0), own_key.rot.shape[-2]
         key_weight, rot = own_key.weight.contiguous(), own_key.rot.reshape(batch, pairs, 2).contiguous()
         slots, eps = own_key.slots, own_key.eps
-    counters = block_counters(q.device, 2 * tokens * groups, "attention") if in_launch else widx
     _attention_kernel[(tokens, groups, num_splits)](
         q.contiguous(), ring, chunk, widx, compressed, cidx, sink, positions, inv_freq, out, part_acc, part_ml,
-        key_weight, rot, slots, counters, seq, k, chunk_sb, ring.stride(0), ring.stride(1), compressed.stride(0),
+        key_weight, rot, slots, seq, k, chunk_sb, ring.stride(0), ring.stride(1), compressed.stride(0),
         compressed.stride(1), scale, per, compressed.shape[1], *sizes, eps, slots.stride(0), H=heads, D=dim,
         W=window, NW=nw, HALF_ROPE=inv_freq.shape[0], HG=head_group, BLOCK_N=block_n, WIN_FMT=_FMT_ID[window_fmt],
         CMP_FMT=_FMT_ID[compressed_fmt], SPLIT=split, INTERPRET=q.device.type != "cuda", PREFETCH=prefetch,
         OWN_KEY=own_key is not None, EARLY_KEY=own_key is not None and own_key.early, PAIRS=pairs,
-        QUANT=own_key is not None and own_key.quantize, MERGE=_MERGE_ID[merge] if in_launch else 0,
-        NSPLIT=triton.next_power_of_2(num_splits), num_warps=num_warps, num_stages=num_stages,
+        QUANT=own_key is not None and own_key.quantize, num_warps=num_warps, num_stages=num_stages,
         **launch_options(q.device))
-    if split and not in_launch:
+    if split:
         _merge_kernel[(tokens, heads // per_merge)](
             part_acc, part_ml, sink, positions, inv_freq, out, num_splits, H=heads, D=dim,
             HALF_ROPE=inv_freq.shape[0], NSPLIT=triton.next_power_of_2(num_splits), HEADS=per_merge, num_warps=4,

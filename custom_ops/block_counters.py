@@ -1,7 +1,6 @@
 """Per-block int32 counters for kernels whose last-arriving program finishes a block (mhc_triton.py,
-router_triton.py, the GEMVs, attention_triton.py): a persistent zeroed buffer per device and lane that each launch
-leaves at zero, so a call needs no memset and the kernels stay CUDA-graph safe. Lane "attention" is the attention's
-alone: its odd words are generations that only ever count up (attention_triton._merge_in_launch)."""
+router_triton.py): a persistent zeroed buffer per device and lane that each launch leaves
+at zero, so a call needs no memset and the kernels stay CUDA-graph safe."""
 
 import torch
 

@@ -155,12 +155,6 @@ VARIANTS = {
     "compress-op-no-prefetch": {"compress_token_op": True},
     "i-all": {"attention_own_key": True, "linear_norm": True, "setup_combo_kernels": True, "decode_graph_pieces": 3,
               "decode_graph_growth": 10.0, "compress_token_op": True},
-    # 12-05 j: the attention's split partials merged in its own launch (attention_triton.MERGE), by each head
-    # group's last program or by all of them a head each; i-all with the shared merge
-    "merge-last": {},
-    "merge-shared": {},
-    "j-all": {"attention_own_key": True, "linear_norm": True, "setup_combo_kernels": True, "decode_graph_pieces": 3,
-              "decode_graph_growth": 10.0, "compress_token_op": True},
     "passes": {},
     "warm": {},
 }
@@ -204,9 +198,6 @@ KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "i-all": {TOPK: {"SINGLE_SPLIT": True}},
                    "single-split-radix": {TOPK: {"SINGLE_SPLIT": True, "SINGLE_RADIX": True}},
                    "compress-op-no-prefetch": {COMPRESS: {"PREFETCH": False}},
-                   "merge-last": {ATTENTION: {"MERGE": "last"}},
-                   "merge-shared": {ATTENTION: {"MERGE": "shared"}},
-                   "j-all": {TOPK: {"SINGLE_SPLIT": True}, ATTENTION: {"MERGE": "shared"}},
                    "attention-prefetch": {ATTENTION: {"PREFETCH_KEYS": True}},
                    "attention-prefetch-kv-first": {ATTENTION: {"PREFETCH_KEYS": True}}}
 

@@ -35,43 +35,29 @@ def check_compiles_for_hopper(module, spec, divisible_by_16=()) -> dict:
     """The kernel compiles for sm_90 without local memory or register spills (ptxas puts spills in the stack
     frame, which LOCAL does not count: STACK must be 0); returns cuobjdump's resource usage ({"REG": registers,
     "STACK": stack frame bytes, ...}). divisible_by_16: as compile_for_hopper's."""
-    counts = resource_usage(compile_for_hopper(module, spec, divisible_by_16))
-    assert counts["LOCAL"] == 0, f"{spec[0]} {spec[2]}: {counts}"
-    assert counts["STACK"] == 0, f"{spec[0]} {spec[2]} spills: {counts}"
-    return counts
-
-
-def resource_usage(compiled) -> dict:
-    """cuobjdump's resource usage of a compiled kernel: {"REG": registers, "STACK": stack frame bytes, ...}."""
     import triton
 
+    compiled = compile_for_hopper(module, spec, divisible_by_16)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True, text=True).stdout
-    return {key: int(value) for key, value in re.findall(r"\b([A-Z]+):(\d+)", usage)}
-
-
-def local_accesses_by_line(ptx: str) -> dict:
-    """{(source file name, line): Counter of local load/store instructions}: arrays the kernel's code itself puts
-    in local memory (ptxas's spills are not in the PTX)."""
-    return _accesses_by_line(ptx, r"\b((?:ld|st)\.local\S*)")
+    assert "LOCAL:0" in usage, f"{spec[0]} {spec[2]}: {usage}"
+    counts = {key: int(value) for key, value in re.findall(r"\b([A-Z]+):(\d+)", usage)}
+    assert counts["STACK"] == 0, f"{spec[0]} {spec[2]} spills: {counts}"
+    return counts
 
 
 def global_accesses_by_line(ptx: str) -> dict:
     """{(source file name, line): Counter of global load/store instructions (e.g. 'ld.global.v2.b32')}."""
-    return _accesses_by_line(ptx, r"\b((?:ld|st)\.global\S*)")
-
-
-def _accesses_by_line(ptx: str, pattern: str) -> dict:
     files = dict(re.findall(r'\.file\s+(\d+)\s+"([^"]+)"', ptx))
     where, accesses = None, collections.defaultdict(collections.Counter)
     for line in ptx.splitlines():
         loc = re.match(r"\s*\.loc\s+(\d+)\s+(\d+)", line)
         if loc:
             where = (os.path.basename(files.get(loc.group(1), "?")), int(loc.group(2)))
-        access = re.search(pattern, line)
+        access = re.search(r"\b((?:ld|st)\.global\S*)", line)
         if access:
             accesses[where][access.group(1)] += 1
     return accesses

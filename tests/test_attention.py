@@ -2,7 +2,6 @@
 formats against bf16 caches holding the same values, and the Triton kernel (custom_ops/attention_triton.py)
 against the reference, under Triton's CPU interpreter (in a subprocess) and on CUDA at the release shapes."""
 
-import inspect
 import math
 from types import SimpleNamespace
 
@@ -298,12 +297,6 @@ def interpreter_cases():
     cases["merge-4-of-20-heads-split2"] = dict(window_fmt="fp8", compressed_fmt="fp8", batch=2, seq=2, heads=20,
                                                window=32, nw=32, n_comp=48, k=24, num_splits=2, heads_per_merge=4,
                                                seed=601)
-    # the merge in the attention's launch by each group's last program (MERGE "last"): 3 splits of 4 heads, and a
-    # head group of 32 running 12 rows past 20 heads over 2 splits
-    cases["merge-last-4-heads-split3"] = dict(window_fmt="fp8", compressed_fmt="nvfp4", batch=3, seq=1, heads=4,
-                                              window=16, nw=16, n_comp=48, k=40, num_splits=3, merge="last", seed=602)
-    cases["merge-last-20-heads-split2"] = dict(window_fmt="fp8", compressed_fmt="fp8", batch=2, seq=2, heads=20,
-                                               window=32, nw=32, n_comp=48, k=24, num_splits=2, merge="last", seed=603)
     return cases
 
 
@@ -321,19 +314,17 @@ def interpreter_tolerance(ref):
 def run_interpreter_case(name, spec):
     """(runs with TRITON_INTERPRET=1) kernel vs reference for one case; returns a dict of measurements."""
     from dsflash_compile.custom_ops.attention_triton import attention_triton
-    from dsflash_compile.custom_ops.block_counters import block_counters
 
     spec = dict(spec)
     splits, block_n, seed = spec.pop("num_splits", 1), spec.pop("block_n", None), spec.pop("seed")
-    per_merge, merge = spec.pop("heads_per_merge", None), spec.pop("merge", None)
+    per_merge = spec.pop("heads_per_merge", None)
     inp = make_inputs(seed, **spec)
     batch = inp.q.shape[0]
     args = op_args(inp, ring=inp.ring[:batch], compressed=inp.compressed[:batch])
     ref = torch.full_like(inp.q, math.nan)
     attention_reference(ref, *args)
     out = torch.full_like(inp.q, math.nan)
-    attention_triton(out, *args, num_splits=splits, block_n=block_n, heads_per_merge=per_merge, merge=merge)
-    counters = block_counters(torch.device("cpu"), 1, "attention")
+    attention_triton(out, *args, num_splits=splits, block_n=block_n, heads_per_merge=per_merge)
     tol = interpreter_tolerance(ref)
     err = (out.float() - ref.float()).abs()
     no_sink = torch.full_like(inp.q, math.nan)
@@ -341,7 +332,7 @@ def run_interpreter_case(name, spec):
     window = inp.ring.shape[1]
     return dict(
         name=name, max_err=err.max().item(), tol=tol, finite=bool(out.isfinite().all()),
-        padding_zero=bool((out[0, 0] == 0).all()), counters_left=int(counters.abs().sum()),
+        padding_zero=bool((out[0, 0] == 0).all()),
         ring_and_chunk=bool(((inp.widx >= 0) & (inp.widx < window)).any() and (inp.widx >= window).any()),
         sink_effect=(no_sink.float() - ref.float()).nan_to_num(0.0).abs().max().item())  # (0, 0): 0 / 0 without sink
 
@@ -369,7 +360,6 @@ def test_triton_matches_reference_interpreted(interpreted, name):
     result = interpreted[name]
     assert "error" not in result, result["error"]
     assert result["finite"] and result["padding_zero"], result
-    assert result["counters_left"] == 0, result  # a merge in the launch leaves its arrivals at 0 for the next
     assert result["max_err"] <= result["tol"], result
     assert result["ring_and_chunk"], result  # window entries from the ring and from this chunk's kv
     assert result["sink_effect"] > 5 * result["tol"], result  # the tolerance sees a missing sink
@@ -450,7 +440,7 @@ def test_triton_cuda_matches_reference_small_cases(name):
     pytest.importorskip("triton")
     spec = dict(interpreter_cases()[name])
     splits, block_n, seed = spec.pop("num_splits", 1), spec.pop("block_n", None), spec.pop("seed")
-    per_merge, merge = spec.pop("heads_per_merge", None), spec.pop("merge", None)
+    per_merge = spec.pop("heads_per_merge", None)
     inp = make_inputs(seed, **spec)
     for arg in OP_ARGS:
         if isinstance(getattr(inp, arg), torch.Tensor):
@@ -460,7 +450,7 @@ def test_triton_cuda_matches_reference_small_cases(name):
     ref = torch.full_like(inp.q, math.nan)
     attention_reference(ref, *op_args(inp))
     out = torch.full_like(inp.q, math.nan)
-    attention_triton(out, *op_args(inp), num_splits=splits, block_n=block_n, heads_per_merge=per_merge, merge=merge)
+    attention_triton(out, *op_args(inp), num_splits=splits, block_n=block_n, heads_per_merge=per_merge)
     assert out.isfinite().all() and (out[0, 0] == 0).all()
     err = (out.float() - ref.float()).abs().max().item()
     assert err <= 2**-7 * ref.float().abs().max().item(), (err, ref.float().abs().max().item())
@@ -480,19 +470,17 @@ def test_merge_heads_choice(monkeypatch):
     assert kernels.merge_heads(1024, 5, cpu) == 1
 
 
-@pytest.mark.parametrize("bad", [dict(heads_per_merge=3), dict(heads_per_merge=8), dict(merge="shared"),
-                                 dict(merge="bogus")])
-def test_merge_choices_it_cannot_run_are_refused_by_name(bad):
-    """A merge launch that would drop or repeat heads is refused by name (20 heads: 3 is no power of two, 8 does not
-    divide 20), as is a merge the launch cannot run: "shared" needs every program on the GPU at once (the
-    interpreter runs them one after another), an unknown name is no merge."""
+@pytest.mark.parametrize("per_merge", [3, 8])
+def test_heads_per_merge_must_divide_the_heads(per_merge):
+    """A merge launch that would drop or repeat heads is refused by name (20 heads: 3 is no power of two, 8 does
+    not divide 20)."""
     pytest.importorskip("triton")
     from dsflash_compile.custom_ops.attention_triton import attention_triton
 
     inp = make_inputs(7, window_fmt="fp8", compressed_fmt="fp8", batch=2, seq=1, heads=20, window=16, nw=16,
                       n_comp=32, k=16)
-    with pytest.raises(ValueError, match=f"{next(iter(bad))}="):
-        attention_triton(torch.empty_like(inp.q), *op_args(inp), num_splits=2, **bad)
+    with pytest.raises(ValueError, match="heads_per_merge"):
+        attention_triton(torch.empty_like(inp.q), *op_args(inp), num_splits=2, heads_per_merge=per_merge)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -513,48 +501,12 @@ def test_merge_heads_same_bits_cuda():
     assert torch.equal(outs[4], outs[1]) and torch.equal(outs[16], outs[1])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("batch", [1, 8])
-def test_merge_in_launch_same_bits_cuda(batch):
-    """At the release decode shapes (B1: 4 head groups x 20 splits; B8: 10 splits) the merge in the attention's
-    launch, by the last program or shared by all, gives the merge kernel's bits (the same per-head math on the
-    same partials), eagerly and over 5 replays of a CUDA graph of 3 launches (the arrivals left at 0, the
-    generation counted on between launches)."""
-    from dsflash_compile.custom_ops.attention_triton import attention_triton
-    from dsflash_compile.custom_ops.block_counters import block_counters
-
-    inp = release_inputs(4, batch=batch, seq=1, compressed_fmt="nvfp4")
-    args = [getattr(inp, name).cuda() if isinstance(getattr(inp, name), torch.Tensor) else getattr(inp, name)
-            for name in OP_ARGS]
-    want = torch.full_like(args[0], math.nan)
-    attention_triton(want, *args, merge="kernel", heads_per_merge=1)
-    assert want.isfinite().all()
-    for merge in ("last", "shared"):
-        out = torch.full_like(args[0], math.nan)
-        attention_triton(out, *args, merge=merge)
-        assert torch.equal(out, want), merge
-        outs = [torch.full_like(args[0], math.nan) for _ in range(3)]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for o in outs:
-                attention_triton(o, *args, merge=merge)
-        for _ in range(5):
-            for o in outs:
-                o.fill_(math.nan)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert all(torch.equal(o, want) for o in outs), merge
-    counters = block_counters(args[0].device, 1, "attention")
-    assert (counters[0::2] == 0).all()
-
-
 ATTENTION_SPEC_ARGS = dict(q_ptr="*bf16", ring_ptr="*u8", chunk_ptr="*bf16", widx_ptr="*i32", comp_ptr="*u8",
                            cidx_ptr="*i32", sink_ptr="*fp32", pos_ptr="*i64", freq_ptr="*fp32", out_ptr="*bf16",
                            part_acc_ptr="*fp32", part_ml_ptr="*fp32", S="i32", K="i32", chunk_sb="i32",
                            ring_sb="i32", ring_sr="i32", comp_sb="i32", comp_sr="i32", scale="fp32",
                            blocks_per_split="i32", comp_rows="i32", ring_bytes="i32", comp_bytes="i32",
-                           key_w_ptr="*bf16", rot_ptr="*fp32", slots_ptr="*i64", counter_ptr="*i32", eps="fp32",
-                           slots_sb="i32")
+                           key_w_ptr="*bf16", rot_ptr="*fp32", slots_ptr="*i64", eps="fp32", slots_sb="i32")
 
 
 def decode_launch_ptx(**constexprs) -> tuple[list[str], int]:
@@ -566,8 +518,7 @@ def decode_launch_ptx(**constexprs) -> tuple[list[str], int]:
 
     constexprs = dict(dict(H=64, D=512, W=128, NW=128, HALF_ROPE=32, HG=kernels.ONE_TOKEN_HEAD_GROUP,
                            BLOCK_N=kernels.SMALL_BLOCK_N, WIN_FMT=1, CMP_FMT=2, SPLIT=True, INTERPRET=False,
-                           PREFETCH=False, OWN_KEY=False, EARLY_KEY=False, PAIRS=1, QUANT=False, MERGE=0, NSPLIT=32),
-                      **constexprs)
+                           PREFETCH=False, OWN_KEY=False, EARLY_KEY=False, PAIRS=1, QUANT=False), **constexprs)
     spec = ("_attention_kernel", ATTENTION_SPEC_ARGS, constexprs, kernels.NUM_WARPS, kernels.NUM_STAGES)
     check_compiles_for_hopper(kernels, spec)
     lines = compile_for_hopper(kernels, spec).asm["ptx"].splitlines()
@@ -582,31 +533,6 @@ def test_decode_launch_compiles_for_hopper_without_spills(prefetch):
     prefetches = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2" in line]
     stores = [i for i, line in enumerate(lines) if "st.global" in line]
     assert bool(prefetches) == prefetch and all(i < wait for i in prefetches) and min(stores) > wait
-
-
-@pytest.mark.parametrize("merge", [1, 2])
-def test_decode_launch_merging_in_launch_compiles_for_hopper_without_spills(merge):
-    """The B1 decode launch with the merge in it ("last", "shared") compiles for sm_90 without spills, its arrivals
-    and generation read and bumped after griddepcontrol.wait. Its only local memory is the output rotation's
-    sin / cos (libdevice's range reduction of angles past ~1e5 keeps a 28-byte array: a 32-byte stack frame that
-    the merge kernel's finish has too), not ptxas's spills."""
-    from hopper import compile_for_hopper, local_accesses_by_line, resource_usage
-
-    from dsflash_compile.custom_ops import attention_triton as kernels
-
-    constexprs = dict(H=64, D=512, W=128, NW=128, HALF_ROPE=32, HG=kernels.ONE_TOKEN_HEAD_GROUP,
-                      BLOCK_N=kernels.SMALL_BLOCK_N, WIN_FMT=1, CMP_FMT=2, SPLIT=True, INTERPRET=False, PREFETCH=False,
-                      OWN_KEY=False, EARLY_KEY=False, PAIRS=1, QUANT=False, MERGE=merge, NSPLIT=32)
-    compiled = compile_for_hopper(kernels, ("_attention_kernel", ATTENTION_SPEC_ARGS, constexprs, kernels.NUM_WARPS,
-                                            kernels.NUM_STAGES))
-    trig = 1 + next(i for i, line in enumerate(inspect.getsource(kernels).splitlines()) if "tl.cos(angle)" in line)
-    assert set(local_accesses_by_line(compiled.asm["ptx"])) <= {("attention_triton.py", trig)}
-    usage = resource_usage(compiled)
-    assert usage["LOCAL"] == 0 and usage["STACK"] <= 32, usage
-    lines = compiled.asm["ptx"].splitlines()
-    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-    atomics = [i for i, line in enumerate(lines) if "atom." in line]
-    assert atomics and min(atomics) > wait
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
