@@ -127,9 +127,9 @@ SINGLE_ON = True
 # Its row as a power-of-two head and a short tail (single_parts) rather than one tile of the next power of two: the
 # 4K context's 4120- and 2060-wide rows were ranked as 8192 and 4096 entries, and the kernel's time grows with its
 # tile (H200, 12-05 g1 sweep: 4.67 / 8.66 / 13.63 us at 1024 / 4096 / 8192; in the B1 step's trace, 12-05 g3, the five
-# 4120-wide rows took ~17 us of the path each, 85 of the step's 117 in top-k). Same picks. Off: not measured yet
-# (12-05 h: no GPU; variant single-split)
-SINGLE_SPLIT = False
+# 4120-wide rows took ~17 us of the path each, 85 of the step's 117 in top-k). Same picks. H100, B1 side by side
+# (12-05 k1, variant single-split): 12907 us waited against 12949, back to back 12874 against 12898. On
+SINGLE_SPLIT = True
 # Its k-th largest key by 8-bit digits, a histogram each (tl.histogram, over the keys that share the digits found so
 # far: 2 for bf16 scores), where the bisection takes one block sum a bit (16): fewer barriers on the row's path. Same
 # picks. Off: not measured yet (12-05 i: no GPU; sweep_topk.py --single times it, variant single-radix)

@@ -262,9 +262,9 @@ class CompileOptions:
     # issue 5: the set-up compiled with Inductor's combo kernels (its combo_kernels: independent kernels of different
     # sizes as one launch). In the H200's B1 step (12-05 g3 trace) the decode set-up is 21 one-program kernels, 32 us
     # before the first block's seam (positions, window lists, three rotations of 3 kernels each, Engram hashes, the
-    # embedding): most read only the positions. Off: not measured yet (12-05 h: no GPU; variants setup-combo,
-    # setup-combo-cos-sin). Inductor backend only
-    setup_combo_kernels: bool = False
+    # embedding): most read only the positions. H100, B1 side by side (12-05 k1): 12873 us waited against 12949,
+    # back to back 12850 against 12898, every round lower, 630 kernels against 644. On. Inductor backend only
+    setup_combo_kernels: bool = True
     # the forward's finish (DeepseekV41Model.collapse: the last block's streams collapsed and normed; advance: the
     # cache's lengths) compiled too: eager it was 18 aten kernels (~38 us) between the last block and the head in
     # the H200 B1 step's trace (12-03 y1)

@@ -142,6 +142,8 @@ VARIANTS = {
     # 12-05 h: the single top-k's row as a power-of-two head and a short tail (topk_triton.SINGLE_SPLIT): the 4120-
     # and 2060-wide rows of a 4K context ranked as 4128 and 2064 entries, not 8192 and 4096
     "single-split": {},
+    # 12-05 k1's two winners (the set-up's combo kernels and the split single top-k, on since) off
+    "before-k": {"setup_combo_kernels": False},
     # 12-05 h's five together
     "h-all": {"attention_own_key": True, "linear_norm": True, "setup_combo_kernels": True, "decode_graph_pieces": 3,
               "decode_graph_growth": 10.0},
@@ -194,6 +196,7 @@ KERNEL_SETTINGS = {"tiled-big-linear": {TMA: {"MIN_K": 1 << 30}},
                    "rope-cos-sin": {"dsflash_compile.rope": {"COS_SIN": True}},
                    "setup-combo-cos-sin": {"dsflash_compile.rope": {"COS_SIN": True}},
                    "single-split": {TOPK: {"SINGLE_SPLIT": True}},
+                   "before-k": {TOPK: {"SINGLE_SPLIT": False}},
                    "h-all": {TOPK: {"SINGLE_SPLIT": True}},
                    "i-all": {TOPK: {"SINGLE_SPLIT": True}},
                    "single-split-radix": {TOPK: {"SINGLE_SPLIT": True, "SINGLE_RADIX": True}},

@@ -179,15 +179,23 @@ def test_dynamic_shapes_reuse_one_graph_from_the_second_batch_bucket_on(fresh_dy
 def test_inductor_options_are_known(fresh_dynamo, monkeypatch, dynamic_shapes, inductor_pdl):
     """With Inductor, dynamic_shapes turns off its coalesce tiling analysis (which fails on symbolic sizes) and
     inductor_pdl turns on its PDL launches (where this torch has the option): torch.compile checks the options'
-    names when the blocks are wrapped, before anything runs."""
+    names when the blocks are wrapped, before anything runs. The set-up (begin) adds its combo kernels
+    (setup_combo_kernels, on by default)."""
     options, compile_ = [], torch.compile
-    monkeypatch.setattr(torch, "compile", lambda *a, **k: options.append(k.get("options")) or compile_(*a, **k))
+
+    def record(fn, **kwargs):
+        options.append((getattr(fn, "__name__", None), kwargs.get("options")))
+        return compile_(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", record)
     dsflash_compile.compile(tiny_model(), max_batch=2, max_length=64, batch_buckets=(1, 2), prefill_buckets=(16,),
                             dynamic_shapes=dynamic_shapes, inductor_pdl=inductor_pdl)
     want = {"triton.coalesce_tiling_analysis": False} if dynamic_shapes else {}
     if inductor_pdl and hasattr(inductor_config.triton, "enable_pdl"):
         want["triton.enable_pdl"] = True
-    assert options and all(o == (want or None) for o in options), options
+    assert options and all(o == ({**want, "combo_kernels": True} if name == "begin" else want or None)
+                           for name, o in options), options
+    assert [name for name, _ in options].count("begin") == 1
 
 
 @torch.no_grad()

@@ -146,6 +146,7 @@ def interpreter_checks():
     from dsflash_compile.custom_ops.indexer import candidate_blocks_reference, candidate_topk_reference
     from dsflash_compile.custom_ops.indexer_triton import candidate_blocks_triton
     topk_triton.SINGLE_ON = True
+    defaults = topk_triton.SINGLE_SPLIT, topk_triton.SINGLE_RADIX
     # one tile of the next power of two; a power-of-two head and a tail; each with the k-th key by bisection or by
     # digits (radix: the three ops share the kernel's take, so only topk_indices' cases)
     for split, radix in ((False, False), (True, False), (False, True), (True, True)):
@@ -173,7 +174,7 @@ def interpreter_checks():
         report(dict(name="single_candidate_blocks" + suffix, same_op=all(
             torch.equal(candidate_blocks_triton(scores, visible, kept, 8),
                         candidate_blocks_reference(scores, visible, kept, 8)) for kept in (2048, 100))))
-    topk_triton.SINGLE_SPLIT = topk_triton.SINGLE_RADIX = False
+    topk_triton.SINGLE_SPLIT, topk_triton.SINGLE_RADIX = defaults
     # tie-free random rows, the path chosen by shape (the interpreter's 8 "SMs"): row-wise for 16 rows of
     # one chunk, filter (FILTER_ON) for 16 rows wider than one (the default launch), segmented for 2 rows
     # (SEGMENTED_ON, segments of at least 2048 entries here)
