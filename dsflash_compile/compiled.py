@@ -181,7 +181,9 @@ class CompileOptions:
     # wait, and write the ring there (dsflash::attention_own_key_), where qkv_norm_rope's launch, 2.1 us of every
     # layer's path in the H200's B1 step (12-05 g3 trace), sat between the input projection and wq_b. The query's
     # norm is then an Inductor kernel, or with linear_norm wq_b's prologue where wq_b is its only reader (qkv_norm_op
-    # has nothing to join). Same bits. Off: not measured yet (12-05 h: no GPU; variant own-key, with linear_norm)
+    # has nothing to join). Same bits as the two launches (interpreter). Off: slower. H100, B1 side by side with
+    # linear_norm (12-05 k1, variant own-key): 12974 us waited against 12949, back to back 12938 against 12898, 612
+    # kernels against 644, logits 2.85 of 6.47 off the defaults' (another argmax; its CUDA tests not run yet)
     attention_own_key: bool = False
     # issue 5: one-token steps run each KV source's compressor after its projection as one launch
     # (dsflash::compress_token_: the pooling, norm, the index keys' projection, norm, RoPE and record, the compressed
@@ -278,7 +280,9 @@ class CompileOptions:
     decode_graph_pieces: int = 7
     # the pieces' sizes in blocks grow by this factor (piecewise_graph.piece_sizes: flash's 40 blocks as 1, 2, 2,
     # 3, 5, 9, 18), so the GPU waits only for a one-block piece's launch; 1: even pieces. H200, flash-40l-e8 bf16
-    # (12-02 s), against 4 even pieces side by side: B1 11.11 ms against 11.28, B64 17.77 against 18.10
+    # (12-02 s), against 4 even pieces side by side: B1 11.11 ms against 11.28, B64 17.77 against 18.10. 3 pieces
+    # of 1, 4, 35 blocks (growth 10, variant pieces-3): H100 B1 (12-05 k1) 12941 us waited against 12949, rounds
+    # overlapping: kept at 7
     decode_graph_growth: float = 2.0
     # with more than one piece, the step's set-up (embedding, Engram hashes, positions, rotations: ~18 small
     # kernels, ~28 us on the H200) as a piece of its own before the first block's: the GPU then waits only for
@@ -484,7 +488,8 @@ class CompiledRunner:
         if options.compile_setup:
             setup_kwargs = compile_kwargs
             if options.setup_combo_kernels and options.backend == "inductor":
-                setup_kwargs = dict(compile_kwargs, options={**compile_kwargs.get("options", {}), "combo_kernels": True})
+                combo = {**compile_kwargs.get("options", {}), "combo_kernels": True}
+                setup_kwargs = dict(compile_kwargs, options=combo)
             inner.begin = torch.compile(inner.begin, **setup_kwargs)
         if options.compile_finish:
             inner.collapse = torch.compile(inner.collapse, **compile_kwargs)
