@@ -1,6 +1,6 @@
 """Per-block int32 counters for kernels whose last-arriving program finishes a block (mhc_triton.py,
-router_triton.py): a persistent zeroed buffer per device and lane that each launch leaves
-at zero, so a call needs no memset and the kernels stay CUDA-graph safe."""
+router_triton.py, the GEMVs, routed_experts_triton.py): a persistent zeroed buffer per device and lane that each
+launch leaves at zero, so a call needs no memset and the kernels stay CUDA-graph safe."""
 
 import torch
 

@@ -140,9 +140,10 @@ VARIANTS = {
     "setup-combo": {"setup_combo_kernels": True},
     "setup-combo-cos-sin": {"setup_combo_kernels": True},
     # 12-05 h: the single top-k's row as a power-of-two head and a short tail (topk_triton.SINGLE_SPLIT): the 4120-
-    # and 2060-wide rows of a 4K context ranked as 4128 and 2064 entries, not 8192 and 4096
+    # and 2060-wide rows of a 4K context ranked as 4128 and 2064 entries, not 8192 and 4096. setup-combo and
+    # single-split are the defaults since 12-05 k (the same build as passes)
     "single-split": {},
-    # 12-05 k1's two winners (the set-up's combo kernels and the split single top-k, on since) off
+    # 12-05 k1's two winners (the set-up's combo kernels and the split single top-k) off
     "before-k": {"setup_combo_kernels": False},
     # 12-05 h's five together
     "h-all": {"attention_own_key": True, "linear_norm": True, "setup_combo_kernels": True, "decode_graph_pieces": 3,
